@@ -1,0 +1,1 @@
+"""Coordinator side: OpenAI gateway, node client, metrics. Holds no model weights."""

@@ -1,0 +1,1 @@
+"""Node side: agent, stage runner, batcher, metrics. The only code that runs MLX models."""
