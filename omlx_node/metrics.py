@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# Latency buckets from 5 ms to 2 min: decode steps on a Mac are ~5-50 ms, cold prefills seconds.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from omlx_cluster.metric_buckets import LATENCY_BUCKETS
+
 
 
 class NodeMetrics:

@@ -1,0 +1,406 @@
+"""OpenAI-compatible HTTP gateway (FastAPI): /v1/models, /v1/chat/completions, /v1/completions,
+/health and /metrics.
+
+The gateway tokenizes, forwards token ids to the head node over gRPC and turns the streamed token
+ids back into text. Every wait is bounded: a gRPC deadline per request, keep-alive comments while
+a stream waits for its first token, and a client that disconnects cancels its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omlx_coordinator.cluster import Cluster
+from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Common,
+)
+from omlx_coordinator.stop_strings import StopMatcher
+from proto import omlx_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewaySettings:
+    request_timeout: float = 900.0  # seconds a request may run in all
+    keepalive_seconds: float = 5.0  # SSE comment interval while a stream waits
+    default_max_tokens: int = 4096  # when the client sets no limit (capped by the context)
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class KeepAlive:
+    pass
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# ---- generation core ---------------------------------------------------------------------------
+
+
+def _check_model(cluster: Cluster, body: _Common) -> None:
+    if body.model != cluster.model_id:
+        raise APIError(404, f"model {body.model!r} is not served here; available: "
+                            f"{cluster.model_id!r} (GET /v1/models)", param="model",
+                       code="model_not_found")
+    if not cluster.ready:
+        raise APIError(503, f"the model is not ready yet ({cluster.status}); retry shortly",
+                       type="server_error", code="model_not_ready")
+
+
+def _token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
+                  settings: GatewaySettings) -> int:
+    ctx = cluster.max_context
+    if ctx and len(prompt) >= ctx:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens but the model's context is "
+                            f"{ctx} tokens; shorten the prompt", param="messages",
+                       code="context_length_exceeded")
+    room = ctx - len(prompt) if ctx else settings.default_max_tokens
+    if limit is None:
+        return min(room, settings.default_max_tokens)
+    if limit > room:
+        raise APIError(400, f"max_tokens is {limit} but only {room} tokens fit in the model's "
+                            f"context of {ctx} after the {len(prompt)}-token prompt",
+                       param="max_tokens", code="context_length_exceeded")
+    return limit
+
+
+async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewaySettings,
+                   prompt: list[int], body: _Common, max_tokens: int) -> AsyncIterator:
+    """Yields Delta, KeepAlive (while waiting) and finally Done; raises APIError on failure."""
+    sampling = pb.SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                                 top_k=body.top_k, min_p=body.min_p)
+    if body.seed is not None:
+        sampling.has_seed, sampling.seed = True, body.seed
+    stop_ids = [] if body.ignore_eos else sorted(cluster.tokenizer.eos_token_ids)
+    request = pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_tokens=prompt,
+                                 sampling=sampling, max_tokens=max_tokens,
+                                 stop_token_ids=stop_ids)
+    call = cluster.node.generate(request, timeout=settings.request_timeout)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for chunk in call:
+                queue.put_nowait(chunk)
+            queue.put_nowait(None)
+        except grpc.aio.AioRpcError as e:
+            queue.put_nowait(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # keep the consumer from waiting forever
+            queue.put_nowait(e)
+
+    pump_task = asyncio.create_task(pump())
+    detok = cluster.tokenizer.detokenizer(prompt)
+    stops = StopMatcher(body.stop)
+    started = last = time.perf_counter()
+    n_out, first = 0, True
+    metrics.waiting.inc()
+    metrics.prompt_tokens.inc(len(prompt))
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=settings.keepalive_seconds)
+            except asyncio.TimeoutError:
+                yield KeepAlive()
+                continue
+            if item is None:
+                raise APIError(502, "the node closed the stream without finishing it",
+                               type="server_error")
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise _rpc_error(item)
+            if isinstance(item, Exception):
+                raise APIError(502, f"lost the node: {item}", type="server_error")
+            now = time.perf_counter()
+            if item.tokens and first:
+                metrics.waiting.dec()
+                metrics.running.inc()
+                metrics.ttft.observe(now - started)
+                first = False
+            elif item.tokens:
+                metrics.itl.observe((now - last) / len(item.tokens))
+            last = now
+            text = ""
+            for tok in item.tokens:
+                text += detok.add(tok)
+            n_out += len(item.tokens)
+            metrics.generated_tokens.inc(len(item.tokens))
+            if item.finish_reason:
+                text += detok.flush()
+            out, hit = stops.feed(text)
+            if hit:
+                if out:
+                    yield Delta(out)
+                yield Done("stop", len(prompt), n_out)
+                return
+            if item.finish_reason == "error":
+                raise APIError(500, f"generation failed on the node: {item.error}",
+                               type="server_error")
+            if item.finish_reason == "cancelled":
+                raise APIError(503, "the node cancelled this request", type="server_error")
+            out += stops.flush() if item.finish_reason else ""
+            if out:
+                yield Delta(out)
+            if item.finish_reason:
+                yield Done(item.finish_reason, len(prompt), n_out)
+                return
+    finally:
+        (metrics.waiting if first else metrics.running).dec()
+        metrics.e2e.observe(time.perf_counter() - started)
+        call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
+        pump_task.cancel()
+
+
+def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, e.details() or "invalid request")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, "the request ran past the server's time limit", type="server_error",
+                        code="timeout")
+    return APIError(503, f"the node is unavailable ({code.name}: {e.details()})",
+                    type="server_error")
+
+
+# ---- OpenAI response shapes ----------------------------------------------------------------------
+
+
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Shape:
+    """Builds chat or text completion objects and chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, done: Done) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": done.finish_reason, "logprobs": None}
+            return {**self._base("chat.completion"), "choices": [choice], "usage": _usage(done)}
+        choice = {"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}
+        return {**self._base("text_completion"), "choices": [choice], "usage": _usage(done)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, done: Done) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": _usage(done)}
+
+
+async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
+                   settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
+                   endpoint: str, echo: str = "") -> Response:
+    max_tokens = _token_budget(cluster, prompt, body.token_limit, settings)
+    shape = _Shape(chat, cluster.model_id)
+    events = generate(cluster, metrics, settings, prompt, body, max_tokens)
+
+    if body.stream:
+        async def sse() -> AsyncIterator[str]:
+            outcome = "error"
+            try:
+                if chat:
+                    yield _sse(shape.chunk(None, role=True))
+                elif echo:
+                    yield _sse(shape.chunk(echo))
+                async for ev in events:
+                    if isinstance(ev, KeepAlive):
+                        yield ": keep-alive\n\n"
+                    elif isinstance(ev, Delta):
+                        yield _sse(shape.chunk(ev.text))
+                    else:
+                        yield _sse(shape.chunk(None if chat else "", ev.finish_reason))
+                        if body.include_usage:
+                            yield _sse(shape.usage_chunk(ev))
+                        outcome = "ok"
+            except APIError as e:
+                # Headers are sent already: the error travels as an SSE event, as OpenAI does.
+                yield _sse(e.body())
+            except Exception as e:
+                log.exception("stream failed")
+                yield _sse(APIError(500, f"internal error: {e}", type="server_error").body())
+            except asyncio.CancelledError:
+                outcome = "disconnected"
+                raise
+            finally:
+                metrics.requests.labels(endpoint, outcome).inc()
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def collect() -> tuple[str, Done]:
+        parts = [echo]
+        async for ev in events:
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+            elif isinstance(ev, Done):
+                return "".join(parts), ev
+        raise APIError(502, "the generation ended without a result", type="server_error")
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                metrics.requests.labels(endpoint, "disconnected").inc()
+                return Response(status_code=499)
+        text, done = task.result()
+    except APIError:
+        metrics.requests.labels(endpoint, "error").inc()
+        raise
+    finally:
+        if not task.done():
+            task.cancel()
+        await events.aclose()
+    metrics.requests.labels(endpoint, "ok").inc()
+    return JSONResponse(shape.full(text, done))
+
+
+# ---- app -----------------------------------------------------------------------------------------
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
+    field = ".".join(loc) or None
+    where = f"'{field}': " if field else ""
+    return f"{where}{e.get('msg', 'invalid value')}", field
+
+
+def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
+               start_cluster: bool = True) -> FastAPI:
+    settings = settings or GatewaySettings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if start_cluster:
+            task = asyncio.create_task(cluster.start())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            await cluster.stop()
+
+    app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan)
+    app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": "ok" if cluster.ready else cluster.status, "model": cluster.model_id}
+        return JSONResponse(body, status_code=200 if cluster.ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": cluster.model_id, "object": "model",
+                                            "created": 0, "owned_by": "omlx-cluster"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(cluster, body)
+        messages = [m.for_template() for m in body.messages]
+        try:
+            prompt = await asyncio.to_thread(cluster.tokenizer.encode_chat, messages, body.tools)
+        except APIError:
+            raise
+        except Exception as e:  # a template that rejects these messages (roles, order...)
+            raise APIError(400, f"the chat template rejected the messages: {e}",
+                           param="messages") from e
+        return await _respond(request, cluster, metrics, settings, prompt, body, True, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(cluster, body)
+        if isinstance(body.prompt, str):
+            prompt = await asyncio.to_thread(cluster.tokenizer.encode, body.prompt)
+            echo = body.prompt
+        else:
+            prompt = list(body.prompt)
+            bad = [t for t in prompt if not 0 <= t < cluster.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:5]} are outside the model's "
+                                    f"vocabulary [0, {cluster.vocab_size})", param="prompt")
+            echo = cluster.tokenizer.decode(prompt)
+        if not prompt:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        return await _respond(request, cluster, metrics, settings, prompt, body, False,
+                              "completions", echo=echo if body.echo else "")
+
+    return app

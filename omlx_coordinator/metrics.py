@@ -1,0 +1,35 @@
+"""Prometheus metrics of the gateway, named in llama.cpp server's style (`omlx:<name>`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from omlx_cluster.metric_buckets import LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "omlx:requests", "HTTP generation requests, by endpoint and outcome",
+            ["endpoint", "outcome"], registry=r,
+        )
+        self.prompt_tokens = Counter("omlx:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("omlx:tokens_predicted", "Tokens generated", registry=r)
+        self.running = Gauge(
+            "omlx:requests_processing", "Requests that have produced their first token", registry=r
+        )
+        self.waiting = Gauge(
+            "omlx:requests_deferred", "Requests waiting for their first token", registry=r
+        )
+        self.ttft = Histogram(
+            "omlx:time_to_first_token_seconds", "From request to first token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "omlx:inter_token_latency_seconds", "Between consecutive streamed tokens",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "omlx:request_duration_seconds", "Whole request", buckets=LATENCY_BUCKETS, registry=r
+        )
