@@ -1,0 +1,166 @@
+"""Stage runner and continuous batcher against mlx-lm's own model code and generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from omlx_node.batcher import Batcher, Finish, SeqRequest
+from omlx_node.metrics import NodeMetrics
+from omlx_node.sampling import SamplingParams
+from omlx_node.stage import StageError, StageRunner
+from tests.tiny_models import build_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello",
+    "x",
+    "def add(a, b):\n    return",
+    "A pipeline splits the layers of a model across several machines. " * 6,
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def family_model(request, tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp(request.param), request.param, num_layers=4)
+
+
+def reference(model, ids: list[int], n: int) -> list[int]:
+    """mlx-lm's single-sequence greedy generation."""
+    out = []
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=n):
+        out.append(int(tok))
+    mx.synchronize()
+    return out
+
+
+def drain(batcher: Batcher, seqs, max_steps: int = 10_000) -> list[tuple[list[int], Finish]]:
+    for _ in range(max_steps):
+        if batcher.idle:
+            break
+        batcher.step()
+    results = []
+    for s in seqs:
+        toks, fin = [], None
+        while not s.events.empty():
+            ev = s.events.get_nowait()
+            if isinstance(ev, Finish):
+                fin = ev
+            else:
+                toks.append(ev)
+        results.append((toks, fin))
+    return results
+
+
+def test_stage_split_matches_whole_model(family_model):
+    model, tok = load(str(family_model))
+    ids = mx.array([tok.encode("The capital of France is")])
+    ref = model(ids)
+    whole = StageRunner(family_model)
+    a, b = StageRunner(family_model, 0, 1), StageRunner(family_model, 1, 4)
+    assert mx.array_equal(whole(ids, whole.make_cache()), ref)
+    assert mx.array_equal(b(a(ids, a.make_cache()), b.make_cache()), ref)
+    assert a.embed_tokens is not None and a.norm is None
+    assert b.norm is not None and len(b.layers) == 3
+
+
+def test_greedy_batched_matches_mlx_lm(family_model):
+    model, tok = load(str(family_model))
+    n = 16
+    prompts = [tok.encode(p) for p in PROMPTS]
+    refs = [reference(model, p, n) for p in prompts]
+    batcher = Batcher(StageRunner(family_model), NodeMetrics(), prefill_chunk=5)
+    seqs = [batcher.submit(SeqRequest(str(i), p, n)) for i, p in enumerate(prompts)]
+    for (toks, fin), ref in zip(drain(batcher, seqs), refs):
+        assert toks == ref
+        assert fin.reason == "length"
+
+
+def test_late_joiners_and_alone_match(tmp_path):
+    """Sequences admitted while others decode, or alone, give the same greedy tokens."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, tok = load(str(path))
+    batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=3)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    first = batcher.submit(SeqRequest("first", prompts[4], 24))
+    for _ in range(30):  # let it prefill and decode a while before others arrive
+        batcher.step()
+    late = [batcher.submit(SeqRequest(f"late{i}", p, 10)) for i, p in enumerate(prompts[:4])]
+    results = drain(batcher, [first, *late])
+    assert results[0][0] == reference(model, prompts[4], 24)
+    for (toks, _), p in zip(results[1:], prompts[:4]):
+        assert toks == reference(model, p, 10)
+
+
+def test_stop_tokens_cancel_and_errors(tmp_path):
+    path = build_model(tmp_path / "m", "qwen2", num_layers=2)
+    model, tok = load(str(path))
+    ids = tok.encode("Hello world")
+    ref = reference(model, ids, 12)
+    stop_at = ref[5]
+    metrics = NodeMetrics()
+    batcher = Batcher(StageRunner(path), metrics)
+    stopped = batcher.submit(SeqRequest("s", ids, 12, stop_token_ids=frozenset({stop_at})))
+    cancelled = batcher.submit(SeqRequest("c", ids, 1000))
+    waiting = batcher.submit(SeqRequest("w", ids, 5))
+    batcher.cancel("w")  # cancelled while still queued
+    for _ in range(6):
+        batcher.step()
+    batcher.cancel("c")
+    (s_toks, s_fin), (c_toks, c_fin), (w_toks, w_fin) = drain(batcher, [stopped, cancelled, waiting])
+    assert s_toks == ref[: ref.index(stop_at)] and s_fin.reason == "stop"
+    assert c_fin.reason == "cancelled" and len(c_toks) < 20
+    assert w_toks == [] and w_fin.reason == "cancelled"
+    assert batcher.running == 0 and batcher._cache is None  # KV released
+    for bad, msg in [
+        (SeqRequest("e", [], 4), "empty"),
+        (SeqRequest("e", ids, 0), "max_tokens"),
+        (SeqRequest("e", [10**6], 4), "vocabulary"),
+        (SeqRequest("e", ids, 5000), "context"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            batcher.submit(bad)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    _, tok = load(str(path))
+    ids = tok.encode("The capital of France is")
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    batcher = Batcher(StageRunner(path), NodeMetrics())
+    alone = drain(batcher, [batcher.submit(SeqRequest("a", ids, 20, params))])[0][0]
+    crowd = [batcher.submit(SeqRequest(f"o{i}", tok.encode(p), 20,
+                                       SamplingParams(temperature=0.8, seed=i)))
+             for i, p in enumerate(PROMPTS)]
+    again = batcher.submit(SeqRequest("b", ids, 20, params))
+    results = drain(batcher, [*crowd, again])
+    assert results[-1][0] == alone
+    other = drain(batcher, [batcher.submit(
+        SeqRequest("c", ids, 20, SamplingParams(temperature=1.0, seed=99)))])[0][0]
+    assert other != alone
+
+
+def test_quantized_model_runs_dequantized_on_cpu(tmp_path):
+    path = build_model(tmp_path / "q", "llama", num_layers=2, quantize_bits=4)
+    model, tok = load(str(path))  # mlx-lm keeps it quantized
+    ids = tok.encode("Hello world")
+    stage = StageRunner(path)
+    assert stage.info.dtype == "float32"
+    ours = stage(mx.array([ids]), stage.make_cache())
+    ref = model(mx.array([ids]))
+    assert mx.allclose(ours, ref.astype(mx.float32), atol=1e-3, rtol=1e-3)
+
+
+def test_unsupported_family_and_range(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    config = (path / "config.json").read_text()
+    (path / "config.json").write_text(config.replace('"model_type": "llama"', '"model_type": "gpt2"'))
+    with pytest.raises(StageError, match="'gpt2'.*supported families: llama"):
+        StageRunner(path)
+    (path / "config.json").write_text(config)
+    with pytest.raises(StageError, match=r"\[1, 5\)"):
+        StageRunner(path, 1, 5)
