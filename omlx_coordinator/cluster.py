@@ -102,6 +102,7 @@ class Cluster:
         self.node: NodeClient | None = None
         self.ready = False
         self.status = "starting"
+        self.nodes: list[dict] = []
 
     async def start(self) -> None:
         try:
@@ -113,6 +114,10 @@ class Cluster:
             reply = await self.node.load_shard(str(self.model_path), self.model_id)
             log.info("node %s loaded %s in %.1fs (%s)", address, reply.model_id,
                      reply.load_seconds, reply.dtype)
+            health = await self.node.health()
+            self.nodes = [{"address": address, "pid": health.pid,
+                           "metrics_port": health.metrics_port or None,
+                           "layers": [reply.layer_start, reply.layer_end], "dtype": reply.dtype}]
             self.ready = True
             self.status = "ready"
         except Exception as e:

@@ -360,7 +360,8 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": "ok" if cluster.ready else cluster.status, "model": cluster.model_id}
+        body = {"status": "ok" if cluster.ready else cluster.status, "model": cluster.model_id,
+                "nodes": cluster.nodes}
         return JSONResponse(body, status_code=200 if cluster.ready else 503)
 
     @app.get("/metrics")

@@ -1,0 +1,102 @@
+"""The node agent as a separate process, driven over its real gRPC contract (proto/omlx.proto)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+from tests.tiny_models import build_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("node-model"), "qwen3", num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    port_file = tmp_path_factory.mktemp("node") / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0", "--port-file",
+         str(port_file), "--metrics-port", "0", "--prefill-chunk", "4"],
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert proc.poll() is None, "node exited during start-up"
+        assert time.monotonic() < deadline, "node did not start"
+        time.sleep(0.05)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
+    yield proc, pb_grpc.NodeStub(channel)
+    channel.close()
+    proc.terminate()
+    assert proc.wait(15) == 0  # clean shutdown, no abort
+
+
+def test_load_generate_cancel_stats(node, model):
+    proc, stub = node
+    health = stub.Health(pb.HealthRequest(), timeout=5)
+    assert not health.ready and health.pid == proc.pid
+
+    with pytest.raises(grpc.RpcError) as err:
+        next(stub.Generate(pb.GenerateRequest(request_id="x", prompt_tokens=[1], max_tokens=2),
+                           timeout=5))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LoadShard(pb.LoadShardRequest(model_path="/nonexistent/model"), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "/nonexistent/model" in err.value.details()
+
+    reply = stub.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"), timeout=120)
+    assert (reply.layer_start, reply.layer_end, reply.num_layers) == (0, 3, 3)
+    assert reply.dtype == "float32"
+
+    ref_model, tok = load(str(model))
+    ids = tok.encode("The capital of France is")
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=12)]
+    chunks = list(stub.Generate(pb.GenerateRequest(request_id="a", prompt_tokens=ids,
+                                                   max_tokens=12), timeout=60))
+    assert [t for c in chunks for t in c.tokens] == ref
+    assert chunks[0].prompt_tokens == len(ids) and chunks[-1].finish_reason == "length"
+
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(request_id="b", prompt_tokens=[10**7],
+                                              max_tokens=2), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in err.value.details()
+
+    # A client that goes away mid-stream frees its sequence on the node.
+    stream = stub.Generate(pb.GenerateRequest(request_id="c", prompt_tokens=ids,
+                                              max_tokens=1500), timeout=60)
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while stub.Stats(pb.StatsRequest(), timeout=5).running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.generated_tokens_total < 1000
+
+    # Cancel by id (for clients that cannot cancel the stream itself).
+    stream = stub.Generate(pb.GenerateRequest(request_id="d", prompt_tokens=ids,
+                                              max_tokens=1500), timeout=60)
+    next(stream)
+    stub.Cancel(pb.CancelRequest(request_id="d"), timeout=5)
+    assert [c.finish_reason for c in stream][-1] == "cancelled"
+
+    health = stub.Health(pb.HealthRequest(), timeout=5)
+    assert health.ready and health.model_id == "m" and health.metrics_port > 0
+    text = httpx.get(f"http://127.0.0.1:{health.metrics_port}/metrics", timeout=5).text
+    assert 'omlx_node:requests_finished_total{reason="cancelled"} 2.0' in text
+    assert "omlx_node:time_to_first_token_seconds_count" in text
