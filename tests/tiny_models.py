@@ -20,7 +20,7 @@ CHATML = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
     "Hello world! How are you today? I am fine, thank you very much.",
@@ -31,22 +31,28 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(dest: Path, vocab_size: int = 384) -> int:
-    """Train and save a byte-level BPE tokenizer; returns its vocabulary size."""
+def train_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on CORPUS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+def build_tokenizer(dest: Path, vocab_size: int = 384) -> int:
+    """Train and save a tokenizer with a ChatML template; returns its vocabulary size."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_tokenizer(vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
