@@ -1,8 +1,8 @@
 """Continuous batcher: one engine thread that owns the stage and every sequence's KV cache.
 
 Each loop iteration runs at most one decode step for the whole running batch and then at most one
-prefill chunk for the oldest waiting sequence, so a long prompt delays the running streams by one
-chunk, never by its whole length. Sequences join the running batch when their prompt (all but its
+prefill chunk (`prefill_chunk` tokens, over the oldest waiting sequences), so a long prompt delays
+the running streams by one chunk, never by its whole length. Sequences join the running batch when their prompt (all but its
 last token) is in their own KV cache: that cache is merged into the batch's left-padded
 `BatchKVCache` and the last prompt token becomes the sequence's first decode input, exactly as
 mlx-lm's BatchGenerator does, so greedy outputs match mlx-lm's single-sequence generation.
@@ -157,7 +157,7 @@ class Batcher:
 
     def step(self, block: bool = False) -> None:
         """One iteration: take new requests and cancellations, one decode step for the running
-        batch, one prefill chunk for the oldest waiting sequence. `block` waits (bounded) for
+        batch, one prefill chunk for the oldest waiting sequences. `block` waits (bounded) for
         work when there is none."""
         self._drain_inbox(block=block and not self._batch and not self._waiting)
         try:
@@ -205,31 +205,40 @@ class Batcher:
                 seq.cancelled = True  # dropped from the batch at the next step
 
     def _prefill_step(self) -> None:
-        seq = self._waiting[0]
-        if seq.cache is None:
-            seq.cache = self.stage.make_cache()
-        todo = seq.req.prompt[:-1]
-        n = min(self.prefill_chunk, len(todo) - seq.prefilled)
-        if n > 0:
-            chunk = mx.array([todo[seq.prefilled : seq.prefilled + n]])
-            self.stage(chunk, seq.cache, last_only=True)
-            mx.eval([c.state for c in seq.cache])
-            seq.prefilled += n
-        if seq.prefilled == len(todo):
-            self._waiting.popleft()
-            self._admit(seq)
+        """Prefills up to `prefill_chunk` prompt tokens, over as many waiting sequences as fit:
+        many short prompts join the batch together, so it decodes at full width sooner."""
+        budget, ready = self.prefill_chunk, []
+        while self._waiting and budget > 0 and len(self._batch) + len(ready) < self.max_batch:
+            seq = self._waiting[0]
+            if seq.cache is None:
+                seq.cache = self.stage.make_cache()
+            todo = seq.req.prompt[:-1]
+            n = min(budget, len(todo) - seq.prefilled)
+            if n > 0:
+                chunk = mx.array([todo[seq.prefilled : seq.prefilled + n]])
+                self.stage(chunk, seq.cache, last_only=True)
+                mx.eval([c.state for c in seq.cache])
+                seq.prefilled += n
+            budget -= max(n, 1)
+            if seq.prefilled < len(todo):
+                break
+            ready.append(self._waiting.popleft())
+        if ready:
+            self._admit(ready)
 
-    def _admit(self, seq: Sequence) -> None:
-        merged = [BatchKVCache.merge([c]) for c in seq.cache]
-        seq.cache = None
-        last = mx.array([seq.req.prompt[-1]])
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """Moves prefilled sequences into the running batch, one cache merge per layer."""
+        merged = [BatchKVCache.merge(list(layer)) for layer in zip(*(s.cache for s in seqs))]
+        last = mx.array([s.req.prompt[-1] for s in seqs])
+        for s in seqs:
+            s.cache = None
         if not self._batch:
             self._cache, self._y = merged, last
         else:
             for c, m in zip(self._cache, merged):
                 c.extend(m)
             self._y = mx.concatenate([self._y, last])
-        self._batch.append(seq)
+        self._batch.extend(seqs)
 
     def _decode_step(self) -> None:
         y = self._y

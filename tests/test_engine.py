@@ -68,12 +68,13 @@ def test_stage_split_matches_whole_model(family_model):
     assert b.norm is not None and len(b.layers) == 3
 
 
-def test_greedy_batched_matches_mlx_lm(family_model):
+@pytest.mark.parametrize("chunk", [5, 512])  # one prompt per chunk; all admitted together
+def test_greedy_batched_matches_mlx_lm(family_model, chunk):
     model, tok = load(str(family_model))
     n = 16
     prompts = [tok.encode(p) for p in PROMPTS]
     refs = [reference(model, p, n) for p in prompts]
-    batcher = Batcher(StageRunner(family_model), NodeMetrics(), prefill_chunk=5)
+    batcher = Batcher(StageRunner(family_model), NodeMetrics(), prefill_chunk=chunk)
     seqs = [batcher.submit(SeqRequest(str(i), p, n)) for i, p in enumerate(prompts)]
     for (toks, fin), ref in zip(drain(batcher, seqs), refs):
         assert toks == ref
