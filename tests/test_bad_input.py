@@ -1,0 +1,279 @@
+"""Bad requests against a live server: every one is a 4xx with an OpenAI-style error object that
+says what is wrong, never a 500, and the server keeps serving afterwards.
+
+The model here has a context of 256 tokens, so context limits are cheap to reach.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import Server, start_server
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 256
+MODEL = "small-ctx"  # the folder name is the model id
+MSGS = [{"role": "user", "content": "Hi"}]
+LONG_TEXT = "Hello world! " * 200  # ~600 tokens
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / MODEL, "llama", num_layers=2,
+                       hidden_size=64, seed=3,
+                       extra_config={"max_position_embeddings": CONTEXT})
+
+
+@pytest.fixture(scope="module")
+def small_server(small_model: Path, tmp_path_factory):
+    with start_server(small_model, home=tmp_path_factory.mktemp("home")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(small_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=small_server.base_url, api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL, "messages": MSGS, **kw}
+
+
+def _cmpl(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Hi", **kw}
+
+
+# name: (endpoint, body (dict, or raw text), status, words the message must contain, param)
+CASES = {
+    "malformed JSON": ("chat/completions", '{"model": "small-ctx", "messages": [', 400,
+                       ["json"], None),
+    "JSON array body": ("chat/completions", "[1, 2]", 400, ["json object"], None),
+    "empty body": ("completions", "", 400, ["empty"], None),
+    "missing model": ("chat/completions", {"messages": MSGS}, 400, ["model", "required"], "model"),
+    "model is a number": ("chat/completions", {"model": 5, "messages": MSGS}, 400, ["model"],
+                          "model"),
+    "max_tokens is a word": ("chat/completions", _chat(max_tokens="ten"), 400,
+                             ["max_tokens", "integer"], "max_tokens"),
+    "max_tokens is fractional": ("completions", _cmpl(max_tokens=1.5), 400,
+                                 ["max_tokens", "integer"], "max_tokens"),
+    "temperature is a word": ("chat/completions", _chat(temperature="hot"), 400,
+                              ["temperature", "number"], "temperature"),
+    "messages is a string": ("chat/completions", {"model": MODEL, "messages": "hi"}, 400,
+                             ["messages", "list"], "messages"),
+    "message is a string": ("chat/completions", {"model": MODEL, "messages": ["hi"]}, 400,
+                            ["messages.0"], "messages.0"),
+    "content is a number": ("chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
+                            ["messages.0.content", "string"], "messages.0.content"),
+    "stop is a number": ("completions", _cmpl(stop=5), 400, ["stop", "string"], "stop"),
+    "stream_options is a string": ("chat/completions", _chat(stream=True, stream_options="yes"),
+                                   400, ["stream_options"], "stream_options"),
+    "unknown model": ("chat/completions", {"model": "gpt-4o", "messages": MSGS}, 404,
+                      ["gpt-4o", MODEL], "model"),
+    "unknown model (completions)": ("completions", {"model": "nope", "prompt": "Hi"}, 404,
+                                    ["nope"], "model"),
+    "empty messages": ("chat/completions", {"model": MODEL, "messages": []}, 400,
+                       ["messages", "at least 1"], "messages"),
+    "bad role": ("chat/completions",
+                 {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                 ["role", "user"], "messages.0.role"),
+    "missing role": ("chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400,
+                     ["role", "required"], "messages.0.role"),
+    "image content part": ("chat/completions", {"model": MODEL, "messages": [{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    }]}, 400, ["image_url", "text"], "messages"),
+    "prompt longer than the context": ("completions", _cmpl(prompt=LONG_TEXT), 400,
+                                       ["context", str(CONTEXT), "tokens"], "prompt"),
+    "chat longer than the context": ("chat/completions", _chat(messages=[
+        {"role": "user", "content": LONG_TEXT}]), 400, ["context", str(CONTEXT)], "messages"),
+    "streamed prompt longer than the context": ("completions",
+                                                _cmpl(prompt=LONG_TEXT, stream=True), 400,
+                                                ["context", str(CONTEXT)], "prompt"),
+    "token-id prompt longer than the context": ("completions", _cmpl(prompt=[5] * (CONTEXT + 1)),
+                                                400, ["context", str(CONTEXT)], "prompt"),
+    "max_tokens 0": ("completions", _cmpl(max_tokens=0), 400, ["max_tokens", "1"], "max_tokens"),
+    "max_tokens negative": ("completions", _cmpl(max_tokens=-5), 400, ["max_tokens"],
+                            "max_tokens"),
+    "max_completion_tokens 0": ("chat/completions", _chat(max_completion_tokens=0), 400,
+                                ["max_completion_tokens"], "max_completion_tokens"),
+    "max_tokens beyond the context": ("completions", _cmpl(max_tokens=1000), 400,
+                                      ["max_tokens", "1000", "context", str(CONTEXT)],
+                                      "max_tokens"),
+    "max_tokens astronomically large": ("completions", _cmpl(max_tokens=2**70), 400,
+                                        ["max_tokens"], "max_tokens"),
+    "max_completion_tokens beyond the context": (
+        "chat/completions", _chat(max_completion_tokens=5000), 400,
+        ["max_completion_tokens", "5000", "context"], "max_completion_tokens"),
+    "n=2": ("chat/completions", _chat(n=2), 400, ["'n'", "1"], "n"),
+    "n=0": ("completions", _cmpl(n=0), 400, ["'n'"], "n"),
+    "n=2 streamed": ("completions", _cmpl(n=2, stream=True), 400, ["'n'"], "n"),
+    "token id beyond the vocabulary": ("completions", _cmpl(prompt=[1, 2, 99999]), 400,
+                                       ["99999", "vocabulary"], "prompt"),
+    "negative token id": ("completions", _cmpl(prompt=[-1, 5]), 400, ["-1", "vocabulary"],
+                          "prompt"),
+    "token id beyond int64": ("completions", _cmpl(prompt=[2**70]), 400, ["prompt"], "prompt"),
+    "nested token ids": ("completions", _cmpl(prompt=[[1, 2], [3]]), 400, ["prompt"], "prompt"),
+    "mixed prompt list": ("completions", _cmpl(prompt=[1, "a"]), 400, ["prompt"], "prompt"),
+    "two prompts": ("completions", _cmpl(prompt=["a", "b"]), 400, ["one prompt"], "prompt"),
+    "temperature above 2": ("completions", _cmpl(temperature=3.5), 400, ["temperature", "2"],
+                            "temperature"),
+    "temperature negative": ("chat/completions", _chat(temperature=-0.1), 400, ["temperature"],
+                             "temperature"),
+    "temperature NaN": ("completions", '{"model": "small-ctx", "prompt": "Hi", '
+                                       '"temperature": NaN}', 400, ["temperature"],
+                        "temperature"),
+    "top_p 0": ("completions", _cmpl(top_p=0), 400, ["top_p"], "top_p"),
+    "top_p above 1": ("completions", _cmpl(top_p=1.5), 400, ["top_p"], "top_p"),
+    "top_k negative": ("completions", _cmpl(top_k=-1), 400, ["top_k"], "top_k"),
+    "top_k beyond int32": ("completions", _cmpl(top_k=2**40, max_tokens=2), 400, ["top_k"],
+                           "top_k"),
+    "top_k beyond int32 streamed": ("completions", _cmpl(top_k=2**40, max_tokens=2, stream=True),
+                                    400, ["top_k"], "top_k"),
+    "min_p above 1": ("completions", _cmpl(min_p=2), 400, ["min_p"], "min_p"),
+    "seed negative": ("completions", _cmpl(seed=-1), 400, ["seed"], "seed"),
+    "seed beyond 2**63": ("completions", _cmpl(seed=2**64), 400, ["seed"], "seed"),
+    "too many stop strings": ("completions", _cmpl(stop=[str(i) for i in range(17)]), 400,
+                              ["stop", "16"], "stop"),
+    "logprobs": ("completions", _cmpl(logprobs=5), 400, ["logprobs", "not supported"],
+                 "logprobs"),
+    "empty prompt": ("completions", _cmpl(prompt=""), 400, ["prompt"], "prompt"),
+    "empty token list": ("completions", _cmpl(prompt=[]), 400, ["prompt"], "prompt"),
+    "prompt list holding an empty string": ("completions", _cmpl(prompt=[""]), 400,
+                                            ["prompt", "no tokens"], "prompt"),
+    "lone surrogate in the prompt": ("completions",
+                                     '{"model": "small-ctx", "prompt": "Hi \\ud800 there"}', 400,
+                                     ["prompt", "unicode"], "prompt"),
+    "lone surrogate in a message": ("chat/completions",
+                                    '{"model": "small-ctx", "messages": [{"role": "user", '
+                                    '"content": "Hi \\udc00"}]}', 400,
+                                    ["messages.0.content", "unicode"], "messages.0.content"),
+}
+
+
+def _post(server: Server, path: str, body, content_type: str = "application/json"):
+    data = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.base_url}/{path}", content=data, timeout=30,
+                      headers={"content-type": content_type})
+
+
+def _assert_openai_error(r: httpx.Response, status: int, words: list[str],
+                         param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == "invalid_request_error"
+    assert isinstance(err["message"], str) and err["message"]
+    for w in words:
+        assert w.lower() in err["message"].lower(), (w, err["message"])
+    assert err["param"] == param, err
+    assert "internal error" not in err["message"].lower()
+    return err
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_request_is_a_clear_4xx(small_server: Server, name: str) -> None:
+    path, body, status, words, param = CASES[name]
+    err = _assert_openai_error(_post(small_server, path, body), status, words, param)
+    if "context" in name and "beyond" not in name and status == 400:
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_body_that_is_not_json_content(small_server: Server) -> None:
+    r = _post(small_server, "chat/completions", json.dumps(_chat()), content_type="text/plain")
+    assert 400 <= r.status_code < 500, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_path_and_method_are_openai_errors(small_server: Server) -> None:
+    r = _post(small_server, "chat/completion", _chat())
+    err = _assert_openai_error(r, 404, ["/v1/chat/completion"], None)
+    assert "/v1/chat/completions" in err["message"]  # points at the right endpoint
+    r = httpx.get(small_server.base_url + "/completions", timeout=10)
+    _assert_openai_error(r, 405, ["GET"], None)
+    assert r.headers.get("allow") == "POST"
+
+
+def test_context_boundary(small_server: Server, small_model: Path) -> None:
+    """prompt + max_tokens == context is allowed; one more token is not; no limit means
+    whatever fits."""
+    prompt = [5 + i % 200 for i in range(CONTEXT - 6)]
+    ok = _post(small_server, "completions", _cmpl(prompt=prompt, max_tokens=6, ignore_eos=True,
+                                                  temperature=0))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"] == {"prompt_tokens": CONTEXT - 6, "completion_tokens": 6,
+                                  "total_tokens": CONTEXT}
+    over = _post(small_server, "completions", _cmpl(prompt=prompt, max_tokens=7))
+    _assert_openai_error(over, 400, ["max_tokens", "7", "6"], "max_tokens")
+    default = _post(small_server, "completions", _cmpl(prompt=prompt, ignore_eos=True,
+                                                       temperature=0))
+    assert default.status_code == 200, default.text
+    assert default.json()["usage"]["completion_tokens"] == 6
+    assert default.json()["choices"][0]["finish_reason"] == "length"
+    full = _post(small_server, "completions", _cmpl(prompt=[5] * CONTEXT))
+    _assert_openai_error(full, 400, ["context"], "prompt")
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MSGS)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    assert "gpt-4o" in e.value.message
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, n=2)
+    assert e.value.param == "n"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=LONG_TEXT)
+    assert e.value.code == "context_length_exceeded" and "context" in e.value.message
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=0)
+    assert e.value.param == "max_tokens"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, temperature=9)
+    assert e.value.param == "temperature"
+
+    with pytest.raises(openai.BadRequestError) as e:  # streaming: the error comes before SSE
+        client.chat.completions.create(model=MODEL, messages=[], stream=True)
+    assert e.value.param == "messages"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[3, 10**6])
+    assert "vocabulary" in e.value.message
+
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard",
+                                                               "content": "x"}])
+
+
+def test_server_still_serves_after_all_that(small_server: Server, client: openai.OpenAI,
+                                            small_model: Path) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    tok = AutoTokenizer.from_pretrained(str(small_model))
+    ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert r.usage.prompt_tokens == len(ids)
+    stream = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=4,
+                                            stream=True, temperature=0,
+                                            extra_body={"ignore_eos": True}))
+    assert stream[-1].choices[0].finish_reason == "length"
+    health = httpx.get(small_server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    log = small_server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and " 500 " not in log, small_server.log_tail()
