@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.cluster import Cluster
 from omlx_coordinator.metrics import GatewayMetrics
@@ -75,19 +76,20 @@ def _check_model(cluster: Cluster, body: _Common) -> None:
 
 
 def _token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
-                  settings: GatewaySettings) -> int:
+                  settings: GatewaySettings, prompt_param: str = "messages",
+                  limit_param: str = "max_tokens") -> int:
     ctx = cluster.max_context
     if ctx and len(prompt) >= ctx:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the model's context is "
-                            f"{ctx} tokens; shorten the prompt", param="messages",
+                            f"{ctx} tokens; shorten the prompt", param=prompt_param,
                        code="context_length_exceeded")
     room = ctx - len(prompt) if ctx else settings.default_max_tokens
     if limit is None:
         return min(room, settings.default_max_tokens)
     if limit > room:
-        raise APIError(400, f"max_tokens is {limit} but only {room} tokens fit in the model's "
+        raise APIError(400, f"{limit_param} is {limit} but only {room} tokens fit in the model's "
                             f"context of {ctx} after the {len(prompt)}-token prompt",
-                       param="max_tokens", code="context_length_exceeded")
+                       param=limit_param, code="context_length_exceeded")
     return limit
 
 
@@ -124,13 +126,18 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
     n_out, first = 0, True
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
+    getter: asyncio.Future | None = None
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout=settings.keepalive_seconds)
-            except asyncio.TimeoutError:
+            # Not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that arrives
+            # together with a token, and the cancelled request then runs to its end.
+            if getter is None:
+                getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter}, timeout=settings.keepalive_seconds)
+            if not getter.done():
                 yield KeepAlive()
                 continue
+            item, getter = getter.result(), None
             if item is None:
                 raise APIError(502, "the node closed the stream without finishing it",
                                type="server_error")
@@ -176,6 +183,8 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
         metrics.e2e.observe(time.perf_counter() - started)
         call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
         pump_task.cancel()
+        if getter is not None:
+            getter.cancel()
 
 
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
@@ -238,7 +247,10 @@ class _Shape:
 async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
                    settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
                    endpoint: str, echo: str = "") -> Response:
-    max_tokens = _token_budget(cluster, prompt, body.token_limit, settings)
+    limit_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
+                   else "max_tokens")
+    max_tokens = _token_budget(cluster, prompt, body.token_limit, settings,
+                               "messages" if chat else "prompt", limit_param)
     shape = _Shape(chat, cluster.model_id)
     events = generate(cluster, metrics, settings, prompt, body, max_tokens)
 
@@ -301,7 +313,11 @@ async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
     finally:
         if not task.done():
             task.cancel()
-        await events.aclose()
+            # Let it unwind (that cancels the node's sequence): closing the generator while the
+            # task still runs it raises RuntimeError.
+            await asyncio.wait({task}, timeout=5.0)
+        if task.done():
+            await events.aclose()
     metrics.requests.labels(endpoint, "ok").inc()
     return JSONResponse(shape.full(text, done))
 
@@ -309,17 +325,53 @@ async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
 # ---- app -----------------------------------------------------------------------------------------
 
 
+def _split_loc(loc: tuple) -> tuple[str | None, str | None, str]:
+    """(field path, pydantic union member tag such as 'list[int]', path inside that member)."""
+    field: list[str] = []
+    tag, rest = None, []
+    for i, p in enumerate(loc):
+        if i == 0 and p == "body":
+            continue
+        if tag is None and isinstance(p, str) and ("[" in p or p in ("str", "int", "float",
+                                                                     "bool", "none")):
+            tag = p
+            continue
+        (rest if tag else field).append(str(p))
+    return ".".join(field) or None, tag, ".".join(rest)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     if e.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
-    field = ".".join(loc) or None
-    where = f"'{field}': " if field else ""
-    return f"{where}{e.get('msg', 'invalid value')}", field
+    msg = e.get("msg", "invalid value")
+    field, tag, _ = _split_loc(tuple(e.get("loc", ())))
+    if field is None:
+        if e.get("type") == "missing":
+            return "the request body is empty: send a JSON object", None
+        return f"the request body must be a JSON object ({msg})", None
+    if tag is None:
+        return f"'{field}': {msg}", field
+    # A union (e.g. prompt: string or token ids): say what each accepted form objected to.
+    parts, seen = [], set()
+    for x in errors:
+        f, t, rest = _split_loc(tuple(x.get("loc", ())))
+        if f == field and t and t not in seen:  # the first complaint of each form
+            seen.add(t)
+            parts.append(f"as {t}" + (f" (item {rest})" if rest else "") + f": {x.get('msg')}")
+    return f"'{field}' has none of its accepted forms: " + "; ".join(parts), field
+
+
+def _check_text(text: str, param: str) -> None:
+    """JSON may carry lone UTF-16 surrogates that no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"'{param}' is not valid Unicode: it holds a lone surrogate "
+                            f"{text[e.start]!r} at character {e.start}", param=param) from None
 
 
 def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
@@ -352,6 +404,15 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         message, param = _validation_message(exc)
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no such endpoint: {request.method} {request.url.path} (the API is "
+                        "under /v1: /v1/models, /v1/chat/completions, /v1/completions)",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        return JSONResponse(APIError(exc.status_code, message).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -377,6 +438,9 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(cluster, body)
         messages = [m.for_template() for m in body.messages]
+        for i, m in enumerate(messages):
+            if isinstance(m.get("content"), str):
+                _check_text(m["content"], f"messages.{i}.content")
         try:
             prompt = await asyncio.to_thread(cluster.tokenizer.encode_chat, messages, body.tools)
         except APIError:
@@ -390,6 +454,7 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(cluster, body)
         if isinstance(body.prompt, str):
+            _check_text(body.prompt, "prompt")
             prompt = await asyncio.to_thread(cluster.tokenizer.encode, body.prompt)
             echo = body.prompt
         else:

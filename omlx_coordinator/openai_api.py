@@ -38,7 +38,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension (vLLM, mlx-lm)
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # extension (vLLM, mlx-lm); int32
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, le=1)
