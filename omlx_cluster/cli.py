@@ -121,10 +121,21 @@ def _serve(args: argparse.Namespace) -> int:
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
                                default_max_tokens=args.default_max_tokens)
-    app = create_app(cluster, settings)
+    failures: list[str] = []
+
+    def give_up(reason: str) -> None:  # nothing can be served: exit rather than idle at 503
+        failures.append(reason)
+        server.should_exit = True
+
+    app = create_app(cluster, settings, on_start_failure=give_up)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
     log.info("serving %s at http://%s:%d/v1", cluster.model_id, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    server.run()
+    if failures:
+        print(f"error: could not serve {model_path}: {failures[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

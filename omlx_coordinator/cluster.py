@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
+
 from omlx_coordinator.node_client import NodeClient
 from omlx_coordinator.tokenizer import ChatTokenizer
 
@@ -122,8 +124,9 @@ class Cluster:
             self.status = "ready"
         except Exception as e:
             tail = self.process.log_tail() if self.process else ""
-            self.status = f"failed: {e}"
-            log.error("the node failed to start: %s\n%s", e, tail)
+            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            self.status = f"failed: {reason}"
+            log.error("the node failed to load %s: %s\n%s", self.model_path, reason, tail)
             raise
 
     async def stop(self) -> None:

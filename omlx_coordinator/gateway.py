@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -375,16 +375,24 @@ def _check_text(text: str, param: str) -> None:
 
 
 def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
-               start_cluster: bool = True) -> FastAPI:
+               start_cluster: bool = True,
+               on_start_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """The gateway app; its lifespan starts `cluster` and calls `on_start_failure(reason)` if
+    the model cannot be served at all."""
     settings = settings or GatewaySettings()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = None
+
+        def started(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None and on_start_failure:
+                on_start_failure(cluster.status)
+
         if start_cluster:
             task = asyncio.create_task(cluster.start())
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            task.add_done_callback(started)
         try:
             yield
         finally:

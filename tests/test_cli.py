@@ -140,6 +140,30 @@ def test_serve_folder_that_is_not_a_model(home: Path, tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_path: Path,
+                                                              tiny_model_path: Path) -> None:
+    """A truncated weights file: the node's load error reaches the user and serve exits 1
+    (rather than idling with /health at 503), leaving no node process behind."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_path, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    env = dict(os.environ, OMLX_CLUSTER_HOME=str(home))
+    proc = subprocess.Popen([*_cmd(), "serve", "--model", str(broken), "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    seen: set[int] = set()
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < 60:
+        seen |= descendants(proc.pid)
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1, (out, err)
+    assert f"could not serve {broken}" in err and "only 1000 bytes" in err
+    assert seen and not any(alive(p) for p in seen)
+
+
 @pytest.mark.parametrize("args, words", [
     (["serve", "--port", "eighty"], ["--port", "invalid int"]),
     (["serve", "--prefill-chunk", "0"], ["--prefill-chunk", "at least 1"]),
