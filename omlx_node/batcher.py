@@ -1,30 +1,33 @@
-"""Continuous batcher: one engine thread that owns the stage and every sequence's KV cache.
+"""Continuous batching: the engine that owns a stage's KV caches and every sequence's lifecycle.
 
-Each loop iteration runs at most one decode step for the whole running batch and then at most one
-prefill chunk (`prefill_chunk` tokens, over the oldest waiting sequences), so a long prompt delays
-the running streams by one chunk, never by its whole length. Sequences join the running batch when their prompt (all but its
-last token) is in their own KV cache: that cache is merged into the batch's left-padded
-`BatchKVCache` and the last prompt token becomes the sequence's first decode input, exactly as
-mlx-lm's BatchGenerator does, so greedy outputs match mlx-lm's single-sequence generation.
+`Engine` holds what every head of a pipeline does whatever the pipeline's length: take requests
+and cancellations from other threads through a queue, prefill prompts in chunks, stream sampled
+tokens out, finish sequences. `Batcher` is the engine of a one-stage pipeline (single-Mac mode);
+`omlx_node.pipeline.PipelineHead` the one of a longer pipeline.
 
-Decoding overlaps Python with compute as mlx-lm's generate_step does: step n+1 is scheduled
-(async_eval) before the tokens of step n are read and streamed out.
+Each iteration runs at most one decode step for the running batch and then at most one prefill
+chunk (`prefill_chunk` tokens, over the oldest waiting sequences), so a long prompt delays the
+running streams by one chunk, never by its whole length. A sequence's prompt, all but its last
+token, is prefilled into its own KV cache, merged into the batch's left-padded `BatchKVCache`,
+and its last prompt token becomes its first decode input, exactly as mlx-lm's BatchGenerator
+does, so greedy outputs match mlx-lm's single-sequence generation.
 
-All MLX work happens on the engine thread (the one calling `run` or `step`); other threads talk to
-it only through `submit`, `cancel` and `stop`, which put messages on a queue.
+All MLX work happens on the engine thread (the one calling `run` or `step`); other threads talk
+to it only through `submit`, `cancel` and `stop`, which put messages on a queue.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import RowSampler, SamplingParams, sample_batch
@@ -50,14 +53,16 @@ class Finish:
     error: str = ""
 
 
+_seq_ids = itertools.count(1)
+
+
 class Sequence:
-    """One request inside the batcher. `events` yields ints (tokens) and then one Finish."""
+    """One request inside the engine. `events` yields ints (tokens) and then one Finish."""
 
     def __init__(self, req: SeqRequest):
         self.req = req
+        self.sid = next(_seq_ids) & 0x7FFFFFFF  # int32 on the wire
         self.events: queue.Queue[int | Finish] = queue.Queue()
-        self.sampler = RowSampler(req.sampling)
-        self.cache: list | None = None  # own KV cache while prefilling
         self.prefilled = 0
         self.generated = 0
         self.input_is_prompt = True  # its decode input is still the last prompt token
@@ -69,27 +74,76 @@ class Sequence:
     def request_id(self) -> str:
         return self.req.request_id
 
+    @property
+    def to_prefill(self) -> list[int]:
+        return self.req.prompt[:-1]
 
-class Batcher:
-    def __init__(
-        self,
-        stage: StageRunner,
-        metrics: NodeMetrics,
-        prefill_chunk: int = 512,
-        max_batch: int = 64,
-    ):
-        if not (stage.info.is_first and stage.info.is_last):
-            raise ValueError("the single-node batcher needs a stage that holds every layer")
+
+class StageState:
+    """The KV caches of one stage: one per prefilling sequence, one batch cache per micro-batch.
+
+    Every stage of a pipeline applies the same operations in the same order, so the rows of a
+    micro-batch line up across stages without ever being named on the wire after admission."""
+
+    def __init__(self, stage: StageRunner):
+        self.stage = stage
+        self.prefilling: dict[int, list[KVCache]] = {}
+        self.caches: dict[int, list[BatchKVCache]] = {}
+        self.rows: dict[int, list[int]] = {}
+
+    def prefill(self, seq_id: int, x: mx.array) -> mx.array:
+        """Runs a prompt chunk of one sequence; returns this stage's output (lazy)."""
+        cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
+        out = self.stage(x, cache, last_only=True)
+        mx.eval([c.state for c in cache])
+        return out
+
+    def free(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.prefilling.pop(s, None)
+
+    def update(self, mb: int, keep: list[int] | None, admit: list[int]) -> None:
+        """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences."""
+        rows = self.rows.get(mb, [])
+        if keep is not None and len(keep) < len(rows):
+            if keep:
+                idx = mx.array(keep)
+                for c in self.caches[mb]:
+                    c.filter(idx)
+                self.rows[mb] = rows = [rows[i] for i in keep]
+            else:
+                self.caches.pop(mb, None)
+                self.rows.pop(mb, None)
+                rows = []
+        if not admit:
+            return
+        # A one-token prompt has nothing to prefill: its cache starts empty here.
+        caches = [self.prefilling.pop(s, None) or self.stage.make_cache() for s in admit]
+        merged = [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+        if rows:
+            for c, m in zip(self.caches[mb], merged):
+                c.extend(m)
+        else:
+            self.caches[mb] = merged
+        self.rows[mb] = rows + list(admit)
+
+    def forward(self, mb: int, x: mx.array) -> mx.array:
+        return self.stage(x, self.caches[mb])
+
+
+class Engine:
+    """What every pipeline head does: requests in, prompt chunks scheduled, tokens out."""
+
+    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int,
+                 max_batch: int, vocab_size: int):
         self.stage = stage
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
-        self.vocab_size = stage.embed_tokens.weight.shape[0]
+        self.vocab_size = vocab_size
+        self.state = StageState(stage)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
-        self._batch: list[Sequence] = []
-        self._cache: list[BatchKVCache] | None = None
-        self._y: mx.array | None = None  # next decode input of every row
         self._stop = threading.Event()
         self.generated_total = 0
         self.prompt_total = 0
@@ -132,11 +186,15 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        return len(self._batch)
+        return len(self.running_seqs())
 
     @property
     def waiting(self) -> int:
         return len(self._waiting) + self._inbox.qsize()
+
+    @property
+    def idle(self) -> bool:
+        return not self.running_seqs() and not self._waiting and self._inbox.empty()
 
     def decode_rate(self) -> float:
         """Generated tokens per second over the recent steps."""
@@ -156,24 +214,26 @@ class Batcher:
         mx.synchronize()
 
     def step(self, block: bool = False) -> None:
-        """One iteration: take new requests and cancellations, one decode step for the running
-        batch, one prefill chunk for the oldest waiting sequences. `block` waits (bounded) for
-        work when there is none."""
-        self._drain_inbox(block=block and not self._batch and not self._waiting)
+        """One iteration: new requests and cancellations, then the subclass's work. `block`
+        waits (bounded) for work when there is none."""
+        self._drain_inbox(block=block and self.idle)
         try:
-            if self._batch:
-                self._decode_step()
-            if self._waiting and len(self._batch) < self.max_batch:
-                self._prefill_step()
+            self._work()
         except Exception as e:  # a failed step must not take the node down
-            log.exception("batch step failed")
+            log.exception("engine step failed")
             self._fail_all(f"{type(e).__name__}: {e}")
-        self.metrics.running.set(len(self._batch))
+        self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
 
-    @property
-    def idle(self) -> bool:
-        return not self._batch and not self._waiting and self._inbox.empty()
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def running_seqs(self) -> list[Sequence]:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Forgets every running sequence and its KV (after a failure)."""
+        raise NotImplementedError
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -198,58 +258,46 @@ class Batcher:
     def _cancel(self, request_id: str) -> None:
         for seq in list(self._waiting):
             if seq.request_id == request_id:
-                self._waiting.remove(seq)  # its private cache goes with it
+                self._waiting.remove(seq)
+                self._dropped_while_waiting(seq)
                 self._finish(seq, Finish("cancelled"))
-        for seq in self._batch:
+        for seq in self.running_seqs():
             if seq.request_id == request_id:
-                seq.cancelled = True  # dropped from the batch at the next step
+                seq.cancelled = True  # dropped from its batch at its next step
 
-    def _prefill_step(self) -> None:
-        """Prefills up to `prefill_chunk` prompt tokens, over as many waiting sequences as fit:
-        many short prompts join the batch together, so it decodes at full width sooner."""
-        budget, ready = self.prefill_chunk, []
-        while self._waiting and budget > 0 and len(self._batch) + len(ready) < self.max_batch:
-            seq = self._waiting[0]
-            if seq.cache is None:
-                seq.cache = self.stage.make_cache()
-            todo = seq.req.prompt[:-1]
-            n = min(budget, len(todo) - seq.prefilled)
-            if n > 0:
-                chunk = mx.array([todo[seq.prefilled : seq.prefilled + n]])
-                self.stage(chunk, seq.cache, last_only=True)
-                mx.eval([c.state for c in seq.cache])
-                seq.prefilled += n
-            budget -= max(n, 1)
-            if seq.prefilled < len(todo):
+    def _dropped_while_waiting(self, seq: Sequence) -> None:
+        self.state.free([seq.sid])
+
+    def _take_prefill(self, room: int) -> list[tuple[Sequence, int, int]]:
+        """Plans one prefill chunk: (sequence, start, n) pieces of at most `prefill_chunk`
+        tokens in all, oldest sequences first, for at most `room` new sequences."""
+        budget, plan = self.prefill_chunk, []
+        for seq in self._waiting:
+            if budget <= 0 or len(plan) >= room:
                 break
-            ready.append(self._waiting.popleft())
-        if ready:
-            self._admit(ready)
+            n = min(budget, len(seq.to_prefill) - seq.prefilled)
+            plan.append((seq, seq.prefilled, n))
+            budget -= max(n, 1)
+        return plan
 
-    def _admit(self, seqs: list[Sequence]) -> None:
-        """Moves prefilled sequences into the running batch, one cache merge per layer."""
-        merged = [BatchKVCache.merge(list(layer)) for layer in zip(*(s.cache for s in seqs))]
-        last = mx.array([s.req.prompt[-1] for s in seqs])
-        for s in seqs:
-            s.cache = None
-        if not self._batch:
-            self._cache, self._y = merged, last
+    def _emit(self, seq: Sequence, tok: int, now: float) -> str | None:
+        """Streams one sampled token; returns a finish reason if the sequence is done."""
+        if tok in seq.req.stop_token_ids:
+            return "stop"
+        seq.events.put(tok)
+        if seq.generated == 0:
+            self.metrics.ttft.observe(now - seq.submitted)
         else:
-            for c, m in zip(self._cache, merged):
-                c.extend(m)
-            self._y = mx.concatenate([self._y, last])
-        self._batch.extend(seqs)
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.generated += 1
+        return "length" if seq.generated >= seq.req.max_tokens else None
 
-    def _decode_step(self) -> None:
-        y = self._y
-        logits = self.stage(y[:, None], self._cache)[:, -1, :]
-        self._y = sample_batch(logits, [s.sampler for s in self._batch])
-        mx.async_eval(self._y)
-        tokens = y.tolist()
-
+    def _emit_step(self, seqs: list[Sequence], tokens: list[int]) -> list[int]:
+        """Hands out one decode step's tokens; returns the indices of the rows that go on."""
         now = time.perf_counter()
         keep, emitted = [], 0
-        for i, (seq, tok) in enumerate(zip(self._batch, tokens)):
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             if seq.cancelled:
                 self._finish(seq, Finish("cancelled"))
                 continue
@@ -266,39 +314,73 @@ class Batcher:
         self._rate.append((now, emitted))
         self.generated_total += emitted
         self.metrics.generated_tokens.inc(emitted)
-        if len(keep) < len(self._batch):
-            self._filter(keep)
-
-    def _emit(self, seq: Sequence, tok: int, now: float) -> str | None:
-        """Streams one sampled token; returns a finish reason if the sequence is done."""
-        if tok in seq.req.stop_token_ids:
-            return "stop"
-        seq.events.put(tok)
-        if seq.generated == 0:
-            self.metrics.ttft.observe(now - seq.submitted)
-        else:
-            self.metrics.itl.observe(now - seq.last_token_time)
-        seq.last_token_time = now
-        seq.generated += 1
-        return "length" if seq.generated >= seq.req.max_tokens else None
-
-    def _filter(self, keep: list[int]) -> None:
-        self._batch = [self._batch[i] for i in keep]
-        if not keep:
-            self._cache = self._y = None
-            return
-        idx = mx.array(keep)
-        for c in self._cache:
-            c.filter(idx)
-        self._y = self._y[idx]
+        return keep
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         seq.events.put(finish)
         self.metrics.finished.labels(reason=finish.reason).inc()
 
     def _fail_all(self, error: str) -> None:
-        for seq in list(self._waiting) + self._batch:
+        for seq in list(self._waiting) + self.running_seqs():
             self._finish(seq, Finish("error", error))
         self._waiting.clear()
-        self._batch = []
-        self._cache = self._y = None
+        self._reset()
+
+
+class Batcher(Engine):
+    """The engine of a one-stage pipeline (every layer on this node).
+
+    Decoding overlaps Python with compute as mlx-lm's generate_step does: step n+1 is scheduled
+    (async_eval) before the tokens of step n are read and streamed out."""
+
+    MB = 0  # its single micro-batch
+
+    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int = 512,
+                 max_batch: int = 64):
+        if not (stage.info.is_first and stage.info.is_last):
+            raise ValueError("the single-node batcher needs a stage that holds every layer")
+        super().__init__(stage, metrics, prefill_chunk, max_batch,
+                         stage.embed_tokens.weight.shape[0])
+        self._batch: list[Sequence] = []
+        self._samplers: list[RowSampler] = []
+        self._y: mx.array | None = None  # next decode input of every row
+
+    def running_seqs(self) -> list[Sequence]:
+        return self._batch
+
+    def _reset(self) -> None:
+        self._batch, self._samplers, self._y = [], [], None
+        self.state = StageState(self.stage)
+
+    def _work(self) -> None:
+        if self._batch:
+            self._decode_step()
+        if self._waiting and len(self._batch) < self.max_batch:
+            self._prefill_step()
+
+    def _prefill_step(self) -> None:
+        ready = []
+        for seq, start, n in self._take_prefill(self.max_batch - len(self._batch)):
+            if n > 0:
+                self.state.prefill(seq.sid, mx.array([seq.to_prefill[start:start + n]]))
+            seq.prefilled += n
+            if seq.prefilled == len(seq.to_prefill):
+                ready.append(self._waiting.popleft())
+        if ready:
+            self.state.update(self.MB, None, [s.sid for s in ready])
+            last = mx.array([s.req.prompt[-1] for s in ready])
+            self._y = last if self._y is None else mx.concatenate([self._y, last])
+            self._batch.extend(ready)
+            self._samplers.extend(RowSampler(s.req.sampling) for s in ready)
+
+    def _decode_step(self) -> None:
+        y = self._y
+        logits = self.state.forward(self.MB, y[:, None])[:, -1, :]
+        self._y = sample_batch(logits, self._samplers)
+        mx.async_eval(self._y)
+        keep = self._emit_step(self._batch, y.tolist())
+        if len(keep) < len(self._batch):
+            self.state.update(self.MB, keep, [])
+            self._batch = [self._batch[i] for i in keep]
+            self._samplers = [self._samplers[i] for i in keep]
+            self._y = self._y[mx.array(keep)] if keep else None
