@@ -1,0 +1,58 @@
+"""Measure how fast this node streams weights, for the planner's NodeSpec.speed.
+
+Decode is memory-bandwidth bound: every step multiplies one activation vector per sequence by
+every weight matrix a stage holds, so the useful speed is weight bytes streamed per second
+through matrix-vector products, not peak FLOPs. The planner wants it in GB/s:
+
+    NodeSpec(name, memory_bytes, speed=measure_speed() / 1e9)
+
+MLX is imported inside the function: the coordinator imports this package on machines that
+have no MLX.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def measure_speed(
+    seconds: float = 1.0, dim: int = 4096, matrices: int = 4, dtype: str | None = None
+) -> float:
+    """Weight bytes per second this node streams through (1, dim) x (dim, dim) matmuls.
+
+    `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set exceeds the
+    on-chip caches, as real weights do; one synchronising eval per pass over them, as a decode
+    step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
+    kernels are slow and the node computes in float32 anyway). Runs for about `seconds`.
+    """
+    import mlx.core as mx
+
+    if dtype is None:
+        dt = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    else:
+        dt = getattr(mx, dtype)
+    scale = 1.0 / math.sqrt(dim)  # keeps activations O(1) through the chain of products
+    key = mx.random.key(0)
+    keys = mx.random.split(key, matrices + 1)
+    weights = [(mx.random.normal((dim, dim), key=k) * scale).astype(dt) for k in keys[:matrices]]
+    x = mx.random.normal((1, dim), key=keys[matrices]).astype(dt)
+    mx.eval(weights, x)
+    pass_bytes = sum(w.nbytes for w in weights)
+
+    def one_pass() -> None:
+        y = x
+        for w in weights:
+            y = y @ w
+        mx.eval(y)
+
+    one_pass()  # warm-up: kernel compilation and first-touch page faults are not bandwidth
+    passes = 0
+    start = time.perf_counter()
+    while True:
+        one_pass()
+        passes += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+    return passes * pass_bytes / elapsed
