@@ -140,26 +140,26 @@ def over_grpc(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
               warm: int, work: Path) -> dict:
     import grpc
 
-    from omlx_coordinator.cluster import _node_env
+    from omlx_coordinator.cluster import node_env
     from proto import omlx_pb2 as pb
     from proto import omlx_pb2_grpc as pb_grpc
 
-    port_file = work / "node.port"
+    ready_file = work / "node.ready.json"
     log = open(work / "node.log", "wb")
-    env = _node_env()
+    env = node_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0",
-                             "--port-file", str(port_file), "--model", str(model_path),
+                             "--ready-file", str(ready_file), "--model", str(model_path),
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                             env=env)
     try:
         deadline = time.monotonic() + 300
-        while not port_file.exists():
+        while not ready_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((work / "node.log").read_text()[-3000:])
             time.sleep(0.1)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text().strip()}")
-        stub = pb_grpc.NodeStub(channel)
+        channel = grpc.insecure_channel(json.loads(ready_file.read_text())["worker_address"])
+        stub = pb_grpc.ShardWorkerStub(channel)
         counter = [0]
 
         def one(i, n, times):
@@ -257,12 +257,12 @@ def main() -> int:
     result = {"model": str(model), "tokens": args.tokens, "repeats": args.repeats,
               "machine": bsn.machine_info()}
     # The in-process part runs in a child with the node's environment (same BLAS).
-    from omlx_coordinator.cluster import _node_env
+    from omlx_coordinator.cluster import node_env
 
     spec = work / "inproc.json"
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "tokens": args.tokens,
                                 "repeats": args.repeats, "warm": warm}))
-    env = _node_env()
+    env = node_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, __file__, "--_inproc", str(spec)], env=env, check=True,
                    timeout=900)

@@ -20,6 +20,16 @@ def _positive(value: str) -> int:
     return n
 
 
+def _split(value: str) -> list[int]:
+    try:
+        parts = [int(p) for p in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 1,6,2, got {value!r}")
+    if any(p < 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer: {value!r}")
+    return parts
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
@@ -66,25 +76,88 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="completion limit when a request sets none, capped by the context "
                             "(default: 4096)")
     serve.add_argument("--node-metrics-port", type=int, default=None, metavar="PORT",
-                       help="also export the local node's Prometheus /metrics on this port "
+                       help="also export the head node's Prometheus /metrics on this port "
                             "(0 picks a free one; default: off)")
+    serve.add_argument("--nodes", type=_positive, default=1, metavar="N",
+                       help="run the model as a pipeline of N local node processes joined by "
+                            "mx.distributed (default: 1, single-Mac mode)")
+    serve.add_argument("--split", type=_split, metavar="A,B,...",
+                       help="layers per node, e.g. 1,6,2 (must sum to the model's layers, no "
+                            "stage empty; default: the planner's split)")
+    serve.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
+                       help="decode steps kept in flight in a pipeline (default: one per "
+                            "stage; 1 is the lockstep pipeline)")
     _add_engine_flags(serve)
 
     node = sub.add_parser(
         "node", parents=[common], help="run a node agent (gRPC server that runs model shards)",
-        description="Run a node agent: the gRPC server (proto/omlx.proto) that loads a shard on "
-                    "request and runs it with its continuous batcher. `serve` starts one itself.",
+        description="Run a node agent: the gRPC server (proto/omlx.proto, NodeAgent) that starts "
+                    "a shard worker for each plan it is given. `serve` starts its own.",
     )
-    node.add_argument("--host", default="127.0.0.1", help="gRPC listen address (default: 127.0.0.1)")
+    node.add_argument("--host", default="127.0.0.1",
+                      help="address for gRPC and the data plane (default: 127.0.0.1)")
     node.add_argument("--port", type=int, default=50051, help="gRPC port, 0 for any (default: 50051)")
-    node.add_argument("--port-file", type=Path, help="write the bound gRPC port here once listening")
+    node.add_argument("--data-port", type=int, default=0,
+                      help="mx.distributed (ring) port of this node's workers (default: any free)")
+    node.add_argument("--ready-file", type=Path,
+                      help="write {port, data_port, pid, worker_address} as JSON here once "
+                           "listening")
     node.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                      help="export Prometheus /metrics on this port (0 for any; default: off)")
+                      help="the shard worker exports Prometheus /metrics on this port "
+                           "(0 for any; default: off)")
     node.add_argument("--model", metavar="PATH_OR_NAME",
-                      help="load this model at start instead of waiting for LoadShard")
+                      help="load this whole model at start instead of waiting for LoadShard")
     node.add_argument("--exit-with-parent", action="store_true",
                       help="exit when the process that started this node exits")
     _add_engine_flags(node)
+
+    worker = sub.add_parser(
+        "worker", parents=[common], help="(internal) a shard worker, started by a node agent",
+        description="A shard worker: joins the plan's mx.distributed group, loads its layers and "
+                    "runs them. Node agents start these; you should not need to.",
+    )
+    worker.add_argument("--model", type=Path, required=True, help="mlx-lm model folder")
+    worker.add_argument("--model-id", required=True, help="the name clients use")
+    worker.add_argument("--layers", required=True, metavar="START:END",
+                        help="layer range [START, END); END may be empty for the last layer")
+    worker.add_argument("--rank", type=int, default=0, help="this stage's rank (default: 0)")
+    worker.add_argument("--peers", default="",
+                        help="comma-separated data-plane host:port of every rank, in rank "
+                             "order (default: none, a single-stage plan)")
+    worker.add_argument("--backend", default="ring", choices=["ring", "jaccl"],
+                        help="mx.distributed backend (default: ring)")
+    worker.add_argument("--plan-hash", default="", help="the plan every stage must agree on (default: none)")
+    worker.add_argument("--micro-batches", type=int, default=0,
+                        help="decode steps in flight on the head (default 0: one per stage)")
+    worker.add_argument("--host", default="127.0.0.1", help="gRPC address of the head worker (default: 127.0.0.1)")
+    worker.add_argument("--metrics-port", type=int, default=None,
+                        help="export Prometheus /metrics on this port (default: off)")
+    worker.add_argument("--init-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="give up if the group has not formed by then (default: 60)")
+    worker.add_argument("--ready-file", type=Path, help="write readiness JSON here")
+    _add_engine_flags(worker)
+
+    plan = sub.add_parser(
+        "plan", parents=[common], help="show how a model would be split over nodes",
+        description="Plan contiguous, uneven layer ranges of a model over nodes: the split that "
+                    "minimises the slowest stage's time within every node's memory, and why. "
+                    "Reads only the model's safetensors headers.",
+    )
+    plan.add_argument("--model", metavar="PATH_OR_NAME",
+                      help="model folder or stored name (default: the embedded SmolLM2)")
+    plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X]",
+                      help="a node, in pipeline order: NAME=MEM with a unit (e.g. mac1=64GiB), "
+                           "optional speed=GB/s of weights it streams and link_ms=one-way "
+                           "latency to the next node; repeat for each node")
+    plan.add_argument("--split", type=_split, metavar="A,B,...",
+                      help="check and explain this split instead of optimising")
+    plan.add_argument("--os-reserve", default="8GiB",
+                      help="memory kept free on every node (default: 8GiB)")
+    plan.add_argument("--context", type=_positive, default=4096, metavar="TOKENS",
+                      help="KV reserved per sequence (default: 4096)")
+    plan.add_argument("--sequences", type=_positive, default=8, metavar="N",
+                      help="concurrent sequences the KV reserve covers (default: 8)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     models = sub.add_parser("models", parents=[common], help="manage the local model store",
                             description="Manage the model store under $OMLX_CLUSTER_HOME/models.")
@@ -105,19 +178,34 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from omlx_cluster.model_store import ModelError, resolve_model
-    from omlx_coordinator.cluster import Cluster
+    from omlx_coordinator.cluster import Cluster, ClusterOptions
     from omlx_coordinator.gateway import GatewaySettings, create_app
+    from omlx_coordinator.planner import PlanError
 
     try:
         model_path = resolve_model(args.model, progress=True)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    node_args = ["--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
-                 "--log-level", args.log_level]
-    if args.node_metrics_port is not None:
-        node_args += ["--metrics-port", str(args.node_metrics_port)]
-    cluster = Cluster(model_path, args.model_id or model_path.name, node_args=node_args)
+    if args.split and len(args.split) != args.nodes:
+        print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
+              file=sys.stderr)
+        return 2
+    node_args = ("--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
+                 "--log-level", args.log_level)
+    head_args = (() if args.node_metrics_port is None
+                 else ("--metrics-port", str(args.node_metrics_port)))
+    options = ClusterOptions(nodes=args.nodes, split=args.split,
+                             micro_batches=args.micro_batches or 0, node_args=node_args,
+                             head_args=head_args)
+    cluster = Cluster(model_path, args.model_id or model_path.name, options)
+    try:
+        plan = cluster.make_plan()  # refuse a bad split or a model that fits nowhere up front
+    except (PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in plan.explanation:
+        log.info("plan: %s", line)
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
                                default_max_tokens=args.default_max_tokens)
@@ -140,20 +228,62 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
+    from omlx_cluster.child import write_ready
     from omlx_node.agent import NodeAgent
     from proto import omlx_pb2 as pb
 
-    agent = NodeAgent(args.host, args.port, args.metrics_port, args.prefill_chunk, args.max_batch)
+    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, args.prefill_chunk,
+                      args.max_batch, args.log_level)
     if args.model:
-        from omlx_cluster.model_store import resolve_model
+        from omlx_cluster.child import ChildError
+        from omlx_cluster.model_store import ModelError, resolve_model
 
-        path = resolve_model(args.model, progress=False)
-        agent.load(pb.LoadShardRequest(model_path=str(path), model_id=path.name))
-    if args.port_file:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(agent.port))
-        os.replace(tmp, args.port_file)  # readers never see a half-written port
-    agent.serve_forever(watch_parent=args.exit_with_parent)
+        try:
+            path = resolve_model(args.model, progress=False)
+            agent.load(pb.LoadShardRequest(model_path=str(path), model_id=path.name))
+        except (ModelError, ChildError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.ready_file:
+        write_ready(args.ready_file, {"port": agent.port, "data_port": agent.data_port,
+                                      "pid": os.getpid(), "worker_address":
+                                      agent.reply.worker_address if agent.reply else ""})
+    agent.serve_forever(watch=args.exit_with_parent)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from omlx_cluster.child import watch_parent
+    from omlx_node.worker import WorkerConfig, run_worker
+
+    # A worker is only ever its agent's: when the agent goes, so does it.
+    watch_parent(lambda: os._exit(0))
+    start, _, end = args.layers.partition(":")
+    config = WorkerConfig(
+        model_path=args.model, model_id=args.model_id, layer_start=int(start),
+        layer_end=int(end) if end else None, rank=args.rank,
+        peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
+        plan_hash=args.plan_hash, micro_batches=args.micro_batches, host=args.host,
+        prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
+        metrics_port=args.metrics_port, init_timeout=args.init_timeout)
+    return run_worker(config, args.ready_file)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from omlx_cluster.model_store import ModelError, resolve_model
+    from omlx_coordinator.model_layout import read_layout
+    from omlx_coordinator.planner import PlanError, format_plan, make_plan, parse_node_arg, parse_size
+
+    try:
+        path = resolve_model(args.model, progress=True)
+        nodes = [parse_node_arg(n) for n in args.node]
+        plan = make_plan(read_layout(path), nodes, os_reserve_bytes=parse_size(args.os_reserve),
+                         context_tokens=args.context, max_sequences=args.sequences,
+                         split=args.split)
+    except (ModelError, PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else format_plan(plan))
     return 0
 
 
@@ -193,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"serve": _serve, "node": _node, "models": _models}[args.command]
+    handler = {"serve": _serve, "node": _node, "worker": _worker, "plan": _plan,
+               "models": _models}[args.command]
     return handler(args)
 
 

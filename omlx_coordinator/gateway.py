@@ -464,17 +464,18 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         if isinstance(body.prompt, str):
             _check_text(body.prompt, "prompt")
             prompt = await asyncio.to_thread(cluster.tokenizer.encode, body.prompt)
-            echo = body.prompt
         else:
             prompt = list(body.prompt)
             bad = [t for t in prompt if not 0 <= t < cluster.vocab_size]
             if bad:
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside the model's "
                                     f"vocabulary [0, {cluster.vocab_size})", param="prompt")
-            echo = cluster.tokenizer.decode(prompt)
         if not prompt:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else cluster.tokenizer.decode(prompt)
         return await _respond(request, cluster, metrics, settings, prompt, body, False,
-                              "completions", echo=echo if body.echo else "")
+                              "completions", echo=echo)
 
     return app

@@ -1,4 +1,4 @@
-"""Async gRPC client of one node agent (proto/omlx.proto)."""
+"""Async gRPC clients of a node agent and of a shard worker (proto/omlx.proto)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,30 @@ from proto import omlx_pb2_grpc as pb_grpc
 LOAD_TIMEOUT_SECONDS = 1800.0
 
 
-class NodeClient:
+class AgentClient:
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
-        self.stub = pb_grpc.NodeStub(self.channel)
+        self.stub = pb_grpc.NodeAgentStub(self.channel)
 
-    async def load_shard(
-        self, model_path: str, model_id: str, layer_start: int = 0, layer_end: int = 0
-    ) -> pb.LoadShardReply:
-        req = pb.LoadShardRequest(
-            model_path=model_path, model_id=model_id, layer_start=layer_start, layer_end=layer_end
-        )
-        return await self.stub.LoadShard(req, timeout=LOAD_TIMEOUT_SECONDS, wait_for_ready=True)
+    async def load_shard(self, request: pb.LoadShardRequest) -> pb.LoadShardReply:
+        return await self.stub.LoadShard(request, timeout=LOAD_TIMEOUT_SECONDS,
+                                         wait_for_ready=True)
+
+    async def health(self, timeout: float = 2.0) -> pb.HealthReply:
+        return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class WorkerClient:
+    """The head worker of a plan: where sequences go."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.ShardWorkerStub(self.channel)
 
     async def health(self, timeout: float = 2.0) -> pb.HealthReply:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout)

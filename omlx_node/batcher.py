@@ -103,29 +103,39 @@ class StageState:
             self.prefilling.pop(s, None)
 
     def update(self, mb: int, keep: list[int] | None, admit: list[int]) -> None:
-        """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences."""
+        """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences.
+
+        A micro-batch of one row keeps plain `KVCache`s: decoding through a one-row
+        `BatchKVCache` (mask array, per-row offsets) measured ~30% slower on a GPU."""
         rows = self.rows.get(mb, [])
+        caches = self.caches.get(mb)
         if keep is not None and len(keep) < len(rows):
-            if keep:
-                idx = mx.array(keep)
-                for c in self.caches[mb]:
-                    c.filter(idx)
-                self.rows[mb] = rows = [rows[i] for i in keep]
+            rows = [rows[i] for i in keep]
+            if not rows:
+                caches = None
+            elif len(rows) == 1 and isinstance(caches[0], BatchKVCache):
+                caches = [c.extract(keep[0]) for c in caches]
             else:
-                self.caches.pop(mb, None)
-                self.rows.pop(mb, None)
-                rows = []
-        if not admit:
-            return
-        # A one-token prompt has nothing to prefill: its cache starts empty here.
-        caches = [self.prefilling.pop(s, None) or self.stage.make_cache() for s in admit]
-        merged = [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+                idx = mx.array(keep)
+                for c in caches:
+                    c.filter(idx)
+        if admit:
+            # A one-token prompt has nothing to prefill: its cache starts empty here.
+            new = [self.prefilling.pop(s, None) or self.stage.make_cache() for s in admit]
+            if not rows and len(new) == 1:
+                caches = new[0]
+            elif rows and isinstance(caches[0], BatchKVCache):
+                for c, m in zip(caches, (BatchKVCache.merge(list(l)) for l in zip(*new))):
+                    c.extend(m)
+            else:
+                parts = [caches, *new] if rows else new
+                caches = [BatchKVCache.merge(list(layer)) for layer in zip(*parts)]
+            rows = rows + list(admit)
         if rows:
-            for c, m in zip(self.caches[mb], merged):
-                c.extend(m)
+            self.caches[mb], self.rows[mb] = caches, rows
         else:
-            self.caches[mb] = merged
-        self.rows[mb] = rows + list(admit)
+            self.caches.pop(mb, None)
+            self.rows.pop(mb, None)
 
     def forward(self, mb: int, x: mx.array) -> mx.array:
         return self.stage(x, self.caches[mb])

@@ -37,6 +37,10 @@ import numpy as np
 
 from omlx_node.sampling import SamplingParams
 
+# The ring backend moves bytes over TCP from host memory: its ops run on the CPU stream, and MLX
+# orders them after the GPU work that produced their inputs.
+STREAM = mx.cpu
+
 MAGIC = 0x6F6D6C31  # "oml1"
 HEADER_INTS = 8
 ADMIT_INTS = 8
@@ -91,23 +95,27 @@ def send_step(step: Step, hidden: mx.array | None, plan: int, dst: int, group) -
     header = [MAGIC, step.op, step.step, step.target, step.rows, step.tokens, len(payload),
               plan & 0x7FFFFFFF]
     # Sequential evals: arrays sent in one eval may go out in any order.
-    mx.eval(mx.distributed.send(mx.array(header, dtype=mx.int32), dst, group=group))
+    mx.eval(mx.distributed.send(mx.array(header, dtype=mx.int32), dst, group=group,
+                                    stream=STREAM))
     if payload:
-        mx.eval(mx.distributed.send(mx.array(payload, dtype=mx.int32), dst, group=group))
+        mx.eval(mx.distributed.send(mx.array(payload, dtype=mx.int32), dst, group=group,
+                                        stream=STREAM))
     if hidden is not None:
-        mx.eval(mx.distributed.send(hidden, dst, group=group))
+        mx.eval(mx.distributed.send(hidden, dst, group=group, stream=STREAM))
 
 
 def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
               ) -> tuple[Step, mx.array | None]:
     """Receives one step; the hidden states come back lazily (evaluated with the compute)."""
-    header = mx.distributed.recv((HEADER_INTS,), mx.int32, src, group=group).tolist()
+    header = mx.distributed.recv((HEADER_INTS,), mx.int32, src, group=group,
+                                 stream=STREAM).tolist()
     magic, op, step_no, target, rows, tokens, payload_len, peer_plan = header
     if magic != MAGIC:
         raise WireError(f"bad step header from rank {src}: {header}")
     if peer_plan != plan & 0x7FFFFFFF:
         raise WireError(f"rank {src} runs plan {peer_plan:#x}, this stage {plan & 0x7FFFFFFF:#x}")
-    payload = (mx.distributed.recv((payload_len,), mx.int32, src, group=group).tolist()
+    payload = (mx.distributed.recv((payload_len,), mx.int32, src, group=group,
+                                     stream=STREAM).tolist()
                if payload_len else [])
     step = Step(op, step_no, target, rows, tokens)
     if op == DECODE:
@@ -121,13 +129,14 @@ def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
         step.freed = payload
     hidden = None
     if op in (PREFILL, DECODE) and rows > 0:
-        hidden = mx.distributed.recv((rows, tokens, hidden_size), dtype, src, group=group)
+        hidden = mx.distributed.recv((rows, tokens, hidden_size), dtype, src, group=group,
+                                     stream=STREAM)
     return step, hidden
 
 
 def send_tokens(tokens: mx.array, dst: int, group) -> None:
-    mx.eval(mx.distributed.send(tokens.astype(mx.int32), dst, group=group))
+    mx.eval(mx.distributed.send(tokens.astype(mx.int32), dst, group=group, stream=STREAM))
 
 
 def recv_tokens(rows: int, src: int, group) -> list[int]:
-    return mx.distributed.recv((rows,), mx.int32, src, group=group).tolist()
+    return mx.distributed.recv((rows,), mx.int32, src, group=group, stream=STREAM).tolist()

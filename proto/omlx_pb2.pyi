@@ -7,32 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
     layer_end: int
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    rank: int
+    world_size: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    plan_hash: str
+    micro_batches: int
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
-    __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds")
+    __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layer_start: int
     layer_end: int
     num_layers: int
     dtype: str
     load_seconds: float
-    def __init__(self, model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    worker_address: str
+    worker_pid: int
+    def __init__(self, model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., worker_address: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "min_p")
@@ -97,7 +113,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid")
+    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid", "data_port", "worker_pid", "rank", "world_size")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +123,10 @@ class HealthReply(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model_id: str
     status: str
@@ -116,7 +136,11 @@ class HealthReply(_message.Message):
     num_layers: int
     metrics_port: int
     pid: int
-    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    data_port: int
+    worker_pid: int
+    rank: int
+    world_size: int
+    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

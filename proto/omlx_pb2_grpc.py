@@ -25,8 +25,10 @@ if _version_not_supported:
     )
 
 
-class NodeStub:
-    """Missing associated documentation comment in .proto file."""
+class NodeAgentStub:
+    """The node agent: one per machine, long-lived. It owns the machine's shard worker process and
+    replaces it on every new plan (an mx.distributed group cannot be re-formed inside a process).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,44 +37,156 @@ class NodeStub:
             channel: A grpc.Channel.
         """
         self.LoadShard = channel.unary_unary(
-                '/omlx.v1.Node/LoadShard',
+                '/omlx.v1.NodeAgent/LoadShard',
                 request_serializer=proto_dot_omlx__pb2.LoadShardRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.LoadShardReply.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/omlx.v1.Node/Generate',
-                request_serializer=proto_dot_omlx__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.TokenChunk.FromString,
-                _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/omlx.v1.Node/Cancel',
-                request_serializer=proto_dot_omlx__pb2.CancelRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.CancelReply.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
-                '/omlx.v1.Node/Health',
+                '/omlx.v1.NodeAgent/Health',
                 request_serializer=proto_dot_omlx__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.HealthReply.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/omlx.v1.Node/Stats',
-                request_serializer=proto_dot_omlx__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.StatsReply.FromString,
-                _registered_method=True)
 
 
-class NodeServicer:
-    """Missing associated documentation comment in .proto file."""
+class NodeAgentServicer:
+    """The node agent: one per machine, long-lived. It owns the machine's shard worker process and
+    replaces it on every new plan (an mx.distributed group cannot be re-formed inside a process).
+    """
 
     def LoadShard(self, request, context):
-        """Load layers [layer_start, layer_end) of a model; returns once it is ready to serve.
+        """Start a shard worker for layers [layer_start, layer_end) as rank `rank` of the plan;
+        returns once the worker has joined the data-plane group and loaded its weights.
+        Every agent of a plan must be asked at once: the group forms only when all ranks join.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeAgentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadShard,
+                    request_deserializer=proto_dot_omlx__pb2.LoadShardRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.LoadShardReply.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=proto_dot_omlx__pb2.HealthRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.HealthReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'omlx.v1.NodeAgent', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('omlx.v1.NodeAgent', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeAgent:
+    """The node agent: one per machine, long-lived. It owns the machine's shard worker process and
+    replaces it on every new plan (an mx.distributed group cannot be re-formed inside a process).
+    """
+
+    @staticmethod
+    def LoadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/LoadShard',
+            proto_dot_omlx__pb2.LoadShardRequest.SerializeToString,
+            proto_dot_omlx__pb2.LoadShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/Health',
+            proto_dot_omlx__pb2.HealthRequest.SerializeToString,
+            proto_dot_omlx__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ShardWorkerStub:
+    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/omlx.v1.ShardWorker/Generate',
+                request_serializer=proto_dot_omlx__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.TokenChunk.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/omlx.v1.ShardWorker/Cancel',
+                request_serializer=proto_dot_omlx__pb2.CancelRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.CancelReply.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/omlx.v1.ShardWorker/Health',
+                request_serializer=proto_dot_omlx__pb2.HealthRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.HealthReply.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/omlx.v1.ShardWorker/Stats',
+                request_serializer=proto_dot_omlx__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.StatsReply.FromString,
+                _registered_method=True)
+
+
+class ShardWorkerServicer:
+    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """
+
     def Generate(self, request, context):
-        """Submit one sequence; the node streams its tokens back as they are sampled.
+        """Submit one sequence; its tokens stream back as they are sampled.
         Cancelling the call (client disconnect, deadline) frees the sequence at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,13 +213,8 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_NodeServicer_to_server(servicer, server):
+def add_ShardWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'LoadShard': grpc.unary_unary_rpc_method_handler(
-                    servicer.LoadShard,
-                    request_deserializer=proto_dot_omlx__pb2.LoadShardRequest.FromString,
-                    response_serializer=proto_dot_omlx__pb2.LoadShardReply.SerializeToString,
-            ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=proto_dot_omlx__pb2.GenerateRequest.FromString,
@@ -128,41 +237,15 @@ def add_NodeServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'omlx.v1.Node', rpc_method_handlers)
+            'omlx.v1.ShardWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('omlx.v1.Node', rpc_method_handlers)
+    server.add_registered_method_handlers('omlx.v1.ShardWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Node:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def LoadShard(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/omlx.v1.Node/LoadShard',
-            proto_dot_omlx__pb2.LoadShardRequest.SerializeToString,
-            proto_dot_omlx__pb2.LoadShardReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+class ShardWorker:
+    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """
 
     @staticmethod
     def Generate(request,
@@ -178,7 +261,7 @@ class Node:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/omlx.v1.Node/Generate',
+            '/omlx.v1.ShardWorker/Generate',
             proto_dot_omlx__pb2.GenerateRequest.SerializeToString,
             proto_dot_omlx__pb2.TokenChunk.FromString,
             options,
@@ -205,7 +288,7 @@ class Node:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/omlx.v1.Node/Cancel',
+            '/omlx.v1.ShardWorker/Cancel',
             proto_dot_omlx__pb2.CancelRequest.SerializeToString,
             proto_dot_omlx__pb2.CancelReply.FromString,
             options,
@@ -232,7 +315,7 @@ class Node:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/omlx.v1.Node/Health',
+            '/omlx.v1.ShardWorker/Health',
             proto_dot_omlx__pb2.HealthRequest.SerializeToString,
             proto_dot_omlx__pb2.HealthReply.FromString,
             options,
@@ -259,7 +342,7 @@ class Node:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/omlx.v1.Node/Stats',
+            '/omlx.v1.ShardWorker/Stats',
             proto_dot_omlx__pb2.StatsRequest.SerializeToString,
             proto_dot_omlx__pb2.StatsReply.FromString,
             options,

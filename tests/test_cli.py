@@ -67,8 +67,12 @@ def test_no_command_is_a_usage_error(home: Path) -> None:
 @pytest.mark.parametrize("command, key_flags", [
     (["serve"], ["--model", "--model-id", "--host", "--port", "--keepalive", "--prefill-chunk",
                  "--max-batch", "--request-timeout", "--default-max-tokens",
-                 "--node-metrics-port", "--log-level"]),
-    (["node"], ["--host", "--port", "--port-file", "--metrics-port", "--model",
+                 "--node-metrics-port", "--log-level", "--nodes", "--split", "--micro-batches"]),
+    (["plan"], ["--model", "--node", "--split", "--os-reserve", "--context", "--sequences",
+                "--json"]),
+    (["worker"], ["--model", "--layers", "--rank", "--peers", "--backend", "--plan-hash",
+                  "--init-timeout", "--ready-file"]),
+    (["node"], ["--host", "--port", "--ready-file", "--data-port", "--metrics-port", "--model",
                 "--exit-with-parent", "--prefill-chunk", "--max-batch"]),
     (["models"], []),
     (["models", "import-gguf"], ["--dest"]),
@@ -142,12 +146,15 @@ def test_serve_folder_that_is_not_a_model(home: Path, tmp_path: Path) -> None:
 
 def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_path: Path,
                                                               tiny_model_path: Path) -> None:
-    """A truncated weights file: the node's load error reaches the user and serve exits 1
-    (rather than idling with /health at 503), leaving no node process behind."""
+    """Weights cut short after an intact header: the plan (headers only) passes, the node's
+    load error reaches the user and serve exits 1 (rather than idling with /health at 503),
+    leaving no node process behind."""
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_path, broken)
     weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    data = weights.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    weights.write_bytes(data[:header_end + 1000])
     env = dict(os.environ, OMLX_CLUSTER_HOME=str(home))
     proc = subprocess.Popen([*_cmd(), "serve", "--model", str(broken), "--port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -160,7 +167,7 @@ def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_pa
         proc.kill()
     out, err = proc.communicate(timeout=10)
     assert proc.returncode == 1, (out, err)
-    assert f"could not serve {broken}" in err and "only 1000 bytes" in err
+    assert f"could not serve {broken}" in err and "corrupt file" in err, err[-1500:]
     assert seen and not any(alive(p) for p in seen)
 
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator.cluster import _node_env
+from omlx_coordinator.cluster import node_env
 from tests.conftest import Server, parse_metrics, start_server
 from tests.tiny_models import build_model
 
@@ -57,7 +57,7 @@ def mlx_lm_greedy(model_path: Path, prompts: list[list[int]], n: int) -> list[li
     """mlx-lm's own greedy generation (generate_step, argmax sampler) of n tokens per prompt."""
     r = subprocess.run([sys.executable, "-c", _REFERENCE_SCRIPT, str(model_path), str(n)],
                        input=json.dumps(prompts), capture_output=True, text=True, timeout=180,
-                       env=_node_env())
+                       env=node_env())
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("REFERENCE "))
     return json.loads(line[len("REFERENCE "):])

@@ -1,7 +1,10 @@
-"""The node agent as a separate process, driven over its real gRPC contract (proto/omlx.proto)."""
+"""A node agent and its shard worker as separate processes, driven over their real gRPC
+contract (proto/omlx.proto)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -26,41 +29,43 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    port_file = tmp_path_factory.mktemp("node") / "port"
+    ready = tmp_path_factory.mktemp("node") / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0", "--port-file",
-         str(port_file), "--metrics-port", "0", "--prefill-chunk", "4"],
+        [sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0", "--ready-file",
+         str(ready), "--metrics-port", "0", "--prefill-chunk", "4"],
     )
     deadline = time.monotonic() + 60
-    while not port_file.exists():
+    while not ready.exists():
         assert proc.poll() is None, "node exited during start-up"
         assert time.monotonic() < deadline, "node did not start"
         time.sleep(0.05)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
-    yield proc, pb_grpc.NodeStub(channel)
+    channel = grpc.insecure_channel(f"127.0.0.1:{json.loads(ready.read_text())['port']}")
+    yield proc, pb_grpc.NodeAgentStub(channel)
     channel.close()
     proc.terminate()
     assert proc.wait(15) == 0  # clean shutdown, no abort
 
 
 def test_load_generate_cancel_stats(node, model):
-    proc, stub = node
-    health = stub.Health(pb.HealthRequest(), timeout=5)
-    assert not health.ready and health.pid == proc.pid
+    proc, agent = node
+    health = agent.Health(pb.HealthRequest(), timeout=5)
+    assert not health.ready and health.pid == proc.pid and health.data_port > 0
 
-    with pytest.raises(grpc.RpcError) as err:
-        next(stub.Generate(pb.GenerateRequest(request_id="x", prompt_tokens=[1], max_tokens=2),
-                           timeout=5))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-
-    with pytest.raises(grpc.RpcError) as err:
-        stub.LoadShard(pb.LoadShardRequest(model_path="/nonexistent/model"), timeout=60)
+    with pytest.raises(grpc.RpcError) as err:  # the worker's stderr reaches the caller
+        agent.LoadShard(pb.LoadShardRequest(model_path="/nonexistent/model"), timeout=60)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "/nonexistent/model" in err.value.details()
+    assert "/nonexistent/model" in err.value.details() and "exited with code" in err.value.details()
 
-    reply = stub.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"), timeout=120)
+    with pytest.raises(grpc.RpcError) as err:
+        agent.LoadShard(pb.LoadShardRequest(model_path=str(model), world_size=2,
+                                            peers=["127.0.0.1:1"]), timeout=60)
+    assert "needs 2 peers" in err.value.details()
+
+    reply = agent.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"), timeout=120)
     assert (reply.layer_start, reply.layer_end, reply.num_layers) == (0, 3, 3)
-    assert reply.dtype == "float32"
+    assert reply.dtype == "float32" and reply.worker_pid != proc.pid
+    channel = grpc.insecure_channel(reply.worker_address)
+    stub = pb_grpc.ShardWorkerStub(channel)
 
     ref_model, tok = load(str(model))
     ids = tok.encode("The capital of France is")
@@ -100,3 +105,24 @@ def test_load_generate_cancel_stats(node, model):
     text = httpx.get(f"http://127.0.0.1:{health.metrics_port}/metrics", timeout=5).text
     assert 'omlx_node:requests_finished_total{reason="cancelled"} 2.0' in text
     assert "omlx_node:time_to_first_token_seconds_count" in text
+
+    agent_health = agent.Health(pb.HealthRequest(), timeout=5)
+    assert agent_health.ready and agent_health.worker_pid == reply.worker_pid
+    channel.close()
+
+    # A new plan replaces the worker process (an mx.distributed group is formed once per process).
+    again = agent.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m",
+                                                layer_start=0, layer_end=3), timeout=120)
+    assert again.worker_pid != reply.worker_pid
+    deadline = time.monotonic() + 10
+    while _alive(reply.worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(reply.worker_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] in "ZX"

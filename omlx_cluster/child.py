@@ -1,0 +1,94 @@
+"""A child process that announces readiness by writing a JSON file, with its log kept for errors.
+
+The coordinator starts node agents this way in `serve`, and a node agent its shard workers:
+either side must report a child that fails to start with the child's own words, and never wait
+for it without a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class ChildError(RuntimeError):
+    """The child exited or did not become ready in time; the message holds its log's tail."""
+
+
+def write_ready(path: Path, info: dict) -> None:
+    """Called by the child once it is ready; readers never see a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def omlx_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "omlx_cluster.cli", *args]
+
+
+class ChildProcess:
+    def __init__(self, cmd: list[str], what: str, env: dict[str, str] | None = None):
+        self._dir = tempfile.TemporaryDirectory(prefix="omlx-child-")
+        self.ready_file = Path(self._dir.name) / "ready.json"
+        self.log_path = Path(self._dir.name) / "log"
+        self.what = what
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([*cmd, "--ready-file", str(self.ready_file)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> dict:
+        """Blocks until the child wrote its ready file; raises ChildError if it exits first or
+        the deadline passes (and then stops it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ChildError(f"{self.what} exited with code {self.proc.returncode}:\n"
+                                 f"{self.log_tail()}")
+            if self.ready_file.exists():
+                return json.loads(self.ready_file.read_text())
+            time.sleep(0.05)
+        tail = self.log_tail()
+        self.stop()
+        raise ChildError(f"{self.what} was not ready within {timeout:.0f}s:\n{tail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        self._dir.cleanup()
+
+
+def watch_parent(on_exit: Callable[[], None], interval: float = 1.0) -> None:
+    """Calls `on_exit` (once, from a daemon thread) when the process that started us exits."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        on_exit()
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()

@@ -1,0 +1,184 @@
+"""A pipeline of stages over mx.distributed: the head's engine and every other stage's loop.
+
+Rank 0 (the head) embeds, schedules and streams tokens; rank r runs layers of stage r; the tail
+applies the head of the model, samples and sends token ids back to rank 0 over the ring's
+wrap-around link. The wire format is in `omlx_node.wire`.
+
+Micro-batch pipelining: the running sequences are spread over K micro-batches and the head keeps
+up to K decode steps in flight, so while the tail computes micro-batch 0 the head already computes
+micro-batch 1. K = 1 is the lockstep pipeline (exo, mlx-lm's `pipeline()`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from omlx_node import wire
+from omlx_node.batcher import Engine, Finish, Sequence, StageState
+from omlx_node.metrics import NodeMetrics
+from omlx_node.sampling import RowSampler, sample_batch
+from omlx_node.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+
+def hidden_dtype(stage: StageRunner) -> mx.Dtype:
+    return getattr(mx, stage.info.dtype)
+
+
+@dataclass
+class MicroBatch:
+    mb: int
+    seqs: list[Sequence] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # next decode input of each row
+    pending: list[Sequence] = field(default_factory=list)  # prefilled, join at the next launch
+    keep: list[int] | None = None  # rows to keep at the next launch (None: all)
+    in_flight: bool = False
+
+
+class PipelineHead(Engine):
+    """The engine of rank 0 when the pipeline has more than one stage."""
+
+    def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
+                 micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64):
+        super().__init__(stage, metrics, prefill_chunk, max_batch,
+                         stage.embed_tokens.weight.shape[0])
+        self.group, self.plan = group, plan
+        self.tail = group.size() - 1
+        self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
+        self._in_flight: deque[MicroBatch] = deque()
+        self._step_no = 0
+        self.broken = False
+
+    def running_seqs(self) -> list[Sequence]:
+        return [s for m in self.mbs for s in (*m.seqs, *m.pending)]
+
+    def _reset(self) -> None:
+        # After a failed step the stages may disagree on their state: this plan cannot go on.
+        self.broken = True
+        self.stop()
+
+    def _send(self, step: wire.Step, hidden: mx.array | None) -> None:
+        step.step = self._step_no
+        self._step_no += 1
+        wire.send_step(step, hidden, self.plan, 1, self.group)
+
+    def _dropped_while_waiting(self, seq: Sequence) -> None:
+        self.state.free([seq.sid])
+        self._send(wire.Step(wire.FREE, freed=[seq.sid]), None)
+
+    def _work(self) -> None:
+        for m in self.mbs:
+            if not m.in_flight and (m.seqs or m.pending or m.keep is not None):
+                self._launch(m)
+        room = self.max_batch - len(self.running_seqs())
+        if self._waiting and room > 0:
+            self._prefill_step(room)
+        if self._in_flight:
+            self._collect(self._in_flight.popleft())
+
+    def _prefill_step(self, room: int) -> None:
+        for seq, start, n in self._take_prefill(room):
+            if n > 0:
+                h = self.state.prefill(seq.sid, mx.array([seq.to_prefill[start:start + n]]))
+                self._send(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n), h)
+            seq.prefilled += n
+            if seq.prefilled == len(seq.to_prefill):
+                self._waiting.popleft()
+                seq.input_is_prompt = False  # tokens come back for the step that ran it
+                min(self.mbs, key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
+
+    def _launch(self, m: MicroBatch) -> None:
+        """Sends micro-batch m's next decode step down the pipeline."""
+        admits = [s for s in m.pending if not s.cancelled]
+        for s in m.pending:
+            if s.cancelled:
+                self._dropped_while_waiting(s)
+                self._finish(s, Finish("cancelled"))
+        m.pending = []
+        self.state.update(m.mb, m.keep, [s.sid for s in admits])
+        m.seqs += admits
+        m.inputs += [s.req.prompt[-1] for s in admits]
+        step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=m.keep,
+                         admits=[wire.Admit(s.sid, s.req.sampling) for s in admits])
+        m.keep = None
+        hidden = self.state.forward(m.mb, mx.array(m.inputs)[:, None]) if m.seqs else None
+        self._send(step, hidden)
+        if m.seqs:
+            m.in_flight = True
+            self._in_flight.append(m)
+
+    def _collect(self, m: MicroBatch) -> None:
+        """Receives micro-batch m's sampled tokens from the tail and streams them out."""
+        tokens = wire.recv_tokens(len(m.seqs), self.tail, self.group)
+        m.in_flight = False
+        keep = self._emit_step(m.seqs, tokens)
+        m.inputs = [tokens[i] for i in keep]
+        if len(keep) < len(m.seqs):
+            m.seqs = [m.seqs[i] for i in keep]
+            m.keep = keep
+
+    def shutdown_pipeline(self) -> None:
+        """Tells every other stage to exit (after the engine loop ended)."""
+        if self.broken:
+            return
+        while self._in_flight:
+            m = self._in_flight.popleft()
+            wire.recv_tokens(len(m.seqs), self.tail, self.group)
+        self._send(wire.Step(wire.STOP), None)
+
+
+class StageLoop:
+    """Every stage after the head: apply each step to this stage's KV state, compute, pass on."""
+
+    def __init__(self, stage: StageRunner, group, plan: int):
+        self.state = StageState(stage)
+        self.group, self.plan = group, plan
+        self.rank, size = group.rank(), group.size()
+        self.is_tail = self.rank == size - 1
+        self.hidden_size = stage.hidden_size
+        self.dtype = hidden_dtype(stage)
+        self.samplers: dict[int, RowSampler] = {}
+
+    def run(self) -> None:
+        while True:
+            step, hidden = wire.recv_step(self.plan, self.rank - 1, self.group,
+                                          self.hidden_size, self.dtype)
+            out = self.apply(step, hidden)
+            if self.is_tail:
+                if out is not None:
+                    wire.send_tokens(out, 0, self.group)
+            else:
+                wire.send_step(step, out, self.plan, self.rank + 1, self.group)
+            if step.op == wire.STOP:
+                return
+
+    def apply(self, step: wire.Step, hidden: mx.array | None) -> mx.array | None:
+        """This stage's part of a step: hidden states for the next stage, token ids on the
+        tail (for decode steps), or None."""
+        if step.op == wire.FREE:
+            self.state.free(step.freed)
+            return None
+        if step.op == wire.PREFILL:
+            out = self.state.prefill(step.target, hidden)
+            return None if self.is_tail else out
+        if step.op != wire.DECODE:
+            return None
+        before = self.state.rows.get(step.target, [])
+        self.state.update(step.target, step.keep, [a.seq_id for a in step.admits])
+        if self.is_tail:
+            for a in step.admits:
+                self.samplers[a.seq_id] = RowSampler(a.sampling)
+            for sid in set(before) - set(self.state.rows.get(step.target, [])):
+                self.samplers.pop(sid, None)
+        if hidden is None:
+            return None
+        out = self.state.forward(step.target, hidden)
+        if not self.is_tail:
+            return out
+        rows = self.state.rows[step.target]
+        return sample_batch(out[:, -1, :], [self.samplers[s] for s in rows])

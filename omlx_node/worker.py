@@ -1,0 +1,217 @@
+"""Shard worker: the only process that runs MLX model code. One per node per plan.
+
+It joins the plan's mx.distributed group (when the pipeline has more than one stage), loads its
+layers, and runs the engine on its main thread: rank 0 the head's (`Batcher` alone,
+`PipelineHead` in a pipeline) behind the ShardWorker gRPC service, every other rank a
+`StageLoop`. It writes its ready file only once it can serve, and exits when its agent (its
+parent) does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from omlx_cluster import __version__
+from omlx_cluster.child import write_ready
+from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
+from omlx_node.metrics import NodeMetrics
+from omlx_node.sampling import SamplingParams
+from omlx_node.stage import StageRunner
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# A handler thread re-checks its client this often while its sequence waits in the queue.
+POLL_SECONDS = 1.0
+# Every running stream holds one handler thread while it waits for tokens.
+MAX_STREAMS = 512
+
+
+@dataclass
+class WorkerConfig:
+    model_path: Path
+    model_id: str
+    layer_start: int
+    layer_end: int | None
+    rank: int = 0
+    peers: tuple[str, ...] = ()
+    backend: str = "ring"
+    plan_hash: str = ""
+    micro_batches: int = 0
+    host: str = "127.0.0.1"
+    prefill_chunk: int = 512
+    max_batch: int = 64
+    metrics_port: int | None = None
+    init_timeout: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return max(1, len(self.peers))
+
+
+class WorkerService(pb_grpc.ShardWorkerServicer):
+    """Generate/Cancel/Stats/Health of the head worker. Handlers never touch MLX: they talk to
+    the engine through its queue and read each sequence's events back."""
+
+    def __init__(self, engine: Engine, config: WorkerConfig, metrics_port: int):
+        self.engine, self.config, self.metrics_port = engine, config, metrics_port
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        s = request.sampling
+        req = SeqRequest(
+            request_id=request.request_id,
+            prompt=list(request.prompt_tokens),
+            max_tokens=request.max_tokens,
+            sampling=SamplingParams(temperature=s.temperature,
+                                    top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
+                                    min_p=s.min_p, seed=s.seed if s.has_seed else None),
+            stop_token_ids=frozenset(request.stop_token_ids),
+        )
+        try:
+            seq = self.engine.submit(req)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # Runs when the call ends for any reason, a client that went away included.
+        context.add_callback(lambda: self.engine.cancel(req.request_id))
+        first = True
+        while True:
+            try:
+                event = seq.events.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            tokens: list[int] = []
+            while isinstance(event, int):
+                tokens.append(event)
+                try:
+                    event = seq.events.get_nowait()
+                except queue.Empty:
+                    event = None
+            chunk = pb.TokenChunk(tokens=tokens)
+            if first:
+                chunk.prompt_tokens = len(req.prompt)
+                first = False
+            if isinstance(event, Finish):
+                chunk.finish_reason = event.reason
+                chunk.error = event.error
+            yield chunk
+            if isinstance(event, Finish):
+                return
+
+    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
+        self.engine.cancel(request.request_id)
+        return pb.CancelReply(found=True)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
+        info = self.engine.stage.info
+        c = self.config
+        return pb.HealthReply(ready=True, model_id=c.model_id, status="ready", version=__version__,
+                              layer_start=info.layer_start, layer_end=info.layer_end,
+                              num_layers=info.num_layers, metrics_port=self.metrics_port,
+                              pid=os.getpid(), worker_pid=os.getpid(), rank=c.rank,
+                              world_size=c.world_size)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
+        e = self.engine
+        return pb.StatsReply(running=e.running, waiting=e.waiting,
+                             prompt_tokens_total=e.prompt_total,
+                             generated_tokens_total=e.generated_total,
+                             requests_total=e.requests_total,
+                             decode_tokens_per_second=e.decode_rate())
+
+
+def plan_int(plan_hash: str) -> int:
+    return int(plan_hash[:8] or "0", 16)
+
+
+def join_group(config: WorkerConfig):
+    """Forms the plan's mx.distributed group, or exits naming what could not be reached:
+    MLX's ring init waits forever for a missing peer."""
+    import json
+    import tempfile
+
+    import mlx.core as mx
+
+    hostfile = Path(tempfile.mkdtemp(prefix="omlx-hosts-")) / "hosts.json"
+    hostfile.write_text(json.dumps([[p] for p in config.peers]))
+    os.environ["MLX_RANK"] = str(config.rank)
+    os.environ["MLX_HOSTFILE"] = str(hostfile)
+
+    message = (f"error: could not form the {config.backend} group within "
+               f"{config.init_timeout:.0f}s: rank {config.rank} of {config.world_size}, "
+               f"listening on {config.peers[config.rank]}, peers {', '.join(config.peers)}. "
+               "Is every node of the plan up and reachable?")
+    # MLX's init holds the GIL while it waits, so no thread or signal handler of this process
+    # can run: a separate watchdog process ends it.
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time; time.sleep(float(sys.argv[1])); "
+         "print(sys.argv[2], file=sys.stderr, flush=True); os.kill(int(sys.argv[3]), 9)",
+         str(config.init_timeout), message, str(os.getpid())])
+    try:
+        group = mx.distributed.init(strict=True, backend=config.backend)
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+    if group.size() != config.world_size or group.rank() != config.rank:
+        raise RuntimeError(f"joined a group of {group.size()} as rank {group.rank()}, expected "
+                           f"{config.world_size} / {config.rank}")
+    return group
+
+
+def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
+    from omlx_node.pipeline import PipelineHead, StageLoop
+
+    group = join_group(config) if config.world_size > 1 else None
+    stage = StageRunner(config.model_path, config.layer_start, config.layer_end)
+    metrics = NodeMetrics()
+    metrics.load_seconds.set(stage.info.load_seconds)
+    metrics.shard_bytes.set(stage.nbytes())
+    info = stage.info
+    log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s)", config.rank,
+             config.world_size, info.layer_start, info.layer_end, config.model_id,
+             info.load_seconds, info.dtype)
+    ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
+             "layer_start": info.layer_start, "layer_end": info.layer_end,
+             "num_layers": info.num_layers, "port": 0}
+    plan = plan_int(config.plan_hash)
+
+    if config.rank > 0:
+        if ready_file:
+            write_ready(ready_file, ready)
+        StageLoop(stage, group, plan).run()
+        return 0
+
+    if group is None:
+        engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch)
+    else:
+        k = config.micro_batches or config.world_size
+        engine = PipelineHead(stage, metrics, group, plan, k, config.prefill_chunk,
+                              config.max_batch)
+    metrics_port = (metrics.serve(config.host, config.metrics_port)
+                    if config.metrics_port is not None else 0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
+                         maximum_concurrent_rpcs=MAX_STREAMS)
+    pb_grpc.add_ShardWorkerServicer_to_server(WorkerService(engine, config, metrics_port), server)
+    port = server.add_insecure_port(f"{config.host}:0")
+    server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: engine.stop())
+    if ready_file:
+        write_ready(ready_file, {**ready, "port": port, "metrics_port": metrics_port})
+    engine.run()
+    if isinstance(engine, PipelineHead):
+        engine.shutdown_pipeline()
+    server.stop(grace=2).wait(5)
+    return 1 if getattr(engine, "broken", False) else 0

@@ -1,0 +1,190 @@
+"""Multi-stage pipelines over mx.distributed (ring on loopback), as separate worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from openai import OpenAI
+
+from omlx_cluster.child import ChildError, ChildProcess, omlx_command
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+from tests.conftest import free_port, start_server
+from tests.tiny_models import build_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello",
+    "x",
+    "def add(a, b):\n    return",
+    "A pipeline splits the layers of a model across several machines. " * 5,
+    "Numbers: 0 1 2 3",
+    "Large language models predict",
+    "How are you today?",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("pipe") / "tiny-pipe", "llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def references(model) -> dict[str, list[int]]:
+    ref_model, tok = load(str(model))
+    out = {}
+    for p in PROMPTS:
+        out[p] = [int(t) for t, _ in generate_step(mx.array(tok.encode(p)), ref_model,
+                                                    max_tokens=20)]
+    mx.synchronize()
+    return out
+
+
+@contextmanager
+def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60):
+    """Starts one `omlx-cluster worker` per stage; yields the head's ShardWorker stub."""
+    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in split)
+    bounds = [sum(split[:i]) for i in range(len(split) + 1)]
+    workers = [
+        ChildProcess(omlx_command(
+            "worker", "--model", str(model), "--model-id", "m", "--rank", str(r),
+            "--layers", f"{bounds[r]}:{bounds[r + 1]}", "--peers", peers,
+            "--plan-hash", "0123456789abcdef", "--micro-batches", str(micro_batches),
+            "--prefill-chunk", "8", "--init-timeout", str(init_timeout)), f"rank {r}")
+        for r in range(len(split))]
+    try:
+        infos = [w.wait_ready(120) for w in workers]
+        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
+        yield pb_grpc.ShardWorkerStub(channel), workers
+        channel.close()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
+    chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
+                                                   prompt_tokens=ids, max_tokens=max_tokens),
+                                timeout=120))
+    return [t for c in chunks for t in c.tokens], chunks[-1].finish_reason
+
+
+def run_concurrently(fn, items: list) -> list:
+    results = [None] * len(items)
+
+    def one(i):
+        results[i] = fn(items[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
+
+
+@pytest.mark.parametrize("split, micro_batches", [
+    ([1, 3], 0),        # two uneven stages, K = 2
+    ([2, 1, 1], 0),     # three stages, K = 3
+    ([1, 2, 1], 1),     # lockstep (K = 1): same tokens
+])
+def test_pipeline_greedy_matches_mlx_lm(model, references, split, micro_batches):
+    _, tok = load(str(model))
+    with pipeline(model, split, micro_batches) as (stub, _):
+        alone = generate(stub, tok.encode(PROMPTS[0]))
+        assert alone == (references[PROMPTS[0]], "length")
+        outs = run_concurrently(lambda p: generate(stub, tok.encode(p)), PROMPTS * 2)
+        for p, (tokens, reason) in zip(PROMPTS * 2, outs):
+            assert tokens == references[p], p
+            assert reason == "length"
+
+
+def test_pipeline_concurrency_with_cancellation(model, references):
+    _, tok = load(str(model))
+    with pipeline(model, [1, 1, 2]) as (stub, _):
+        cancelled: list[str] = []
+
+        def one(i: int):
+            p = PROMPTS[i % len(PROMPTS)]
+            if i % 4 == 3:  # these leave after their first tokens
+                call = stub.Generate(pb.GenerateRequest(request_id=f"c{i}",
+                                                        prompt_tokens=tok.encode(p),
+                                                        max_tokens=500), timeout=120)
+                next(call)
+                call.cancel()
+                cancelled.append(p)
+                return None
+            return p, generate(stub, tok.encode(p), rid=f"r{i}")
+
+        results = run_concurrently(one, list(range(16)))
+        assert len(cancelled) == 4
+        for r in results:
+            if r is not None:
+                p, (tokens, _) = r
+                assert tokens == references[p]
+        deadline = time.monotonic() + 10
+        while stub.Stats(pb.StatsRequest(), timeout=5).running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stub.Stats(pb.StatsRequest(), timeout=5).running == 0
+        # The pipeline keeps serving after the cancellations.
+        assert generate(stub, tok.encode(PROMPTS[1]))[0] == references[PROMPTS[1]]
+
+
+def test_group_that_cannot_form_names_host_port_backend(model):
+    """A rank that dies before joining: the others give up in time, saying who was missing."""
+    with pytest.raises(ChildError) as err:
+        with pipeline(model, [2, 9], init_timeout=3):  # rank 1's range is not in the model
+            pass
+    text = str(err.value)
+    assert "rank 0" in text or "rank 1" in text
+    assert "exited with code" in text
+
+
+def test_rank_zero_alone_times_out_naming_peers(model):
+    peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    r = subprocess.run(omlx_command("worker", "--model", str(model), "--model-id", "m",
+                                    "--layers", "0:2", "--rank", "0", "--peers", peers,
+                                    "--init-timeout", "2"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "could not form the ring group" in r.stderr and peers.split(",")[1] in r.stderr
+
+
+def test_gateway_in_front_of_a_three_stage_pipeline(model, references, tmp_path):
+    _, tok = load(str(model))
+    with start_server(model, "--nodes", "3", "--split", "2,1,1", home=tmp_path / "h",
+                      keepalive=None) as server:
+        import httpx
+
+        health = httpx.get(server.url + "/health", timeout=5).json()
+        assert [n["layers"] for n in health["nodes"]] == [[0, 2], [2, 3], [3, 4]]
+        client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        ids = tok.encode(PROMPTS[0])
+        r = client.completions.create(model=server.model_id, prompt=ids, max_tokens=20,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(references[PROMPTS[0]])
+        stream = client.chat.completions.create(
+            model=server.model_id, messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8, temperature=0, stream=True)
+        assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nodes", "2", "--split", "1,2"], "covers 3 layers"),
+    (["--nodes", "3", "--split", "1,3"], "--split has 2 entries"),
+    (["--nodes", "2", "--split", "4,0"], "at least one layer"),
+])
+def test_bad_split_is_refused(model, flags, message):
+    r = subprocess.run(omlx_command("serve", "--model", str(model), "--port", str(free_port()),
+                                    *flags), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert message in r.stderr
