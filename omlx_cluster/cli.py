@@ -30,6 +30,17 @@ def _split(value: str) -> list[int]:
     return parts
 
 
+def _size(value: str) -> int:
+    from omlx_coordinator.planner import parse_size
+
+    if value.strip() in ("0", "0B"):
+        return 0
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
@@ -37,6 +48,28 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=_positive, default=64, metavar="N",
                    help="most sequences decoding at once on a node; more wait in a queue "
                         "(default: 64)")
+    p.add_argument("--hot-cache-max-size", type=_size, default="1GiB", metavar="SIZE",
+                   help="RAM for the prefix KV cache of each stage, e.g. 4GiB; 0 turns the "
+                        "prefix cache off (default: 1GiB)")
+    p.add_argument("--paged-ssd-cache-dir", type=Path, metavar="DIR",
+                   help="where each stage keeps prefix KV blocks on disk, surviving restarts "
+                        "(default: $OMLX_CLUSTER_HOME/kv-cache)")
+    p.add_argument("--paged-ssd-cache-max-size", type=_size, default="16GiB", metavar="SIZE",
+                   help="disk for the prefix KV blocks; 0 keeps the cache in RAM only "
+                        "(default: 16GiB)")
+    p.add_argument("--cache-block-size", type=_positive, default=256, metavar="TOKENS",
+                   help="tokens per prefix-cache block (default: 256)")
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags as given, to pass on to the process that runs the engine."""
+    out = ["--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
+           "--hot-cache-max-size", f"{args.hot_cache_max_size}B",
+           "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
+           "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level]
+    if args.paged_ssd_cache_dir:
+        out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
+    return out
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -191,8 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
               file=sys.stderr)
         return 2
-    node_args = ("--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
-                 "--log-level", args.log_level)
+    node_args = tuple(_engine_args(args))
     head_args = (() if args.node_metrics_port is None
                  else ("--metrics-port", str(args.node_metrics_port)))
     options = ClusterOptions(nodes=args.nodes, split=args.split,
@@ -232,8 +264,7 @@ def _node(args: argparse.Namespace) -> int:
     from omlx_node.agent import NodeAgent
     from proto import omlx_pb2 as pb
 
-    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, args.prefill_chunk,
-                      args.max_batch, args.log_level)
+    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args))
     if args.model:
         from omlx_cluster.child import ChildError
         from omlx_cluster.model_store import ModelError, resolve_model
@@ -254,6 +285,7 @@ def _node(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from omlx_cluster.child import watch_parent
+    from omlx_cluster.model_store import data_home
     from omlx_node.worker import WorkerConfig, run_worker
 
     # A worker is only ever its agent's: when the agent goes, so does it.
@@ -265,7 +297,11 @@ def _worker(args: argparse.Namespace) -> int:
         peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
         plan_hash=args.plan_hash, micro_batches=args.micro_batches, host=args.host,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
-        metrics_port=args.metrics_port, init_timeout=args.init_timeout)
+        metrics_port=args.metrics_port, init_timeout=args.init_timeout,
+        cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
+        ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else
+                       args.paged_ssd_cache_dir or data_home() / "kv-cache"),
+        ssd_cache_bytes=args.paged_ssd_cache_max_size)
     return run_worker(config, args.ready_file)
 
 

@@ -60,6 +60,7 @@ class Done:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 # ---- generation core ---------------------------------------------------------------------------
@@ -123,7 +124,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
     detok = cluster.tokenizer.detokenizer(prompt)
     stops = StopMatcher(body.stop)
     started = last = time.perf_counter()
-    n_out, first = 0, True
+    n_out, first, cached = 0, True, 0
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
@@ -146,6 +147,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if isinstance(item, Exception):
                 raise APIError(502, f"lost the node: {item}", type="server_error")
             now = time.perf_counter()
+            cached = max(cached, item.cached_tokens)
             if item.tokens and first:
                 metrics.waiting.dec()
                 metrics.running.inc()
@@ -165,7 +167,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if hit:
                 if out:
                     yield Delta(out)
-                yield Done("stop", len(prompt), n_out)
+                yield Done("stop", len(prompt), n_out, cached)
                 return
             if item.finish_reason == "error":
                 raise APIError(500, f"generation failed on the node: {item.error}",
@@ -176,7 +178,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if out:
                 yield Delta(out)
             if item.finish_reason:
-                yield Done(item.finish_reason, len(prompt), n_out)
+                yield Done(item.finish_reason, len(prompt), n_out, cached)
                 return
     finally:
         (metrics.waiting if first else metrics.running).dec()
@@ -203,7 +205,8 @@ def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
 
 def _usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def _sse(obj: dict) -> str:

@@ -32,13 +32,11 @@ def free_port(host: str) -> int:
 
 class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
-                 metrics_port: int | None = None, prefill_chunk: int = 512, max_batch: int = 64,
-                 log_level: str = "info"):
+                 metrics_port: int | None = None, engine_args: list[str] | None = None):
         self.host = host
         self.data_port = data_port or free_port(host)
         self.metrics_port = metrics_port
-        self.engine_args = ["--prefill-chunk", str(prefill_chunk), "--max-batch", str(max_batch),
-                            "--log-level", log_level]
+        self.engine_args = list(engine_args or [])  # passed on to every worker
         self.worker: ChildProcess | None = None
         self.reply: pb.LoadShardReply | None = None
         self.request: pb.LoadShardRequest | None = None

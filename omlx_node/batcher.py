@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from omlx_node.kv_tiers import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import RowSampler, SamplingParams, sample_batch
 from omlx_node.stage import StageRunner
@@ -64,6 +65,9 @@ class Sequence:
         self.sid = next(_seq_ids) & 0x7FFFFFFF  # int32 on the wire
         self.events: queue.Queue[int | Finish] = queue.Queue()
         self.prefilled = 0
+        self.cached = 0  # prompt tokens restored from the prefix cache
+        self.looked_up = False  # the prefix cache was asked (and answered)
+        self.lookup_sent = False  # (pipeline head) the stages were asked
         self.generated = 0
         self.input_is_prompt = True  # its decode input is still the last prompt token
         self.cancelled = False
@@ -85,11 +89,35 @@ class StageState:
     Every stage of a pipeline applies the same operations in the same order, so the rows of a
     micro-batch line up across stages without ever being named on the wire after admission."""
 
-    def __init__(self, stage: StageRunner):
+    def __init__(self, stage: StageRunner, prefix_cache: PrefixCache | None = None):
         self.stage = stage
+        self.prefix_cache = prefix_cache
         self.prefilling: dict[int, list[KVCache]] = {}
         self.caches: dict[int, list[BatchKVCache]] = {}
         self.rows: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}  # what each prefilling sequence will store
+
+    def lookup(self, seq_id: int, tokens: list[int]) -> int:
+        """Restores the longest prefix of `tokens` this stage holds; returns its length."""
+        if self.prefix_cache is None:
+            return 0
+        self.tokens[seq_id] = tokens
+        kv = self.prefix_cache.restore(tokens, self.prefix_cache.lookup(tokens))
+        held = kv[0].offset
+        if held:
+            self.prefilling[seq_id] = kv
+        return held
+
+    def trim(self, seq_id: int, n: int) -> None:
+        """Keeps only the first n restored tokens: the prefix every stage of the pipeline holds."""
+        kv = self.prefilling.get(seq_id)
+        if kv is None or kv[0].offset <= n:
+            return
+        if n == 0:
+            del self.prefilling[seq_id]
+            return
+        for c in kv:
+            c.trim(c.offset - n)
 
     def prefill(self, seq_id: int, x: mx.array) -> mx.array:
         """Runs a prompt chunk of one sequence; returns this stage's output (lazy)."""
@@ -101,6 +129,7 @@ class StageState:
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.prefilling.pop(s, None)
+            self.tokens.pop(s, None)
 
     def update(self, mb: int, keep: list[int] | None, admit: list[int]) -> None:
         """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences.
@@ -122,6 +151,10 @@ class StageState:
         if admit:
             # A one-token prompt has nothing to prefill: its cache starts empty here.
             new = [self.prefilling.pop(s, None) or self.stage.make_cache() for s in admit]
+            if self.prefix_cache is not None:
+                for sid, kv in zip(admit, new):
+                    if sid in self.tokens:
+                        self.prefix_cache.store(self.tokens.pop(sid), kv)
             if not rows and len(new) == 1:
                 caches = new[0]
             elif rows and isinstance(caches[0], BatchKVCache):
@@ -145,13 +178,13 @@ class Engine:
     """What every pipeline head does: requests in, prompt chunks scheduled, tokens out."""
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int,
-                 max_batch: int, vocab_size: int):
+                 max_batch: int, vocab_size: int, prefix_cache: PrefixCache | None = None):
         self.stage = stage
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.vocab_size = vocab_size
-        self.state = StageState(stage)
+        self.state = StageState(stage, prefix_cache)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._stop = threading.Event()
@@ -283,12 +316,19 @@ class Engine:
         tokens in all, oldest sequences first, for at most `room` new sequences."""
         budget, plan = self.prefill_chunk, []
         for seq in self._waiting:
-            if budget <= 0 or len(plan) >= room:
+            if budget <= 0 or len(plan) >= room or not self._looked_up(seq):
                 break
             n = min(budget, len(seq.to_prefill) - seq.prefilled)
             plan.append((seq, seq.prefilled, n))
             budget -= max(n, 1)
         return plan
+
+    def _looked_up(self, seq: Sequence) -> bool:
+        """Whether `seq`'s cached prefix is known (and restored), so its prefill may start."""
+        if not seq.looked_up:
+            seq.cached = seq.prefilled = self.state.lookup(seq.sid, seq.to_prefill)
+            seq.looked_up = True
+        return True
 
     def _emit(self, seq: Sequence, tok: int, now: float) -> str | None:
         """Streams one sampled token; returns a finish reason if the sequence is done."""
@@ -346,11 +386,11 @@ class Batcher(Engine):
     MB = 0  # its single micro-batch
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int = 512,
-                 max_batch: int = 64):
+                 max_batch: int = 64, prefix_cache: PrefixCache | None = None):
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
-                         stage.embed_tokens.weight.shape[0])
+                         stage.embed_tokens.weight.shape[0], prefix_cache)
         self._batch: list[Sequence] = []
         self._samplers: list[RowSampler] = []
         self._y: mx.array | None = None  # next decode input of every row
@@ -360,7 +400,7 @@ class Batcher(Engine):
 
     def _reset(self) -> None:
         self._batch, self._samplers, self._y = [], [], None
-        self.state = StageState(self.stage)
+        self.state = StageState(self.stage, self.state.prefix_cache)
 
     def _work(self) -> None:
         if self._batch:

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from omlx_node import wire
 from omlx_node.batcher import Engine, Finish, Sequence, StageState
+from omlx_node.kv_tiers import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import RowSampler, sample_batch
 from omlx_node.stage import StageRunner
@@ -44,13 +45,16 @@ class PipelineHead(Engine):
     """The engine of rank 0 when the pipeline has more than one stage."""
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
-                 micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64):
+                 micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64,
+                 prefix_cache: PrefixCache | None = None):
         super().__init__(stage, metrics, prefill_chunk, max_batch,
-                         stage.embed_tokens.weight.shape[0])
+                         stage.embed_tokens.weight.shape[0], prefix_cache)
         self.group, self.plan = group, plan
         self.tail = group.size() - 1
         self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
-        self._in_flight: deque[MicroBatch] = deque()
+        # Answers the tail owes rank 0, in the order their steps were sent: a micro-batch's
+        # tokens, or the prefix every stage holds for a sequence (LOOKUP).
+        self._replies: deque[MicroBatch | Sequence] = deque()
         self._step_no = 0
         self.broken = False
 
@@ -75,11 +79,39 @@ class PipelineHead(Engine):
         for m in self.mbs:
             if not m.in_flight and (m.seqs or m.pending or m.keep is not None):
                 self._launch(m)
+        if self.state.prefix_cache is not None:
+            for seq in self._waiting:
+                if not seq.lookup_sent:
+                    self._send_lookup(seq)
         room = self.max_batch - len(self.running_seqs())
         if self._waiting and room > 0:
             self._prefill_step(room)
-        if self._in_flight:
-            self._collect(self._in_flight.popleft())
+        if self._replies:
+            reply = self._replies.popleft()
+            if isinstance(reply, MicroBatch):
+                self._collect(reply)
+            else:
+                self._collect_lookup(reply)
+
+    def _looked_up(self, seq: Sequence) -> bool:
+        if self.state.prefix_cache is None:
+            seq.looked_up = True
+        return seq.looked_up
+
+    def _send_lookup(self, seq: Sequence) -> None:
+        """Asks every stage for the prefix it holds; the answer comes back with the replies."""
+        held = self.state.lookup(seq.sid, seq.to_prefill)
+        self._send(wire.Step(wire.LOOKUP, target=seq.sid, held=held, prompt=seq.to_prefill),
+                   None)
+        seq.lookup_sent = True
+        self._replies.append(seq)
+
+    def _collect_lookup(self, seq: Sequence) -> None:
+        held = wire.recv_tokens(1, self.tail, self.group)[0]
+        self.state.trim(seq.sid, held)
+        self._send(wire.Step(wire.TRIM, target=seq.sid, held=held), None)
+        seq.cached = seq.prefilled = held
+        seq.looked_up = True
 
     def _prefill_step(self, room: int) -> None:
         for seq, start, n in self._take_prefill(room):
@@ -110,7 +142,7 @@ class PipelineHead(Engine):
         self._send(step, hidden)
         if m.seqs:
             m.in_flight = True
-            self._in_flight.append(m)
+            self._replies.append(m)
 
     def _collect(self, m: MicroBatch) -> None:
         """Receives micro-batch m's sampled tokens from the tail and streams them out."""
@@ -126,17 +158,19 @@ class PipelineHead(Engine):
         """Tells every other stage to exit (after the engine loop ended)."""
         if self.broken:
             return
-        while self._in_flight:
-            m = self._in_flight.popleft()
-            wire.recv_tokens(len(m.seqs), self.tail, self.group)
+        while self._replies:
+            r = self._replies.popleft()
+            wire.recv_tokens(len(r.seqs) if isinstance(r, MicroBatch) else 1, self.tail,
+                             self.group)
         self._send(wire.Step(wire.STOP), None)
 
 
 class StageLoop:
     """Every stage after the head: apply each step to this stage's KV state, compute, pass on."""
 
-    def __init__(self, stage: StageRunner, group, plan: int):
-        self.state = StageState(stage)
+    def __init__(self, stage: StageRunner, group, plan: int,
+                 prefix_cache: PrefixCache | None = None):
+        self.state = StageState(stage, prefix_cache)
         self.group, self.plan = group, plan
         self.rank, size = group.rank(), group.size()
         self.is_tail = self.rank == size - 1
@@ -162,6 +196,12 @@ class StageLoop:
         tail (for decode steps), or None."""
         if step.op == wire.FREE:
             self.state.free(step.freed)
+            return None
+        if step.op == wire.LOOKUP:
+            step.held = min(step.held, self.state.lookup(step.target, step.prompt))
+            return mx.array([step.held], dtype=mx.int32) if self.is_tail else None
+        if step.op == wire.TRIM:
+            self.state.trim(step.target, step.held)
             return None
         if step.op == wire.PREFILL:
             out = self.state.prefill(step.target, hidden)

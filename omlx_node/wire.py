@@ -8,13 +8,14 @@ Every pipeline step travels down the ring as up to three messages, in this order
    DECODE steps with rows > 0.
 
 The tail stage answers each DECODE step with rows > 0 by sending int32[rows] sampled token ids
-to rank 0 (the ring's wrap-around link). Nothing else flows back.
+to rank 0 (the ring's wrap-around link), and each LOOKUP step with int32[1]. Nothing else flows
+back, so rank 0 reads the answers in the order it sent those steps.
 
 Header fields (int32 each):
     0 MAGIC        guards against a peer that speaks another version or another plan
-    1 op           PREFILL, DECODE, FREE or STOP
+    1 op           PREFILL, DECODE, FREE, LOOKUP, TRIM or STOP
     2 step         the head's step counter (diagnostics)
-    3 target       micro-batch id (DECODE) or sequence id (PREFILL)
+    3 target       micro-batch id (DECODE) or sequence id (PREFILL, LOOKUP, TRIM)
     4 rows         rows of hidden states that follow
     5 tokens       tokens per row (the prefill chunk length; 1 for decode)
     6 payload_len  int32 count of the payload
@@ -26,6 +27,11 @@ ADMIT_INTS ints: sequence id, then the sequence's sampling parameters (the tail 
 carried as their int32 bit patterns. Admitted sequences join the end of the micro-batch, taking
 over the KV their PREFILL steps left in each stage.
 FREE payload: sequence ids whose prefill KV must be dropped (cancelled while prefilling).
+LOOKUP payload: [held, the sequence's prompt tokens but the last...]: each stage restores the
+longest prefix its prefix cache holds, lowers `held` to it and passes the step on; the tail
+answers the minimum, the prefix every stage holds. The stages keep the tokens to store the
+sequence's blocks once its prefill is done.
+TRIM payload: [n]: keep only the first n restored tokens (the head's answer to LOOKUP).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ STREAM = mx.cpu
 MAGIC = 0x6F6D6C31  # "oml1"
 HEADER_INTS = 8
 ADMIT_INTS = 8
-PREFILL, DECODE, FREE, STOP = 1, 2, 3, 4
+PREFILL, DECODE, FREE, STOP, LOOKUP, TRIM = 1, 2, 3, 4, 5, 6
 
 
 class WireError(RuntimeError):
@@ -80,6 +86,8 @@ class Step:
     keep: list[int] | None = None  # DECODE: rows that stay; None = all
     admits: list[Admit] = field(default_factory=list)  # DECODE
     freed: list[int] = field(default_factory=list)  # FREE
+    held: int = 0  # LOOKUP: the prefix every stage so far holds; TRIM: the one to keep
+    prompt: list[int] = field(default_factory=list)  # LOOKUP
 
     def payload(self) -> list[int]:
         if self.op == DECODE:
@@ -87,6 +95,10 @@ class Step:
             return [*keep, len(self.admits), *(i for a in self.admits for i in a.encode())]
         if self.op == FREE:
             return list(self.freed)
+        if self.op == LOOKUP:
+            return [self.held, *self.prompt]
+        if self.op == TRIM:
+            return [self.held]
         return []
 
 
@@ -127,6 +139,10 @@ def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
                        for i in range(n_admit)]
     elif op == FREE:
         step.freed = payload
+    elif op == LOOKUP:
+        step.held, step.prompt = payload[0], payload[1:]
+    elif op == TRIM:
+        step.held = payload[0]
     hidden = None
     if op in (PREFILL, DECODE) and rows > 0:
         hidden = mx.distributed.recv((rows, tokens, hidden_size), dtype, src, group=group,

@@ -9,6 +9,7 @@ parent) does.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -24,6 +25,7 @@ import grpc
 from omlx_cluster import __version__
 from omlx_cluster.child import write_ready
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
+from omlx_node.kv_tiers import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
@@ -54,6 +56,10 @@ class WorkerConfig:
     max_batch: int = 64
     metrics_port: int | None = None
     init_timeout: float = 60.0
+    cache_block_size: int = 256
+    hot_cache_bytes: int = 0  # 0: no prefix cache at all
+    ssd_cache_dir: Path | None = None  # None: RAM only
+    ssd_cache_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -102,6 +108,7 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
             chunk = pb.TokenChunk(tokens=tokens)
             if first:
                 chunk.prompt_tokens = len(req.prompt)
+                chunk.cached_tokens = seq.cached
                 first = False
             if isinstance(event, Finish):
                 chunk.finish_reason = event.reason
@@ -170,12 +177,48 @@ def join_group(config: WorkerConfig):
     return group
 
 
-def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
-    from omlx_node.pipeline import PipelineHead, StageLoop
+def weights_fingerprint(model_path: Path) -> str:
+    """Names the exact weights for the prefix cache: config plus every safetensors header,
+    size and mtime (cheap; hashing gigabytes of tensors at start-up is not)."""
+    h = hashlib.sha256(model_path.joinpath("config.json").read_bytes())
+    for f in sorted(model_path.glob("*.safetensors")):
+        st = f.stat()
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 24)))
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
 
+
+def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
+                      metrics: NodeMetrics) -> PrefixCache | None:
+    if config.hot_cache_bytes <= 0:
+        return None
+    info = stage.info
+    return PrefixCache(
+        f"{config.model_id}@{weights_fingerprint(config.model_path)}",
+        (info.layer_start, info.layer_end), config.cache_block_size,
+        hot_max_bytes=config.hot_cache_bytes, ssd_dir=config.ssd_cache_dir,
+        ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
+        dtype=info.dtype)
+
+
+def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     group = join_group(config) if config.world_size > 1 else None
     stage = StageRunner(config.model_path, config.layer_start, config.layer_end)
     metrics = NodeMetrics()
+    prefix_cache = make_prefix_cache(config, stage, metrics)
+    try:
+        return _serve(config, ready_file, group, stage, metrics, prefix_cache)
+    finally:
+        if prefix_cache is not None:
+            prefix_cache.close()
+
+
+def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRunner,
+           metrics: NodeMetrics, prefix_cache: PrefixCache | None) -> int:
+    from omlx_node.pipeline import PipelineHead, StageLoop
+
     metrics.load_seconds.set(stage.info.load_seconds)
     metrics.shard_bytes.set(stage.nbytes())
     info = stage.info
@@ -190,15 +233,16 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     if config.rank > 0:
         if ready_file:
             write_ready(ready_file, ready)
-        StageLoop(stage, group, plan).run()
+        StageLoop(stage, group, plan, prefix_cache).run()
         return 0
 
     if group is None:
-        engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch)
+        engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch,
+                                 prefix_cache)
     else:
         k = config.micro_batches or config.world_size
         engine = PipelineHead(stage, metrics, group, plan, k, config.prefill_chunk,
-                              config.max_batch)
+                              config.max_batch, prefix_cache)
     metrics_port = (metrics.serve(config.host, config.metrics_port)
                     if config.metrics_port is not None else 0)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),

@@ -1,0 +1,126 @@
+"""The tiered prefix KV cache inside the serving path: single node, restarts, pipelines."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from tests.conftest import start_server
+from tests.tiny_models import build_model
+
+BLOCK = 16
+FLAGS = ("--cache-block-size", str(BLOCK), "--prefill-chunk", "24")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("kv") / "tiny-kv", "llama", num_layers=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:
+    """Prompts sharing long prefixes (several blocks), as agents resending a context do."""
+    _, tok = load(str(model))
+    system = tok.encode("You are a helpful assistant. " * 12)
+    return [system + tok.encode(q) for q in
+            ["What is the capital of France?", "Hello there", "def add(a, b):", "x"]] + [
+        system[:40], system[:BLOCK * 2 + 1]]
+
+
+@pytest.fixture(scope="module")
+def references(model, prompts) -> list[list[int]]:
+    ref_model, _ = load(str(model))
+    out = [[int(t) for t, _ in generate_step(mx.array(p), ref_model, max_tokens=12)]
+           for p in prompts]
+    mx.synchronize()
+    # Varied outputs, so a wrong KV would show as different tokens.
+    assert len({t for ref in out for t in ref}) > 8
+    return out
+
+
+def complete(url: str, model_id: str, ids: list[int]) -> tuple[list[int], int]:
+    """Greedy completion of token ids: (completion token ids via the text, cached tokens)."""
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": model_id, "prompt": ids, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def check_all(server, prompts, references, tok, concurrent: bool = False) -> list[int]:
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = complete(server.url, server.model_id, prompts[i])
+
+    if concurrent:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    else:
+        for i in range(len(prompts)):
+            one(i)
+    for (text, _), ref in zip(results, references):
+        assert text == tok.decode(ref)
+    return [cached for _, cached in results]
+
+
+def kv_files(home: Path, layers: str) -> list[Path]:
+    return list(home.glob(f"kv-cache/*/{layers}/*/*.safetensors"))
+
+
+def test_single_node_hits_ram_then_ssd_after_restart(model, prompts, references, tmp_path):
+    _, tok = load(str(model))
+    home = tmp_path / "home"
+    with start_server(model, *FLAGS, home=home, keepalive=None, node_metrics=True) as server:
+        first = check_all(server, prompts, references, tok)
+        assert first[0] == 0  # a cold start computes everything
+        assert all(c % BLOCK == 0 for c in first)
+        again = check_all(server, prompts, references, tok, concurrent=True)
+        for ids, cached in zip(prompts, again):  # every full block of prompt[:-1] is reused
+            assert cached == (len(ids) - 1) // BLOCK * BLOCK
+        metrics = server.node_metrics()
+        assert metrics['omlx_node:kv_cache_hits_total{tier="ram"}'] > 0
+    assert kv_files(home, "0-4"), "nothing reached the SSD tier"
+
+    with start_server(model, *FLAGS, home=home, keepalive=None, node_metrics=True) as server:
+        after = check_all(server, prompts, references, tok)
+        assert after == again  # every block came back from disk
+        assert server.node_metrics()['omlx_node:kv_cache_hits_total{tier="ssd"}'] > 0
+
+
+def test_cache_off_and_on_give_identical_outputs(model, prompts, references, tmp_path):
+    _, tok = load(str(model))
+    with start_server(model, *FLAGS, "--hot-cache-max-size", "0", home=tmp_path / "h",
+                      keepalive=None) as server:
+        assert check_all(server, prompts, references, tok, concurrent=True) == [0] * len(prompts)
+        assert check_all(server, prompts, references, tok) == [0] * len(prompts)
+    assert not (tmp_path / "h" / "kv-cache").exists()
+
+
+def test_two_stage_pipeline_hits_on_both_stages(model, prompts, references, tmp_path):
+    _, tok = load(str(model))
+    home = tmp_path / "home"
+    flags = (*FLAGS, "--nodes", "2", "--split", "1,3")
+    with start_server(model, *flags, home=home, keepalive=None) as server:
+        check_all(server, prompts, references, tok)
+        again = check_all(server, prompts, references, tok, concurrent=True)
+        assert again[0] == (len(prompts[0]) - 1) // BLOCK * BLOCK
+    assert kv_files(home, "0-1") and kv_files(home, "1-4")
+
+    # Stage 1 loses its blocks: the usable prefix is what *every* stage holds, so the first
+    # request reuses nothing (stage 0 still has it all) and the answers stay right.
+    shutil.rmtree(kv_files(home, "1-4")[0].parent.parent)
+    with start_server(model, *flags, home=home, keepalive=None) as server:
+        cached = check_all(server, prompts, references, tok)
+        assert cached[0] == 0 and cached[1] > 0  # the first request stored them again
