@@ -142,6 +142,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="load this whole model at start instead of waiting for LoadShard")
     node.add_argument("--exit-with-parent", action="store_true",
                       help="exit when the process that started this node exits")
+    node.add_argument("--secret", help="the cluster secret a coordinator must prove it holds "
+                                       "(default: $OMLX_CLUSTER_SECRET; none: any coordinator)")
+    node.add_argument("--name", default="", help="this node's id (default: the host name)")
     _add_engine_flags(node)
 
     worker = sub.add_parser(
@@ -192,6 +195,14 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="concurrent sequences the KV reserve covers (default: 8)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
+    status = sub.add_parser(
+        "status", parents=[common], help="show the nodes of a running cluster",
+        description="Ask a running coordinator (`serve`) for its nodes: id, address, health, "
+                    "layer range, agent and shard worker pids, and the active plan.")
+    status.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+
     models = sub.add_parser("models", parents=[common], help="manage the local model store",
                             description="Manage the model store under $OMLX_CLUSTER_HOME/models.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -227,9 +238,11 @@ def _serve(args: argparse.Namespace) -> int:
     node_args = tuple(_engine_args(args))
     head_args = (() if args.node_metrics_port is None
                  else ("--metrics-port", str(args.node_metrics_port)))
+    from omlx_cluster.auth import new_secret
+
     options = ClusterOptions(nodes=args.nodes, split=args.split,
                              micro_batches=args.micro_batches or 0, node_args=node_args,
-                             head_args=head_args)
+                             head_args=head_args, secret=new_secret())
     cluster = Cluster(model_path, args.model_id or model_path.name, options)
     try:
         plan = cluster.make_plan()  # refuse a bad split or a model that fits nowhere up front
@@ -264,7 +277,10 @@ def _node(args: argparse.Namespace) -> int:
     from omlx_node.agent import NodeAgent
     from proto import omlx_pb2 as pb
 
-    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args))
+    from omlx_cluster.auth import secret_from
+
+    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
+                      secret=secret_from(args.secret), node_id=args.name)
     if args.model:
         from omlx_cluster.child import ChildError
         from omlx_cluster.model_store import ModelError, resolve_model
@@ -323,6 +339,35 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        r = httpx.get(args.url.rstrip("/") + "/cluster/status", timeout=10)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        print(f"error: cannot get the status from {args.url}: {e}", file=sys.stderr)
+        return 2
+    body = r.json()
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    console = Console()
+    console.print(f"{body['model']}: {body['status']} (plan epoch {body['epoch']})")
+    table = Table("id", "address", "health", "layers", "agent pid", "worker pid")
+    for n in body["nodes"]:
+        health = "ok" if n["healthy"] else ("lost" if not n["alive"] else "unhealthy")
+        layers = f"[{n['layers'][0]}, {n['layers'][1]})" if n["layers"] else "-"
+        table.add_row(n["id"], n["address"], health, layers, str(n["agent_pid"] or "-"),
+                      str(n["worker_pid"] or "-"))
+    console.print(table)
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -360,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"serve": _serve, "node": _node, "worker": _worker, "plan": _plan,
-               "models": _models}[args.command]
+               "status": _status, "models": _models}[args.command]
     return handler(args)
 
 

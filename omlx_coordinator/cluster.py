@@ -13,21 +13,26 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from omlx_cluster import auth
 from omlx_cluster.child import ChildProcess, omlx_command
+from omlx_cluster.hardware import machine_memory
 from omlx_coordinator.model_layout import read_layout
 from omlx_coordinator.node_client import AgentClient, WorkerClient
-from omlx_coordinator.planner import NodeSpec, Plan, make_plan
+from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
 from omlx_coordinator.tokenizer import ChatTokenizer
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 NODE_START_TIMEOUT_SECONDS = 120.0
+HEARTBEAT_SECONDS = 0.5
+NODE_LOST_SECONDS = 3.0  # a node that has not answered for this long is gone
 
 
 def node_env() -> dict[str, str]:
@@ -48,22 +53,44 @@ def node_env() -> dict[str, str]:
     return env
 
 
-def machine_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 @dataclass
 class ClusterOptions:
     nodes: int = 1
     split: list[int] | None = None
     micro_batches: int = 0  # 0: one per stage
     backend: str = "ring"
+    secret: str | None = None  # the cluster secret; serve makes one up for its own nodes
+    os_reserve_bytes: int = 8 << 30  # memory every remote node keeps for its OS and apps
     node_args: tuple[str, ...] = ()  # for every node agent
     head_args: tuple[str, ...] = ()  # for the first one only (e.g. its metrics port)
 
 
+@dataclass
+class Member:
+    """A node agent of this cluster, as the coordinator tracks it."""
+
+    name: str
+    agent: AgentClient
+    process: ChildProcess | None  # set when this coordinator started the agent itself
+    budget_bytes: int = 0  # memory the plan may use on it
+    speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
+    chip: str = ""
+    alive: bool = True
+    last_seen: float = 0.0
+    health: pb.HealthReply | None = None
+    layers: tuple[int, int] | None = None
+
+
+class NoCapacity(RuntimeError):
+    """The model fits on none of the nodes left; the message says how much is missing."""
+
+
 class Cluster:
-    """One model served by a pipeline of local node agents (one: single-Mac mode)."""
+    """One model served by a pipeline of node agents (one: single-Mac mode).
+
+    It watches its members (a health call every HEARTBEAT_SECONDS); when a node or a shard
+    worker of the active plan dies it re-plans over the nodes left and loads the new plan, and
+    `wait_ready` lets in-flight requests resume on it."""
 
     def __init__(self, model_path: Path, model_id: str, options: ClusterOptions | None = None):
         self.model_path = model_path
@@ -73,25 +100,56 @@ class Cluster:
         config = json.loads((model_path / "config.json").read_text())
         self.max_context = int(config.get("max_position_embeddings") or 0)
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer.tokenizer))
-        self.processes: list[ChildProcess] = []
-        self.agents: list[AgentClient] = []
-        self.node: WorkerClient | None = None  # the head worker
+        self.layout = read_layout(model_path, model_id=model_id)
+        self.members: list[Member] = []
+        self.node: WorkerClient | None = None  # the head worker of the active plan
         self.plan: Plan | None = None
+        self.epoch = 0  # plans loaded so far
         self.ready = False
         self.status = "starting"
-        self.nodes: list[dict] = []
+        self.capacity_error = ""
+        self.last_recovery: dict | None = None
+        self._ready_event = asyncio.Event()
+        self._monitor_task: asyncio.Task | None = None
+        self._replanning = asyncio.Lock()
 
-    def make_plan(self) -> Plan:
-        """Local nodes share this machine's memory, so each is planned with its share."""
-        n = self.options.nodes
-        layout = read_layout(self.model_path, model_id=self.model_id)
-        nodes = [NodeSpec(f"local{i}", machine_memory() // n) for i in range(n)]
-        return make_plan(layout, nodes, os_reserve_bytes=(4 << 30) // n,
-                         split=self.options.split)
+    def local_budget(self) -> int:
+        """Local nodes share this machine's memory (less 4 GiB for everything else)."""
+        return max(0, machine_memory() - (4 << 30)) // max(1, self.options.nodes)
+
+    def make_plan(self, members: list[Member] | None = None) -> Plan:
+        """Plans over `members` (default: the local nodes `serve` is about to start)."""
+        if members is None:
+            nodes = [NodeSpec(f"local{i}", self.local_budget())
+                     for i in range(self.options.nodes)]
+        else:
+            nodes = [NodeSpec(m.name, m.budget_bytes, m.speed) for m in members]
+        split = self.options.split if len(nodes) == self.options.nodes else None
+        return make_plan(self.layout, nodes, os_reserve_bytes=0, split=split)
+
+    @property
+    def nodes(self) -> list[dict]:
+        """What /health and /cluster/status show of each member."""
+        out = []
+        for m in self.members:
+            h = m.health
+            out.append({
+                "id": m.name, "address": m.agent.address, "alive": m.alive,
+                "healthy": bool(m.alive and h and h.ready),
+                "layers": list(m.layers) if m.layers else None,
+                "agent_pid": h.pid if h else (m.process.pid if m.process else None),
+                "worker_pid": (h.worker_pid or None) if h else None,
+                "metrics_port": (h.metrics_port or None) if h else None,
+                "version": h.version if h else None,
+                "memory_budget": m.budget_bytes, "chip": m.chip,
+            })
+        return out
 
     async def _start_agent(self, i: int) -> tuple[ChildProcess, dict]:
         extra = self.options.head_args if i == 0 else ()
         env = node_env()
+        if self.options.secret:
+            env[auth.SECRET_ENV] = self.options.secret  # not on the command line: ps shows it
         # One accelerator per local node on a multi-GPU host: OMLX_NODE_DEVICES=0,1,...
         devices = [d for d in os.environ.get("OMLX_NODE_DEVICES", "").split(",") if d]
         if devices:
@@ -104,44 +162,142 @@ class Cluster:
 
     async def start(self) -> None:
         try:
-            self.plan = plan = self.make_plan()
+            self.make_plan()  # fail before starting anything if the model cannot fit
             self.status = f"starting {self.options.nodes} node(s)"
             started = await asyncio.gather(*(self._start_agent(i)
                                              for i in range(self.options.nodes)))
-            self.processes = [p for p, _ in started]
-            infos = [info for _, info in started]
-            self.agents = [AgentClient(f"127.0.0.1:{info['port']}") for info in infos]
-            peers = [f"127.0.0.1:{info['data_port']}" for info in infos]
-            world = len(plan.stages)
-            self.status = f"loading {self.model_id} (plan {plan.plan_hash})"
-            replies = await asyncio.gather(*(
-                agent.load_shard(pb.LoadShardRequest(
-                    model_path=str(self.model_path), model_id=self.model_id,
-                    layer_start=stage.layer_start, layer_end=stage.layer_end, rank=rank,
-                    world_size=world, peers=peers if world > 1 else [],
-                    backend=self.options.backend, plan_hash=plan.plan_hash,
-                    micro_batches=self.options.micro_batches))
-                for rank, (agent, stage) in enumerate(zip(self.agents, plan.stages))))
-            self.node = WorkerClient(replies[0].worker_address)
-            health = await self.node.health()
-            self.nodes = [{"address": agent.address, "agent_pid": proc.pid,
-                           "worker_pid": reply.worker_pid,
-                           "layers": [reply.layer_start, reply.layer_end], "dtype": reply.dtype,
-                           "metrics_port": (health.metrics_port or None) if rank == 0 else None}
-                          for rank, (agent, proc, reply)
-                          in enumerate(zip(self.agents, self.processes, replies))]
-            log.info("serving %s on %d stage(s), split %s, loaded in %.1fs", self.model_id,
-                     world, plan.split, max(r.load_seconds for r in replies))
-            self.ready = True
-            self.status = "ready"
+            now = time.monotonic()
+            self.members = [Member(f"local{i}", AgentClient(f"127.0.0.1:{info['port']}"), proc,
+                                   budget_bytes=self.local_budget(), last_seen=now)
+                            for i, (proc, info) in enumerate(started)]
+            hellos = await asyncio.gather(*(m.agent.admit(self.options.secret)
+                                            for m in self.members))
+            for m, hello in zip(self.members, hellos):
+                m.chip = hello.chip
+            await self._load_plan()
+            self._monitor_task = asyncio.create_task(self._monitor())
         except Exception as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             self.status = f"failed: {reason}"
             log.error("could not start serving %s: %s", self.model_path, reason)
             raise
 
+    async def _load_plan(self) -> None:
+        """Plans over the live members and has each load its range; every agent at once, since
+        the data-plane group forms only when all ranks have joined."""
+        live = [m for m in self.members if m.alive]
+        try:
+            plan = self.make_plan(live) if live else None
+        except PlanError as e:
+            plan, self.capacity_error = None, str(e)
+        if plan is None:
+            self.capacity_error = self.capacity_error or "no node is left to run the model"
+            self.status = f"no capacity: {self.capacity_error}"
+            raise NoCapacity(self.capacity_error)
+        healths = await asyncio.gather(*(m.agent.health() for m in live))
+        peers = [f"{m.agent.address.rsplit(':', 1)[0]}:{h.data_port}"
+                 for m, h in zip(live, healths)]
+        by_name = {m.name: m for m in live}
+        members = [by_name[s.node] for s in plan.stages]
+        world = len(plan.stages)
+        self.status = f"loading {self.model_id} (plan {plan.plan_hash})"
+        replies = await asyncio.gather(*(
+            m.agent.load_shard(pb.LoadShardRequest(
+                model_path=str(self.model_path), model_id=self.model_id,
+                layer_start=stage.layer_start, layer_end=stage.layer_end, rank=rank,
+                world_size=world, peers=[peers[live.index(x)] for x in members] if world > 1
+                else [], backend=self.options.backend, plan_hash=plan.plan_hash,
+                micro_batches=self.options.micro_batches))
+            for rank, (m, stage) in enumerate(zip(members, plan.stages))))
+        if self.node is not None:
+            await self.node.close()
+        self.node = WorkerClient(replies[0].worker_address, members[0].agent.session)
+        for m in self.members:
+            m.layers = None
+        for m, r in zip(members, replies):
+            m.layers = (r.layer_start, r.layer_end)
+            m.health = await m.agent.health()
+        self.plan, self.capacity_error = plan, ""
+        self.epoch += 1
+        log.info("serving %s on %d stage(s), split %s (plan %s, epoch %d)", self.model_id,
+                 world, plan.split, plan.plan_hash, self.epoch)
+        self.ready, self.status = True, "ready"
+        self._ready_event.set()
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            if await self._check_members():
+                await self.recover("a node or shard worker of the plan stopped answering")
+
+    async def _check_members(self) -> bool:
+        """Heartbeats every member; returns whether the active plan lost a stage."""
+        broken = False
+        now = time.monotonic()
+
+        async def beat(m: Member) -> None:
+            nonlocal broken
+            if not m.alive:
+                return
+            exited = m.process is not None and not m.process.alive()
+            try:
+                if exited:
+                    raise ConnectionError("the agent process exited")
+                m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
+                m.last_seen = now
+                if m.layers is not None and not m.health.ready:
+                    log.warning("node %s: its shard worker is gone (%s)", m.name,
+                                m.health.status)
+                    broken = True
+            except (grpc.aio.AioRpcError, ConnectionError) as e:
+                if exited or now - m.last_seen > NODE_LOST_SECONDS:
+                    log.warning("node %s (%s) lost: %s", m.name, m.agent.address, e)
+                    m.alive, m.health = False, None
+                    broken = broken or m.layers is not None
+
+        await asyncio.gather(*(beat(m) for m in self.members))
+        return broken
+
+    async def recover(self, reason: str) -> None:
+        """Loads a new plan over the members still alive (once, however many ask)."""
+        epoch = self.epoch
+        async with self._replanning:
+            if self.epoch != epoch and self.ready:
+                return  # someone else recovered already
+            self.ready = False
+            self._ready_event.clear()
+            self.status = f"recovering: {reason}"
+            log.warning("re-planning %s: %s", self.model_id, reason)
+            t0 = time.monotonic()
+            while True:
+                try:
+                    await self._load_plan()
+                    break
+                except NoCapacity as e:
+                    log.error("cannot serve %s: %s", self.model_id, e)
+                    return  # new and in-flight requests get 503 until a node joins
+                except (grpc.aio.AioRpcError, OSError) as e:
+                    log.warning("re-plan failed, retrying: %s", e)
+                    await asyncio.sleep(1.0)
+                    await self._check_members()
+            self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
+                                  "epoch": self.epoch}
+            log.info("recovered in %.2fs", self.last_recovery["seconds"])
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Returns once a plan serves; raises NoCapacity at once when nothing can serve, or
+        TimeoutError."""
+        if self.capacity_error and not self.ready:
+            raise NoCapacity(self.capacity_error)
+        await asyncio.wait_for(self._ready_event.wait(), timeout)
+
     async def stop(self) -> None:
         self.ready = False
-        for client in [*self.agents, *([self.node] if self.node else [])]:
-            await client.close()
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in self.processes))
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+        for m in self.members:
+            await m.agent.close()
+        if self.node is not None:
+            await self.node.close()
+        await asyncio.gather(*(asyncio.to_thread(m.process.stop) for m in self.members
+                               if m.process is not None))

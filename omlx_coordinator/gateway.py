@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.cluster import Cluster
+from omlx_coordinator.cluster import Cluster, NoCapacity
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.openai_api import (
     APIError,
@@ -71,7 +71,10 @@ def _check_model(cluster: Cluster, body: _Common) -> None:
         raise APIError(404, f"model {body.model!r} is not served here; available: "
                             f"{cluster.model_id!r} (GET /v1/models)", param="model",
                        code="model_not_found")
-    if not cluster.ready:
+    if cluster.capacity_error and not cluster.ready:
+        raise APIError(503, f"the model cannot be served now: {cluster.capacity_error}",
+                       type="server_error", code="no_capacity")
+    if cluster.epoch == 0:  # still starting; once serving, a recovery only pauses requests
         raise APIError(503, f"the model is not ready yet ({cluster.status}); retry shortly",
                        type="server_error", code="model_not_ready")
 
@@ -94,60 +97,125 @@ def _token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
     return limit
 
 
+# A call that failed this way lost its node, not its request: run it again on the next plan.
+RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+MAX_ATTEMPTS = 5
+# How long a failed request waits for a new plan before trying the same one again.
+REPLAN_WAIT_SECONDS = 5.0
+
+
+class _Attempt:
+    """One Generate call to the head worker, its chunks pumped into a queue."""
+
+    def __init__(self, cluster: Cluster, request: pb.GenerateRequest, timeout: float):
+        self.epoch = cluster.epoch
+        self.call = cluster.node.generate(request, timeout=timeout)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for chunk in self.call:
+                self.queue.put_nowait(chunk)
+            self.queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # keep the consumer from waiting forever
+            self.queue.put_nowait(e)
+
+    def close(self) -> None:
+        self.call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
+        self.task.cancel()
+
+
+def _lost(item) -> str | None:
+    """Why `item` means the node was lost (so the request can run again), else None."""
+    if item is None:
+        return "the stream ended without finishing"
+    if isinstance(item, grpc.aio.AioRpcError):
+        return f"{item.code().name}: {item.details()}" if item.code() in RETRIABLE else None
+    if isinstance(item, Exception):
+        return str(item)
+    if item.finish_reason == "aborted":
+        return item.error or "the worker shut down"
+    return None
+
+
 async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewaySettings,
                    prompt: list[int], body: _Common, max_tokens: int) -> AsyncIterator:
-    """Yields Delta, KeepAlive (while waiting) and finally Done; raises APIError on failure."""
+    """Yields Delta, KeepAlive (while waiting) and finally Done; raises APIError on failure.
+
+    If the pipeline loses a node mid-request, the request waits for the cluster's new plan and
+    goes on there: the prompt plus the tokens already streamed are prefilled again and
+    generation continues, so the client sees a pause, not an error (and greedy output is the
+    same as without the failure)."""
     sampling = pb.SamplingParams(temperature=body.temperature, top_p=body.top_p,
                                  top_k=body.top_k, min_p=body.min_p)
     if body.seed is not None:
         sampling.has_seed, sampling.seed = True, body.seed
     stop_ids = [] if body.ignore_eos else sorted(cluster.tokenizer.eos_token_ids)
-    request = pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_tokens=prompt,
-                                 sampling=sampling, max_tokens=max_tokens,
-                                 stop_token_ids=stop_ids)
-    call = cluster.node.generate(request, timeout=settings.request_timeout)
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for chunk in call:
-                queue.put_nowait(chunk)
-            queue.put_nowait(None)
-        except grpc.aio.AioRpcError as e:
-            queue.put_nowait(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # keep the consumer from waiting forever
-            queue.put_nowait(e)
-
-    pump_task = asyncio.create_task(pump())
     detok = cluster.tokenizer.detokenizer(prompt)
     stops = StopMatcher(body.stop)
     started = last = time.perf_counter()
-    n_out, first, cached = 0, True, 0
+    deadline = time.monotonic() + settings.request_timeout
+    generated: list[int] = []
+    first, cached, attempts = True, 0, 0
+    attempt: _Attempt | None = None
+    lost_epoch = -1  # the plan a failed attempt ran on
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
     try:
         while True:
+            if attempt is None:
+                # Wait (with keep-alives) for a plan newer than the one that failed, for a
+                # little while; then try whatever serves.
+                waited = 0.0
+                while not cluster.ready or (cluster.epoch == lost_epoch
+                                            and waited < REPLAN_WAIT_SECONDS):
+                    if time.monotonic() > deadline:
+                        raise APIError(504, "the request ran past the server's time limit "
+                                            f"while the cluster recovered ({cluster.status})",
+                                       type="server_error", code="timeout")
+                    try:
+                        await cluster.wait_ready(min(settings.keepalive_seconds, 0.5))
+                    except NoCapacity as e:
+                        raise APIError(503, f"the model cannot be served now: {e}",
+                                       type="server_error", code="no_capacity") from None
+                    except asyncio.TimeoutError:
+                        yield KeepAlive()
+                    if cluster.ready and cluster.epoch == lost_epoch:
+                        await asyncio.sleep(0.2)
+                        waited += 0.2
+                attempts += 1
+                request = pb.GenerateRequest(
+                    request_id=uuid.uuid4().hex, prompt_tokens=prompt + generated,
+                    sampling=sampling, max_tokens=max_tokens - len(generated),
+                    stop_token_ids=stop_ids)
+                attempt = _Attempt(cluster, request, max(1.0, deadline - time.monotonic()))
             # Not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that arrives
             # together with a token, and the cancelled request then runs to its end.
             if getter is None:
-                getter = asyncio.ensure_future(queue.get())
+                getter = asyncio.ensure_future(attempt.queue.get())
             await asyncio.wait({getter}, timeout=settings.keepalive_seconds)
             if not getter.done():
                 yield KeepAlive()
                 continue
             item, getter = getter.result(), None
-            if item is None:
-                raise APIError(502, "the node closed the stream without finishing it",
-                               type="server_error")
+            if (why := _lost(item)) is not None:
+                attempt.close()
+                lost_epoch, attempt = attempt.epoch, None
+                if attempts >= MAX_ATTEMPTS:
+                    raise APIError(503, f"lost the node {attempts} times; last: {why}",
+                                   type="server_error")
+                log.warning("request lost its node (%s); resuming after %d tokens", why,
+                            len(generated))
+                continue
             if isinstance(item, grpc.aio.AioRpcError):
                 raise _rpc_error(item)
-            if isinstance(item, Exception):
-                raise APIError(502, f"lost the node: {item}", type="server_error")
             now = time.perf_counter()
-            cached = max(cached, item.cached_tokens)
+            cached = max(cached, item.cached_tokens) if attempts == 1 else cached
             if item.tokens and first:
                 metrics.waiting.dec()
                 metrics.running.inc()
@@ -159,7 +227,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             text = ""
             for tok in item.tokens:
                 text += detok.add(tok)
-            n_out += len(item.tokens)
+            generated += item.tokens
             metrics.generated_tokens.inc(len(item.tokens))
             if item.finish_reason:
                 text += detok.flush()
@@ -167,7 +235,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if hit:
                 if out:
                     yield Delta(out)
-                yield Done("stop", len(prompt), n_out, cached)
+                yield Done("stop", len(prompt), len(generated), cached)
                 return
             if item.finish_reason == "error":
                 raise APIError(500, f"generation failed on the node: {item.error}",
@@ -178,13 +246,13 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if out:
                 yield Delta(out)
             if item.finish_reason:
-                yield Done(item.finish_reason, len(prompt), n_out, cached)
+                yield Done(item.finish_reason, len(prompt), len(generated), cached)
                 return
     finally:
         (metrics.waiting if first else metrics.running).dec()
         metrics.e2e.observe(time.perf_counter() - started)
-        call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
-        pump_task.cancel()
+        if attempt is not None:
+            attempt.close()
         if getter is not None:
             getter.cancel()
 
@@ -435,6 +503,14 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         body = {"status": "ok" if cluster.ready else cluster.status, "model": cluster.model_id,
                 "nodes": cluster.nodes}
         return JSONResponse(body, status_code=200 if cluster.ready else 503)
+
+    @app.get("/cluster/status")
+    async def status() -> dict:
+        plan = cluster.plan
+        return {"model": cluster.model_id, "ready": cluster.ready, "status": cluster.status,
+                "epoch": cluster.epoch, "capacity_error": cluster.capacity_error or None,
+                "plan": plan.to_dict() if plan else None,
+                "last_recovery": cluster.last_recovery, "nodes": cluster.nodes}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -14,7 +14,7 @@ from concurrent import futures
 
 import grpc
 
-from omlx_cluster import __version__
+from omlx_cluster import __version__, auth, hardware
 from omlx_cluster.child import ChildError, ChildProcess, omlx_command, watch_parent
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -32,7 +32,15 @@ def free_port(host: str) -> int:
 
 class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
-                 metrics_port: int | None = None, engine_args: list[str] | None = None):
+                 metrics_port: int | None = None, engine_args: list[str] | None = None,
+                 secret: str | None = None, node_id: str = "", chip: str = "",
+                 speed: float = 0.0):
+        self.secret = secret
+        self.node_id = node_id or socket.gethostname()
+        self.chip = chip or hardware.chip()
+        self.speed = speed
+        self.session: str | None = None  # set by Admit; None: no coordinator admitted us yet
+        self._pending: dict[bytes, bytes] = {}  # node nonce -> coordinator nonce
         self.host = host
         self.data_port = data_port or free_port(host)
         self.metrics_port = metrics_port
@@ -51,13 +59,54 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     # ---- gRPC ------------------------------------------------------------------------------
 
+    def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext):
+        if not auth.compatible(request.version, __version__):
+            log.warning("refused coordinator %s: it runs omlx-cluster %s, this node %s",
+                        context.peer(), request.version, __version__)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"version mismatch: this node runs omlx-cluster {__version__}, the "
+                          f"coordinator {request.version}; upgrade one of them")
+        n_nonce = auth.new_nonce()
+        while len(self._pending) >= 16:  # handshakes never completed
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[n_nonce] = request.coordinator_nonce
+        node_proof = (auth.proof(self.secret, "node", request.coordinator_nonce, self.node_id)
+                      if self.secret else b"")
+        return pb.HandshakeReply(node_id=self.node_id, version=__version__, node_nonce=n_nonce,
+                                 proof=node_proof, memory_bytes=hardware.machine_memory(),
+                                 chip=self.chip, speed=self.speed)
+
+    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
+        for n_nonce, c_nonce in list(self._pending.items()):
+            if self.secret is None or auth.check(
+                    auth.proof(self.secret, "coordinator", n_nonce, c_nonce), request.proof):
+                self.session = (auth.session_token(self.secret, c_nonce, n_nonce)
+                                if self.secret else "")
+                self._pending.clear()
+                log.info("admitted by the coordinator at %s", context.peer())
+                return pb.AdmitReply()
+        log.warning("refused coordinator %s: it does not hold this cluster's secret",
+                    context.peer())
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "wrong cluster secret: the coordinator and this node must share it")
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self.secret is None:
+            return
+        given = dict(context.invocation_metadata()).get(auth.SESSION_METADATA, "")
+        if self.session is None or not auth.check(self.session.encode(), given.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "not admitted: the coordinator must handshake with the cluster secret")
+
     def LoadShard(self, request: pb.LoadShardRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         try:
             return self.load(request)
         except (ChildError, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         w, r = self.worker, self.reply
         ready = w is not None and w.alive() and r is not None
         reply = pb.HealthReply(ready=ready, status=self.status if ready or w is None else
@@ -96,12 +145,18 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                 cmd += ["--peers", ",".join(request.peers)]
             if self.metrics_port is not None:
                 cmd += ["--metrics-port", str(self.metrics_port)]
-            worker = ChildProcess(cmd, f"the shard worker (rank {request.rank})")
+            env = dict(os.environ)
+            if self.session:
+                env[auth.SESSION_ENV] = self.session  # its callers must present the same
+            worker = ChildProcess(cmd, f"the shard worker (rank {request.rank})", env=env)
             try:
                 info = worker.wait_ready(WORKER_READY_TIMEOUT_SECONDS)
             except ChildError as e:
                 self.status = f"load failed: {e}"
                 raise
+            finally:
+                # The next plan's group gets a fresh port: the last one may linger in TIME_WAIT.
+                self.data_port = free_port(self.host)
             self.worker, self.request = worker, request
             self.reply = pb.LoadShardReply(
                 model_id=request.model_id or os.path.basename(request.model_path),
@@ -116,7 +171,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     def _stop_worker(self) -> None:
         if self.worker is not None:
-            self.worker.stop()
+            # A stage blocked on a dead peer cannot run its SIGTERM handler: do not wait long.
+            self.worker.stop(timeout=3.0)
         self.worker = self.reply = self.request = None
 
     def shutdown(self) -> None:

@@ -50,7 +50,7 @@ class SeqRequest:
 class Finish:
     """The last event of a sequence's stream."""
 
-    reason: str  # "stop", "length", "cancelled" or "error"
+    reason: str  # "stop", "length", "cancelled", "error" or "aborted" (the node went away)
     error: str = ""
 
 
@@ -177,6 +177,8 @@ class StageState:
 class Engine:
     """What every pipeline head does: requests in, prompt chunks scheduled, tokens out."""
 
+    failure_reason = "error"  # how sequences end when a step fails
+
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int,
                  max_batch: int, vocab_size: int, prefix_cache: PrefixCache | None = None):
         self.stage = stage
@@ -253,7 +255,8 @@ class Engine:
         Python thread that later exits can abort the interpreter at shutdown (seen with mlx 0.32)."""
         while not self._stop.is_set():
             self.step(block=True)
-        self._fail_all("the node is shutting down")
+        # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
+        self._fail_all("the node is shutting down", reason="aborted")
         mx.synchronize()
 
     def step(self, block: bool = False) -> None:
@@ -264,7 +267,7 @@ class Engine:
             self._work()
         except Exception as e:  # a failed step must not take the node down
             log.exception("engine step failed")
-            self._fail_all(f"{type(e).__name__}: {e}")
+            self._fail_all(f"{type(e).__name__}: {e}", reason=self.failure_reason)
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
 
@@ -370,9 +373,9 @@ class Engine:
         seq.events.put(finish)
         self.metrics.finished.labels(reason=finish.reason).inc()
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, reason: str = "error") -> None:
         for seq in list(self._waiting) + self.running_seqs():
-            self._finish(seq, Finish("error", error))
+            self._finish(seq, Finish(reason, error))
         self._waiting.clear()
         self._reset()
 

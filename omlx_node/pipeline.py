@@ -44,6 +44,9 @@ class MicroBatch:
 class PipelineHead(Engine):
     """The engine of rank 0 when the pipeline has more than one stage."""
 
+    # A failed step here means a lost peer: the sequences are fine and can run on a new plan.
+    failure_reason = "aborted"
+
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
                  micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64,
                  prefix_cache: PrefixCache | None = None):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from omlx_cluster import __version__
+from omlx_cluster import __version__, auth
 from omlx_cluster.child import write_ready
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
 from omlx_node.kv_tiers import PrefixCache
@@ -72,8 +72,18 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
 
     def __init__(self, engine: Engine, config: WorkerConfig, metrics_port: int):
         self.engine, self.config, self.metrics_port = engine, config, metrics_port
+        self.session = os.environ.get(auth.SESSION_ENV)
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self.session is None:
+            return
+        given = dict(context.invocation_metadata()).get(auth.SESSION_METADATA, "")
+        if not auth.check(self.session.encode(), given.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "not admitted: calls to a shard worker need the cluster session")
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         s = request.sampling
         req = SeqRequest(
             request_id=request.request_id,
@@ -118,10 +128,12 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                 return
 
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         self.engine.cancel(request.request_id)
         return pb.CancelReply(found=True)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         info = self.engine.stage.info
         c = self.config
         return pb.HealthReply(ready=True, model_id=c.model_id, status="ready", version=__version__,
@@ -131,6 +143,7 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                               world_size=c.world_size)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
+        self._authorize(context)
         e = self.engine
         return pb.StatsReply(running=e.running, waiting=e.waiting,
                              prompt_tokens_total=e.prompt_total,

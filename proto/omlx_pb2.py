@@ -24,37 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/omlx.proto\x12\x07omlx.v1\"\xcc\x01\n\x10LoadShardRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\r\n\x05peers\x18\x07 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x11\n\tplan_hash\x18\t \x01(\t\x12\x15\n\rmicro_batches\x18\n \x01(\x05\"\xaf\x01\n\x0eLoadShardReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x16\n\x0eworker_address\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\x05\"r\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05min_p\x18\x06 \x01(\x02\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.omlx.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"p\n\nTokenChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\x05\x12\x0b\n\x03pid\x18\t \x01(\x05\x12\x11\n\tdata_port\x18\n \x01(\x05\x12\x12\n\nworker_pid\x18\x0b \x01(\x05\x12\x0c\n\x04rank\x18\x0c \x01(\x05\x12\x12\n\nworld_size\x18\r \x01(\x05\"\x0e\n\x0cStatsRequest\"\xa5\x01\n\nStatsReply\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x1b\n\x13prompt_tokens_total\x18\x03 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x04 \x01(\x04\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x06 \x01(\x01\x32\x84\x01\n\tNodeAgent\x12?\n\tLoadShard\x12\x19.omlx.v1.LoadShardRequest\x1a\x17.omlx.v1.LoadShardReply\x12\x36\n\x06Health\x12\x16.omlx.v1.HealthRequest\x1a\x14.omlx.v1.HealthReply2\xef\x01\n\x0bShardWorker\x12;\n\x08Generate\x12\x18.omlx.v1.GenerateRequest\x1a\x13.omlx.v1.TokenChunk0\x01\x12\x36\n\x06\x43\x61ncel\x12\x16.omlx.v1.CancelRequest\x1a\x14.omlx.v1.CancelReply\x12\x36\n\x06Health\x12\x16.omlx.v1.HealthRequest\x1a\x14.omlx.v1.HealthReply\x12\x33\n\x05Stats\x12\x15.omlx.v1.StatsRequest\x1a\x13.omlx.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/omlx.proto\x12\x07omlx.v1\">\n\x10HandshakeRequest\x12\x19\n\x11\x63oordinator_nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x88\x01\n\x0eHandshakeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nnode_nonce\x18\x03 \x01(\x0c\x12\r\n\x05proof\x18\x04 \x01(\x0c\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x63hip\x18\x06 \x01(\t\x12\r\n\x05speed\x18\x07 \x01(\x01\"\x1d\n\x0c\x41\x64mitRequest\x12\r\n\x05proof\x18\x01 \x01(\x0c\"\x0c\n\nAdmitReply\"\xcc\x01\n\x10LoadShardRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\r\n\x05peers\x18\x07 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x11\n\tplan_hash\x18\t \x01(\t\x12\x15\n\rmicro_batches\x18\n \x01(\x05\"\xaf\x01\n\x0eLoadShardReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x16\n\x0eworker_address\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\x05\"r\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05min_p\x18\x06 \x01(\x02\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.omlx.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"p\n\nTokenChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\x05\x12\x0b\n\x03pid\x18\t \x01(\x05\x12\x11\n\tdata_port\x18\n \x01(\x05\x12\x12\n\nworker_pid\x18\x0b \x01(\x05\x12\x0c\n\x04rank\x18\x0c \x01(\x05\x12\x12\n\nworld_size\x18\r \x01(\x05\"\x0e\n\x0cStatsRequest\"\xa5\x01\n\nStatsReply\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x1b\n\x13prompt_tokens_total\x18\x03 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x04 \x01(\x04\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x06 \x01(\x01\x32\xfa\x01\n\tNodeAgent\x12?\n\tHandshake\x12\x19.omlx.v1.HandshakeRequest\x1a\x17.omlx.v1.HandshakeReply\x12\x33\n\x05\x41\x64mit\x12\x15.omlx.v1.AdmitRequest\x1a\x13.omlx.v1.AdmitReply\x12?\n\tLoadShard\x12\x19.omlx.v1.LoadShardRequest\x1a\x17.omlx.v1.LoadShardReply\x12\x36\n\x06Health\x12\x16.omlx.v1.HealthRequest\x1a\x14.omlx.v1.HealthReply2\xef\x01\n\x0bShardWorker\x12;\n\x08Generate\x12\x18.omlx.v1.GenerateRequest\x1a\x13.omlx.v1.TokenChunk0\x01\x12\x36\n\x06\x43\x61ncel\x12\x16.omlx.v1.CancelRequest\x1a\x14.omlx.v1.CancelReply\x12\x36\n\x06Health\x12\x16.omlx.v1.HealthRequest\x1a\x14.omlx.v1.HealthReply\x12\x33\n\x05Stats\x12\x15.omlx.v1.StatsRequest\x1a\x13.omlx.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.omlx_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOADSHARDREQUEST']._serialized_start=30
-  _globals['_LOADSHARDREQUEST']._serialized_end=234
-  _globals['_LOADSHARDREPLY']._serialized_start=237
-  _globals['_LOADSHARDREPLY']._serialized_end=412
-  _globals['_SAMPLINGPARAMS']._serialized_start=414
-  _globals['_SAMPLINGPARAMS']._serialized_end=528
-  _globals['_GENERATEREQUEST']._serialized_start=531
-  _globals['_GENERATEREQUEST']._serialized_end=698
-  _globals['_TOKENCHUNK']._serialized_start=700
-  _globals['_TOKENCHUNK']._serialized_end=812
-  _globals['_CANCELREQUEST']._serialized_start=814
-  _globals['_CANCELREQUEST']._serialized_end=849
-  _globals['_CANCELREPLY']._serialized_start=851
-  _globals['_CANCELREPLY']._serialized_end=879
-  _globals['_HEALTHREQUEST']._serialized_start=881
-  _globals['_HEALTHREQUEST']._serialized_end=896
-  _globals['_HEALTHREPLY']._serialized_start=899
-  _globals['_HEALTHREPLY']._serialized_end=1146
-  _globals['_STATSREQUEST']._serialized_start=1148
-  _globals['_STATSREQUEST']._serialized_end=1162
-  _globals['_STATSREPLY']._serialized_start=1165
-  _globals['_STATSREPLY']._serialized_end=1330
-  _globals['_NODEAGENT']._serialized_start=1333
-  _globals['_NODEAGENT']._serialized_end=1465
-  _globals['_SHARDWORKER']._serialized_start=1468
-  _globals['_SHARDWORKER']._serialized_end=1707
+  _globals['_HANDSHAKEREQUEST']._serialized_start=29
+  _globals['_HANDSHAKEREQUEST']._serialized_end=91
+  _globals['_HANDSHAKEREPLY']._serialized_start=94
+  _globals['_HANDSHAKEREPLY']._serialized_end=230
+  _globals['_ADMITREQUEST']._serialized_start=232
+  _globals['_ADMITREQUEST']._serialized_end=261
+  _globals['_ADMITREPLY']._serialized_start=263
+  _globals['_ADMITREPLY']._serialized_end=275
+  _globals['_LOADSHARDREQUEST']._serialized_start=278
+  _globals['_LOADSHARDREQUEST']._serialized_end=482
+  _globals['_LOADSHARDREPLY']._serialized_start=485
+  _globals['_LOADSHARDREPLY']._serialized_end=660
+  _globals['_SAMPLINGPARAMS']._serialized_start=662
+  _globals['_SAMPLINGPARAMS']._serialized_end=776
+  _globals['_GENERATEREQUEST']._serialized_start=779
+  _globals['_GENERATEREQUEST']._serialized_end=946
+  _globals['_TOKENCHUNK']._serialized_start=948
+  _globals['_TOKENCHUNK']._serialized_end=1060
+  _globals['_CANCELREQUEST']._serialized_start=1062
+  _globals['_CANCELREQUEST']._serialized_end=1097
+  _globals['_CANCELREPLY']._serialized_start=1099
+  _globals['_CANCELREPLY']._serialized_end=1127
+  _globals['_HEALTHREQUEST']._serialized_start=1129
+  _globals['_HEALTHREQUEST']._serialized_end=1144
+  _globals['_HEALTHREPLY']._serialized_start=1147
+  _globals['_HEALTHREPLY']._serialized_end=1394
+  _globals['_STATSREQUEST']._serialized_start=1396
+  _globals['_STATSREQUEST']._serialized_end=1410
+  _globals['_STATSREPLY']._serialized_start=1413
+  _globals['_STATSREPLY']._serialized_end=1578
+  _globals['_NODEAGENT']._serialized_start=1581
+  _globals['_NODEAGENT']._serialized_end=1831
+  _globals['_SHARDWORKER']._serialized_start=1834
+  _globals['_SHARDWORKER']._serialized_end=2073
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class HandshakeRequest(_message.Message):
+    __slots__ = ("coordinator_nonce", "version")
+    COORDINATOR_NONCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    coordinator_nonce: bytes
+    version: str
+    def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    node_nonce: bytes
+    proof: bytes
+    memory_bytes: int
+    chip: str
+    speed: float
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class LoadShardRequest(_message.Message):
     __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]

@@ -36,6 +36,16 @@ class NodeAgentStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Handshake = channel.unary_unary(
+                '/omlx.v1.NodeAgent/Handshake',
+                request_serializer=proto_dot_omlx__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.HandshakeReply.FromString,
+                _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/omlx.v1.NodeAgent/Admit',
+                request_serializer=proto_dot_omlx__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.AdmitReply.FromString,
+                _registered_method=True)
         self.LoadShard = channel.unary_unary(
                 '/omlx.v1.NodeAgent/LoadShard',
                 request_serializer=proto_dot_omlx__pb2.LoadShardRequest.SerializeToString,
@@ -52,6 +62,20 @@ class NodeAgentServicer:
     """The node agent: one per machine, long-lived. It owns the machine's shard worker process and
     replaces it on every new plan (an mx.distributed group cannot be re-formed inside a process).
     """
+
+    def Handshake(self, request, context):
+        """Admission (omlx_cluster/auth.py): the node proves it holds the cluster secret...
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
+        """...then the coordinator does; every later call carries the session token derived from both.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def LoadShard(self, request, context):
         """Start a shard worker for layers [layer_start, layer_end) as rank `rank` of the plan;
@@ -71,6 +95,16 @@ class NodeAgentServicer:
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Handshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handshake,
+                    request_deserializer=proto_dot_omlx__pb2.HandshakeRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.HandshakeReply.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=proto_dot_omlx__pb2.AdmitRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.AdmitReply.SerializeToString,
+            ),
             'LoadShard': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadShard,
                     request_deserializer=proto_dot_omlx__pb2.LoadShardRequest.FromString,
@@ -93,6 +127,60 @@ class NodeAgent:
     """The node agent: one per machine, long-lived. It owns the machine's shard worker process and
     replaces it on every new plan (an mx.distributed group cannot be re-formed inside a process).
     """
+
+    @staticmethod
+    def Handshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/Handshake',
+            proto_dot_omlx__pb2.HandshakeRequest.SerializeToString,
+            proto_dot_omlx__pb2.HandshakeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/Admit',
+            proto_dot_omlx__pb2.AdmitRequest.SerializeToString,
+            proto_dot_omlx__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def LoadShard(request,

@@ -70,6 +70,7 @@ def test_no_command_is_a_usage_error(home: Path) -> None:
                  "--node-metrics-port", "--log-level", "--nodes", "--split", "--micro-batches"]),
     (["plan"], ["--model", "--node", "--split", "--os-reserve", "--context", "--sequences",
                 "--json"]),
+    (["status"], ["--url", "--json"]),
     (["worker"], ["--model", "--layers", "--rank", "--peers", "--backend", "--plan-hash",
                   "--init-timeout", "--ready-file"]),
     (["node"], ["--host", "--port", "--ready-file", "--data-port", "--metrics-port", "--model",

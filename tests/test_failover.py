@@ -1,0 +1,111 @@
+"""Losing a shard worker or a whole node mid-stream: requests pause, then finish unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omlx_cluster.child import omlx_command
+from tests.conftest import start_server
+from tests.tiny_models import build_model
+
+STREAMS = 8
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("fo") / "tiny-fo", "llama", num_layers=4, seed=5)
+
+
+def body(i: int, stream: bool) -> dict:
+    return {"model": "tiny-fo", "prompt": [5 + i, 6, 7 + i, 8, 9, 10 + 2 * i],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def stream_text(url: str, i: int, progress: list[int]) -> str:
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body(i, True), timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])
+                assert "error" not in d, d
+                if d.get("choices"):
+                    text += d["choices"][0]["text"]
+                    progress[i] += 1
+    return text
+
+
+def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
+    """References first (undisturbed), then STREAMS concurrent streams; kills `pid_of(health)`
+    once every stream is under way. Returns (references, outputs, /cluster/status after)."""
+    refs = [httpx.post(server.url + "/v1/completions", json=body(i, False), timeout=120)
+            .json()["choices"][0]["text"] for i in range(STREAMS)]
+    progress = [0] * STREAMS
+    outs: list = [None] * STREAMS
+
+    def one(i: int) -> None:
+        outs[i] = stream_text(server.url, i, progress)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while min(progress) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert min(progress) >= 10, "streams did not start"
+    health = httpx.get(server.url + "/health", timeout=5).json()
+    os.kill(pid_of(health), signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    status = httpx.get(server.url + "/cluster/status", timeout=5).json()
+    return refs, outs, status
+
+
+def test_killed_shard_worker_mid_stream(model, tmp_path):
+    with start_server(model, "--nodes", "2", home=tmp_path / "h", keepalive=None) as server:
+        refs, outs, status = run_and_kill(server, lambda h: h["nodes"][1]["worker_pid"])
+        assert outs == refs
+        assert status["epoch"] == 2 and status["last_recovery"]["seconds"] < 30
+        assert all(n["healthy"] for n in status["nodes"])  # restarted by their agents
+        assert [n["layers"] for n in status["nodes"]] == [[0, 2], [2, 4]]
+
+
+def test_killed_node_agent_mid_stream_replans_over_the_rest(model, tmp_path):
+    with start_server(model, "--nodes", "3", home=tmp_path / "h", keepalive=None) as server:
+        refs, outs, status = run_and_kill(server, lambda h: h["nodes"][2]["agent_pid"])
+        assert outs == refs
+        lost = [n for n in status["nodes"] if not n["alive"]]
+        assert [n["id"] for n in lost] == ["local2"]
+        layers = [n["layers"] for n in status["nodes"] if n["alive"]]
+        assert layers[0][0] == 0 and layers[-1][1] == 4  # two stages cover every layer
+
+        # `omlx-cluster status` shows the same.
+        r = subprocess.run(omlx_command("status", "--url", server.url, "--json"),
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and json.loads(r.stdout)["nodes"][2]["alive"] is False
+        table = subprocess.run(omlx_command("status", "--url", server.url),
+                               capture_output=True, text=True, timeout=30).stdout
+        assert "local2" in table and "lost" in table
+
+        # The last nodes go too: nothing can serve, and requests say so at once.
+        for n in status["nodes"]:
+            if n["alive"]:
+                os.kill(n["agent_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        r = None
+        while time.monotonic() < deadline:
+            r = httpx.post(server.url + "/v1/completions", json=body(0, False), timeout=30)
+            if r.status_code == 503:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 503, r.text
+        assert "cannot be served" in r.json()["error"]["message"]
