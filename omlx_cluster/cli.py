@@ -20,6 +20,39 @@ def _positive(value: str) -> int:
     return n
 
 
+def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH_OR_NAME",
+                   help="an mlx-lm model folder (config.json, safetensors, tokenizer; "
+                        "quantized folders too) or the name of a model in the store "
+                        "(`omlx-cluster models list`); default: the embedded SmolLM2")
+    p.add_argument("--model-id", help="the model name clients send (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the gateway listens on (default: 127.0.0.1, this machine "
+                        "only; 0.0.0.0 exposes it to the network and then needs --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                        "default: $OMLX_API_KEY, comma-separated; none: open, only allowed "
+                        "on a loopback address)")
+    p.add_argument("--request-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="longest a request may run before it fails with 504 (default: 900)")
+    p.add_argument("--keepalive", type=float, default=5.0, metavar="SECONDS",
+                   help="SSE keep-alive comment interval while a stream waits for its first "
+                        "token (default: 5)")
+    p.add_argument("--default-max-tokens", type=_positive, default=4096, metavar="N",
+                   help="completion limit when a request sets none, capped by the context "
+                        "(default: 4096)")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _split(value: str) -> list[int]:
     try:
         parts = [int(p) for p in value.split(",")]
@@ -91,23 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "SmolLM2-135M-Instruct, imported on first run. GET /health answers 200 once "
                     "the model is ready.",
     )
-    serve.add_argument("--model", metavar="PATH_OR_NAME",
-                       help="an mlx-lm model folder (config.json, safetensors, tokenizer; "
-                            "quantized folders too) or the name of a model in the store "
-                            "(`omlx-cluster models list`); default: the embedded SmolLM2")
-    serve.add_argument("--model-id", help="the model name clients send (default: folder name)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address the gateway listens on (default: 127.0.0.1, this machine "
-                            "only; 0.0.0.0 exposes it to the network)")
-    serve.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
-    serve.add_argument("--request-timeout", type=float, default=900.0, metavar="SECONDS",
-                       help="longest a request may run before it fails with 504 (default: 900)")
-    serve.add_argument("--keepalive", type=float, default=5.0, metavar="SECONDS",
-                       help="SSE keep-alive comment interval while a stream waits for its first "
-                            "token (default: 5)")
-    serve.add_argument("--default-max-tokens", type=_positive, default=4096, metavar="N",
-                       help="completion limit when a request sets none, capped by the context "
-                            "(default: 4096)")
+    _add_gateway_flags(serve)
     serve.add_argument("--node-metrics-port", type=int, default=None, metavar="PORT",
                        help="also export the head node's Prometheus /metrics on this port "
                             "(0 picks a free one; default: off)")
@@ -173,6 +190,51 @@ def _build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--ready-file", type=Path, help="write readiness JSON here")
     _add_engine_flags(worker)
 
+    coordinator = sub.add_parser(
+        "coordinator", parents=[common], help="run the gateway for nodes that join over the LAN",
+        description="Run the OpenAI-compatible gateway and cluster control without a local "
+                    "node. Nodes (`omlx-cluster join` on each Mac) are found over Bonjour or "
+                    "register themselves, and are admitted only after proving they hold the "
+                    "cluster secret. The model is planned over the nodes as they come and go.",
+    )
+    _add_gateway_flags(coordinator)
+    coordinator.add_argument("--secret", help="the cluster secret (default: "
+                                              "$OMLX_CLUSTER_SECRET; none: one is made up and "
+                                              "printed)")
+    coordinator.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
+                             help="memory every node keeps for its OS (default: 8GiB)")
+    coordinator.add_argument("--no-discovery", action="store_true",
+                             help="do not browse Bonjour; only `join --coordinator` nodes join")
+    coordinator.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
+                             help="decode steps kept in flight (default: one per stage)")
+
+    join = sub.add_parser(
+        "join", parents=[common], help="offer this Mac to a cluster (a node agent)",
+        description="Run a node agent that announces itself over Bonjour "
+                    "(_omlx-node._tcp.local.) and serves the coordinator that proves it holds "
+                    "the cluster secret. --coordinator registers directly where multicast is "
+                    "blocked.",
+    )
+    join.add_argument("--secret", help="the cluster secret (default: $OMLX_CLUSTER_SECRET; "
+                                       "required)")
+    join.add_argument("--host", default="127.0.0.1",
+                      help="address for gRPC and the data plane (default: 127.0.0.1; use this "
+                           "Mac's LAN address, or 0.0.0.0, to join other Macs)")
+    join.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
+    join.add_argument("--data-port", type=int, default=0,
+                      help="mx.distributed (ring) port (default: any free)")
+    join.add_argument("--name", default="", help="this node's id (default: the host name)")
+    join.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="also register with the coordinator's HTTP address directly, every "
+                           "few seconds (default: Bonjour only)")
+    join.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                      help="the shard worker exports Prometheus /metrics here (default: off)")
+    join.add_argument("--no-announce", action="store_true",
+                      help="do not announce over Bonjour (use with --coordinator)")
+    join.add_argument("--ready-file", type=Path,
+                      help="write {port, pid} as JSON here once listening")
+    _add_engine_flags(join)
+
     plan = sub.add_parser(
         "plan", parents=[common], help="show how a model would be split over nodes",
         description="Plan contiguous, uneven layer ranges of a model over nodes: the split that "
@@ -218,42 +280,26 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
+    """The gateway's API keys; None (after printing why) when the address needs one."""
+    keys = args.api_key or [k for k in os.environ.get("OMLX_API_KEY", "").split(",") if k]
+    if not keys and not _is_loopback(args.host):
+        print(f"error: the gateway would listen on {args.host}, reachable from the network, "
+              "without an API key: pass --api-key KEY (or set OMLX_API_KEY), or listen on "
+              "127.0.0.1", file=sys.stderr)
+        return None
+    return frozenset(keys)
+
+
+def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int:
+    """Serves the gateway in front of `cluster` until stopped; 1 if it could not start."""
     import uvicorn
 
-    from omlx_cluster.model_store import ModelError, resolve_model
-    from omlx_coordinator.cluster import Cluster, ClusterOptions
     from omlx_coordinator.gateway import GatewaySettings, create_app
-    from omlx_coordinator.planner import PlanError
 
-    try:
-        model_path = resolve_model(args.model, progress=True)
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.split and len(args.split) != args.nodes:
-        print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
-              file=sys.stderr)
-        return 2
-    node_args = tuple(_engine_args(args))
-    head_args = (() if args.node_metrics_port is None
-                 else ("--metrics-port", str(args.node_metrics_port)))
-    from omlx_cluster.auth import new_secret
-
-    options = ClusterOptions(nodes=args.nodes, split=args.split,
-                             micro_batches=args.micro_batches or 0, node_args=node_args,
-                             head_args=head_args, secret=new_secret())
-    cluster = Cluster(model_path, args.model_id or model_path.name, options)
-    try:
-        plan = cluster.make_plan()  # refuse a bad split or a model that fits nowhere up front
-    except (PlanError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in plan.explanation:
-        log.info("plan: %s", line)
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
-                               default_max_tokens=args.default_max_tokens)
+                               default_max_tokens=args.default_max_tokens, api_keys=keys)
     failures: list[str] = []
 
     def give_up(reason: str) -> None:  # nothing can be served: exit rather than idle at 503
@@ -267,9 +313,128 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("serving %s at http://%s:%d/v1", cluster.model_id, args.host, args.port)
     server.run()
     if failures:
-        print(f"error: could not serve {model_path}: {failures[0]}", file=sys.stderr)
+        print(f"error: could not serve {cluster.model_path}: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from omlx_cluster.auth import new_secret
+    from omlx_cluster.model_store import ModelError, resolve_model
+    from omlx_coordinator.cluster import Cluster, ClusterOptions
+    from omlx_coordinator.planner import PlanError
+
+    keys = _api_keys(args)
+    if keys is None:
+        return 2
+    try:
+        model_path = resolve_model(args.model, progress=True)
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.split and len(args.split) != args.nodes:
+        print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
+              file=sys.stderr)
+        return 2
+    head_args = (() if args.node_metrics_port is None
+                 else ("--metrics-port", str(args.node_metrics_port)))
+    # Its own nodes get a secret made up for this run: nothing else can drive them.
+    options = ClusterOptions(nodes=args.nodes, split=args.split,
+                             micro_batches=args.micro_batches or 0,
+                             node_args=tuple(_engine_args(args)), head_args=head_args,
+                             secret=new_secret())
+    cluster = Cluster(model_path, args.model_id or model_path.name, options)
+    try:
+        plan = cluster.make_plan()  # refuse a bad split or a model that fits nowhere up front
+    except (PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in plan.explanation:
+        log.info("plan: %s", line)
+    return _run_gateway(args, cluster, keys)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from omlx_cluster.auth import new_secret, secret_from
+    from omlx_cluster.discovery import default_interfaces
+    from omlx_cluster.model_store import ModelError, resolve_model
+    from omlx_coordinator.cluster import Cluster, ClusterOptions
+
+    keys = _api_keys(args)
+    if keys is None:
+        return 2
+    try:
+        model_path = resolve_model(args.model, progress=True)
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    secret = secret_from(args.secret)
+    if secret is None:
+        secret = new_secret()
+        print(f"cluster secret (give it to `omlx-cluster join --secret`): {secret}",
+              file=sys.stderr)
+    options = ClusterOptions(nodes=0, micro_batches=args.micro_batches or 0, secret=secret,
+                             os_reserve_bytes=args.os_reserve,
+                             discovery=not args.no_discovery,
+                             discovery_interfaces=default_interfaces(args.host))
+    return _run_gateway(args, Cluster(model_path, args.model_id or model_path.name, options), keys)
+
+
+def _join(args: argparse.Namespace) -> int:
+    from omlx_cluster import __version__
+    from omlx_cluster.auth import secret_from
+    from omlx_cluster.child import write_ready
+    from omlx_cluster.hardware import chip, machine_memory
+    from omlx_node.agent import NodeAgent
+
+    secret = secret_from(args.secret)
+    if secret is None:
+        print("error: joining a cluster needs its secret: --secret S or $OMLX_CLUSTER_SECRET "
+              "(the coordinator prints it)", file=sys.stderr)
+        return 2
+    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
+                      secret=secret, node_id=args.name)
+    advertiser = None
+    if not args.no_announce:
+        from omlx_cluster.discovery import (Advertiser, NodeAnnouncement, announce_address,
+                                            default_interfaces)
+
+        advertiser = Advertiser(NodeAnnouncement(
+            node_id=agent.node_id, host=announce_address(args.host), port=agent.port,
+            version=__version__, memory_bytes=machine_memory(), chip=chip(),
+            data_port=agent.data_port), default_interfaces(args.host))
+    if args.coordinator:
+        from omlx_cluster.discovery import announce_address
+
+        _register_periodically(args.coordinator, f"{announce_address(args.host)}:{agent.port}")
+    if args.ready_file:
+        write_ready(args.ready_file, {"port": agent.port, "pid": os.getpid()})
+    try:
+        agent.serve_forever()
+    finally:
+        if advertiser is not None:
+            advertiser.close()
+    return 0
+
+
+def _register_periodically(coordinator: str, address: str, every: float = 2.0) -> None:
+    """Tells the coordinator where this node is, again and again: it may restart, and it
+    answers 'member' once it has admitted us."""
+    import threading
+    import time
+
+    import httpx
+
+    def loop() -> None:
+        url = f"http://{coordinator}/cluster/register"
+        while True:
+            try:
+                httpx.post(url, json={"address": address}, timeout=5)
+            except httpx.HTTPError as e:
+                log.debug("registration with %s failed: %s", coordinator, e)
+            time.sleep(every)
+
+    threading.Thread(target=loop, name="register", daemon=True).start()
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -404,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"serve": _serve, "node": _node, "worker": _worker, "plan": _plan,
-               "status": _status, "models": _models}[args.command]
+    handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
+               "worker": _worker, "plan": _plan, "status": _status,
+               "models": _models}[args.command]
     return handler(args)
 
 

@@ -23,7 +23,7 @@ from omlx_cluster import auth
 from omlx_cluster.child import ChildProcess, omlx_command
 from omlx_cluster.hardware import machine_memory
 from omlx_coordinator.model_layout import read_layout
-from omlx_coordinator.node_client import AgentClient, WorkerClient
+from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
 from omlx_coordinator.tokenizer import ChatTokenizer
 from proto import omlx_pb2 as pb
@@ -61,6 +61,8 @@ class ClusterOptions:
     backend: str = "ring"
     secret: str | None = None  # the cluster secret; serve makes one up for its own nodes
     os_reserve_bytes: int = 8 << 30  # memory every remote node keeps for its OS and apps
+    discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
+    discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
     head_args: tuple[str, ...] = ()  # for the first one only (e.g. its metrics port)
 
@@ -109,8 +111,10 @@ class Cluster:
         self.status = "starting"
         self.capacity_error = ""
         self.last_recovery: dict | None = None
+        self.load_seconds = 0.0  # the slowest stage's weight load in the last plan
         self._ready_event = asyncio.Event()
         self._monitor_task: asyncio.Task | None = None
+        self._discovery = None
         self._replanning = asyncio.Lock()
 
     def local_budget(self) -> int:
@@ -161,6 +165,19 @@ class Cluster:
         return proc, info
 
     async def start(self) -> None:
+        if self.options.nodes == 0:  # a coordinator alone: nodes join over the network
+            self.capacity_error = ("no node has joined yet: run `omlx-cluster join` on a Mac "
+                                   "with this cluster's secret")
+            self.status = f"waiting for nodes ({self.capacity_error})"
+            log.info("waiting for nodes to join (Bonjour discovery %s)",
+                     "on" if self.options.discovery else "off")
+            self._monitor_task = asyncio.create_task(self._monitor())
+            if self.options.discovery:
+                from omlx_coordinator.membership import DiscoveryBridge
+
+                self._discovery = DiscoveryBridge(self, self.options.discovery_interfaces)
+                await self._discovery.start()
+            return
         try:
             self.make_plan()  # fail before starting anything if the model cannot fit
             self.status = f"starting {self.options.nodes} node(s)"
@@ -218,11 +235,42 @@ class Cluster:
             m.layers = (r.layer_start, r.layer_end)
             m.health = await m.agent.health()
         self.plan, self.capacity_error = plan, ""
+        self.load_seconds = max(r.load_seconds for r in replies)
         self.epoch += 1
         log.info("serving %s on %d stage(s), split %s (plan %s, epoch %d)", self.model_id,
                  world, plan.split, plan.plan_hash, self.epoch)
         self.ready, self.status = True, "ready"
         self._ready_event.set()
+
+    async def add_remote(self, address: str) -> Member | None:
+        """Admits the node agent at `address` (it must prove the cluster secret) and adds it to
+        the plan at once: a re-plan is a safe point, since in-flight requests resume on the new
+        plan. A node that returns takes its old place. Returns None if it was refused."""
+        known = next((m for m in self.members if m.agent.address == address and m.alive), None)
+        if known is not None:
+            return known
+        agent = AgentClient(address)
+        try:
+            hello = await agent.admit(self.options.secret)
+        except (AdmissionError, grpc.aio.AioRpcError) as e:
+            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.warning("refused node at %s: %s", address, reason)
+            await agent.close()
+            return None
+        budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
+        member = next((m for m in self.members if m.name == hello.node_id), None)
+        if member is None:
+            member = Member(hello.node_id, agent, None)
+            self.members.append(member)
+        else:
+            await member.agent.close()
+            member.agent = agent
+        member.alive, member.last_seen, member.layers = True, time.monotonic(), None
+        member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
+        log.info("node %s (%s, %s, %.1f GiB usable) joined", hello.node_id, address, hello.chip,
+                 budget / 2**30)
+        await self.recover(f"node {hello.node_id} joined", always=True)
+        return member
 
     async def _monitor(self) -> None:
         while True:
@@ -245,7 +293,8 @@ class Cluster:
                     raise ConnectionError("the agent process exited")
                 m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
                 m.last_seen = now
-                if m.layers is not None and not m.health.ready:
+                # While a plan loads, every worker is being replaced: not a failure.
+                if m.layers is not None and not m.health.ready and not self._replanning.locked():
                     log.warning("node %s: its shard worker is gone (%s)", m.name,
                                 m.health.status)
                     broken = True
@@ -258,17 +307,18 @@ class Cluster:
         await asyncio.gather(*(beat(m) for m in self.members))
         return broken
 
-    async def recover(self, reason: str) -> None:
-        """Loads a new plan over the members still alive (once, however many ask)."""
+    async def recover(self, reason: str, always: bool = False) -> None:
+        """Loads a new plan over the members alive (once, however many ask, unless `always`:
+        a node that joined must be planned in even right after another re-plan)."""
         epoch = self.epoch
         async with self._replanning:
-            if self.epoch != epoch and self.ready:
+            if self.epoch != epoch and self.ready and not always:
                 return  # someone else recovered already
             self.ready = False
             self._ready_event.clear()
             self.status = f"recovering: {reason}"
             log.warning("re-planning %s: %s", self.model_id, reason)
-            t0 = time.monotonic()
+            t0, started_at = time.monotonic(), time.time()
             while True:
                 try:
                     await self._load_plan()
@@ -281,7 +331,8 @@ class Cluster:
                     await asyncio.sleep(1.0)
                     await self._check_members()
             self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
-                                  "epoch": self.epoch}
+                                  "started_at": started_at, "epoch": self.epoch,
+                                  "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
 
     async def wait_ready(self, timeout: float) -> None:
@@ -295,6 +346,8 @@ class Cluster:
         self.ready = False
         if self._monitor_task is not None:
             self._monitor_task.cancel()
+        if self._discovery is not None:
+            await self._discovery.stop()
         for m in self.members:
             await m.agent.close()
         if self.node is not None:

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,6 +43,7 @@ class GatewaySettings:
     request_timeout: float = 900.0  # seconds a request may run in all
     keepalive_seconds: float = 5.0  # SSE comment interval while a stream waits
     default_max_tokens: int = 4096  # when the client sets no limit (capped by the context)
+    api_keys: frozenset[str] = frozenset()  # Bearer keys /v1 and /cluster require (none: open)
 
 
 @dataclass
@@ -473,6 +474,22 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
     app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan)
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
+    app.state.register_tasks = set()
+
+    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    # disconnects from the endpoint, and a client that goes away must cancel its generation.
+    # /health and /metrics stay open (load balancers, Prometheus); /cluster/register too: it
+    # only makes the coordinator challenge that address with the cluster secret.
+    async def require_api_key(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in settings.api_keys:
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "with a key this server was started with",
+                           code="invalid_api_key")
+
+    keyed = [Depends(require_api_key)]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -504,7 +521,25 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
                 "nodes": cluster.nodes}
         return JSONResponse(body, status_code=200 if cluster.ready else 503)
 
-    @app.get("/cluster/status")
+    @app.post("/cluster/register")
+    async def register(request: Request) -> JSONResponse:
+        """A node that cannot use Bonjour (`join --coordinator`) announces its address."""
+        try:
+            address = str((await request.json())["address"])
+            host, _, port = address.rpartition(":")
+            if not host or not 0 < int(port) < 65536:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise APIError(400, "send {\"address\": \"HOST:PORT\"} of the node agent",
+                           param="address")
+        if any(n["address"] == address and n["alive"] for n in cluster.nodes):
+            return JSONResponse({"status": "member"})
+        task = asyncio.create_task(cluster.add_remote(address))
+        app.state.register_tasks.add(task)
+        task.add_done_callback(app.state.register_tasks.discard)
+        return JSONResponse({"status": "admitting"}, status_code=202)
+
+    @app.get("/cluster/status", dependencies=keyed)
     async def status() -> dict:
         plan = cluster.plan
         return {"model": cluster.model_id, "ready": cluster.ready, "status": cluster.status,
@@ -516,12 +551,12 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": cluster.model_id, "object": "model",
                                             "created": 0, "owned_by": "omlx-cluster"}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(cluster, body)
         messages = [m.for_template() for m in body.messages]
@@ -537,7 +572,7 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
                            param="messages") from e
         return await _respond(request, cluster, metrics, settings, prompt, body, True, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(cluster, body)
         if isinstance(body.prompt, str):

@@ -43,6 +43,10 @@ class AgentClient:
                                  f"{hello.version}, this coordinator {__version__}")
         if secret is not None and not auth.check(
                 auth.proof(secret, "node", c_nonce, hello.node_id), hello.proof):
+            try:  # an empty proof: the node logs the refusal on its side too
+                await self.stub.Admit(pb.AdmitRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                pass
             raise AdmissionError(f"node {hello.node_id} ({self.address}) does not hold this "
                                  "cluster's secret")
         admit_proof = auth.proof(secret, "coordinator", hello.node_nonce, c_nonce) if secret else b""

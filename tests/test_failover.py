@@ -18,12 +18,14 @@ from tests.conftest import start_server
 from tests.tiny_models import build_model
 
 STREAMS = 8
-MAX_TOKENS = 160
+MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("fo") / "tiny-fo", "llama", num_layers=4, seed=5)
+    # Big enough that the streams are still generating when a process is killed.
+    return build_model(tmp_path_factory.mktemp("fo") / "tiny-fo", "llama", num_layers=4,
+                       hidden_size=256, seed=5)
 
 
 def body(i: int, stream: bool) -> dict:
@@ -47,8 +49,17 @@ def stream_text(url: str, i: int, progress: list[int]) -> str:
 def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
     """References first (undisturbed), then STREAMS concurrent streams; kills `pid_of(health)`
     once every stream is under way. Returns (references, outputs, /cluster/status after)."""
-    refs = [httpx.post(server.url + "/v1/completions", json=body(i, False), timeout=120)
-            .json()["choices"][0]["text"] for i in range(STREAMS)]
+    refs: list = [None] * STREAMS
+
+    def ref(i: int) -> None:
+        refs[i] = httpx.post(server.url + "/v1/completions", json=body(i, False),
+                             timeout=120).json()["choices"][0]["text"]
+
+    workers = [threading.Thread(target=ref, args=(i,)) for i in range(STREAMS)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(120)
     progress = [0] * STREAMS
     outs: list = [None] * STREAMS
 
@@ -64,6 +75,7 @@ def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
     assert min(progress) >= 10, "streams did not start"
     health = httpx.get(server.url + "/health", timeout=5).json()
     os.kill(pid_of(health), signal.SIGKILL)
+    assert max(progress) < MAX_TOKENS * 3 // 4, "the streams were nearly done before the kill"
     for t in threads:
         t.join(120)
     status = httpx.get(server.url + "/cluster/status", timeout=5).json()

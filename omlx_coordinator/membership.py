@@ -1,0 +1,52 @@
+"""How remote nodes reach the coordinator: Bonjour announcements and explicit registration.
+
+Either way the coordinator only learns an address: `Cluster.add_remote` admits the node only
+after it proves the cluster secret (omlx_cluster/auth.py). Liveness comes from the coordinator's
+heartbeats, never from mDNS (a crashed Mac sends no goodbye).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from omlx_coordinator.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class DiscoveryBridge:
+    """Admits the node agents that Bonjour announces (`_omlx-node._tcp.local.`)."""
+
+    def __init__(self, cluster: Cluster, interfaces: list[str] | None):
+        self.cluster = cluster
+        self.interfaces = interfaces
+        self.browser = None
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        from omlx_cluster.discovery import Browser
+
+        self._loop = asyncio.get_running_loop()
+        # zeroconf blocks while it starts: off the event loop.
+        self.browser = await asyncio.to_thread(Browser, self._added, self._removed,
+                                               self.interfaces)
+
+    def _added(self, announcement) -> None:  # on zeroconf's thread
+        address = f"{announcement.host}:{announcement.port}"
+        self._loop.call_soon_threadsafe(self._admit, address)
+
+    def _removed(self, node_id: str) -> None:  # on zeroconf's thread
+        log.info("node %s stopped announcing itself", node_id)
+
+    def _admit(self, address: str) -> None:
+        task = asyncio.ensure_future(self.cluster.add_remote(address))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        if self.browser is not None:
+            await asyncio.to_thread(self.browser.close)
+        for t in list(self._tasks):
+            t.cancel()
