@@ -318,20 +318,29 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from omlx_cluster.auth import new_secret
+def _keys_and_model(args: argparse.Namespace) -> tuple[frozenset[str], Path] | None:
+    """What every gateway command checks first; None (after saying why) to exit with 2."""
     from omlx_cluster.model_store import ModelError, resolve_model
-    from omlx_coordinator.cluster import Cluster, ClusterOptions
-    from omlx_coordinator.planner import PlanError
 
     keys = _api_keys(args)
     if keys is None:
-        return 2
+        return None
     try:
-        model_path = resolve_model(args.model, progress=True)
+        return keys, resolve_model(args.model, progress=True)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from omlx_cluster.auth import new_secret
+    from omlx_coordinator.cluster import Cluster, ClusterOptions
+    from omlx_coordinator.planner import PlanError
+
+    checked = _keys_and_model(args)
+    if checked is None:
         return 2
+    keys, model_path = checked
     if args.split and len(args.split) != args.nodes:
         print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
               file=sys.stderr)
@@ -357,17 +366,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     from omlx_cluster.auth import new_secret, secret_from
     from omlx_cluster.discovery import default_interfaces
-    from omlx_cluster.model_store import ModelError, resolve_model
     from omlx_coordinator.cluster import Cluster, ClusterOptions
 
-    keys = _api_keys(args)
-    if keys is None:
+    checked = _keys_and_model(args)
+    if checked is None:
         return 2
-    try:
-        model_path = resolve_model(args.model, progress=True)
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    keys, model_path = checked
     secret = secret_from(args.secret)
     if secret is None:
         secret = new_secret()
