@@ -32,6 +32,29 @@ metadata says whose they are, and a file that is truncated, corrupt or foreign i
 index is rebuilt or when it is loaded, so the worst a bad file costs is a re-prefill. Any OSError
 while writing (a full disk, a read-only directory) turns the SSD tier's writes off with one
 warning: the cache goes on in RAM (and keeps reading the blocks already on disk).
+
+Sibling ranges. Files live under `<ssd_dir>/<model dir>/<start>-<end>/`, one directory per layer
+range, and name their tensors by absolute layer (k.{layer}, v.{layer}). After a re-plan moves
+layers (a node died or joined) a stage's new range differs from the one its files were written
+for, and other local stages (`serve --nodes N` on one ssd_dir) hold other ranges of the same
+model. So a cache for [a, b) also indexes, at start-up and from headers only, the files of every
+other range directory of its model directory that overlaps [a, b): its *siblings*. A block is
+held when the cache's own tiers hold it, or when, for every layer of [a, b), some sibling file of
+that block (all of one dtype) holds that layer: a union of ranges such as [0, 2) + [2, 4) covers
+[1, 3). `restore` then reads from each chosen file just the layers it needs (the read streams
+through the whole file to check its sha256, as for an own file, but keeps only those layers),
+assembles the block for [a, b), promotes it to the RAM tier and queues it for the writer, which
+makes it an ordinary block file of this range. Sibling hits are counted as
+`hits{tier="sibling"}` (not as "ssd"), so a dashboard can tell reuse across a re-plan apart.
+
+The sibling index is read-only: sibling files are never evicted, touched or counted against this
+cache's byte cap (they belong to the cache of their own range, which may be running in another
+process). A sibling file that vanished since start-up is a miss; one that is truncated or corrupt
+(a bad header, a sha256 mismatch) is removed, as its owner would remove it; one that is merely
+foreign to this cache (another dtype, other KV shapes, metadata not matching its directory) is
+skipped and left alone. Files that other processes write into sibling directories after this
+cache started are not seen: a cache sees its siblings as they were when it was created (a
+re-plan restarts the stages, which re-indexes them).
 """
 
 from __future__ import annotations
@@ -157,6 +180,16 @@ class _FileInfo:
 
 
 @dataclass(frozen=True)
+class _SiblingFile:
+    """A block file of another layer range of the same model (read-only to this cache)."""
+
+    path: Path
+    start: int  # its layer range [start, end)
+    end: int
+    dtype: str
+
+
+@dataclass(frozen=True)
 class CacheStats:
     hot_blocks: int
     hot_bytes: int
@@ -164,6 +197,7 @@ class CacheStats:
     ssd_bytes: int
     queued_blocks: int
     ssd_writable: bool
+    sibling_files: int = 0  # indexed files of other layer ranges (see the module docstring)
 
 
 class PrefixCache:
@@ -229,6 +263,9 @@ class PrefixCache:
         self._low_space = False
         self._thread: threading.Thread | None = None
         self.dir: Path | None = None
+        # Block hash -> files of other layer ranges holding some of this stage's layers.
+        self._sib: dict[str, list[_SiblingFile]] = {}
+        self.metrics.hits.labels(tier="sibling")
 
         if ssd_dir is not None:
             self.dir = Path(ssd_dir) / model_dir_name(model_id) / f"{start}-{end}"
@@ -242,6 +279,10 @@ class PrefixCache:
                     self._rebuild_index()
                 except OSError as e:  # an unreadable dir costs its blocks, not the node
                     log.warning("KV cache: cannot index %s: %s", self.dir, e)
+            try:
+                self._index_siblings()
+            except OSError as e:
+                log.warning("KV cache: cannot index the siblings of %s: %s", self.dir, e)
             self._thread = threading.Thread(
                 target=self._writer_loop, name=f"kv-writer-{start}-{end}", daemon=True
             )
@@ -251,8 +292,9 @@ class PrefixCache:
     # ---- public API ------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens (a multiple of block_size) either tier holds, as one unbroken
-        chain from the first block. Pass prompt[:-1]: the last prompt token must still be run.
+        """How many leading tokens (a multiple of block_size) either tier holds (or sibling layer
+        ranges hold together, see the module docstring), as one unbroken chain from the first
+        block. Pass prompt[:-1]: the last prompt token must still be run.
         Marks the blocks found as recently used, so they outlive the step until `restore`."""
         hashes = block_hashes(self.model_id, tokens, self.block_size)
         n = 0
@@ -266,7 +308,7 @@ class PrefixCache:
                     self._cold.move_to_end(h)
                     self._touched.add(h)
                     held = True
-                if not held:
+                if not held and self._sibling_plan(h) is None:
                     break
                 n += 1
             if self._touched:
@@ -277,9 +319,11 @@ class PrefixCache:
 
     def restore(self, tokens: Sequence[int], n_tokens: int) -> list[KVCache]:
         """One fresh KVCache per layer of the stage, holding the KV of tokens[:n_tokens] (rounded
-        down to whole blocks). Blocks only on SSD are read, checked and promoted to RAM. A block
-        that went missing or bad since `lookup` ends the prefix early: the caches then hold fewer
-        tokens, so read the count from `caches[0].offset`, never assume n_tokens."""
+        down to whole blocks). Blocks only on SSD are read, checked and promoted to RAM; blocks
+        only sibling ranges hold are assembled from their files, promoted and queued for this
+        range's own directory. A block that went missing or bad since `lookup` ends the prefix
+        early: the caches then hold fewer tokens, so read the count from `caches[0].offset`,
+        never assume n_tokens."""
         t0 = time.perf_counter()
         n_blocks = max(0, min(n_tokens, len(tokens))) // self.block_size
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
@@ -298,13 +342,18 @@ class PrefixCache:
                 tier = "ssd"
                 block = self._load(h)
                 if block is None:
-                    break
+                    tier = "sibling"
+                    block = self._load_sibling(h)
+                    if block is None:
+                        break
             if blocks and block.layout != blocks[0].layout:
                 log.warning("KV cache: block %s does not match its prefix's layout", h[:12])
                 break
-            if tier == "ssd":
+            if tier != "ram":
                 with self._lock:
                     self._insert_hot(block)
+                    if tier == "sibling" and h not in self._cold and h not in self._queued:
+                        self._enqueue(block)  # it becomes an ordinary block of this range
             blocks.append(block)
             self.metrics.hits.labels(tier=tier).inc()
         caches = self._build(blocks)
@@ -422,6 +471,7 @@ class PrefixCache:
                 ssd_bytes=self._cold_bytes,
                 queued_blocks=len(self._queue),
                 ssd_writable=self._ssd_writable,
+                sibling_files=sum(len(v) for v in self._sib.values()),
             )
 
     def hot_hashes(self) -> list[str]:
@@ -488,9 +538,10 @@ class PrefixCache:
             "tensor_sha256": tensor_sha256,
         }
 
-    def _tensor_order(self) -> list[str]:
+    def _tensor_order(self, layers: tuple[int, int] | None = None) -> list[str]:
+        start, end = layers or (self.layer_start, self.layer_end)
         names = []
-        for layer in range(self.layer_start, self.layer_end):
+        for layer in range(start, end):
             names += [f"k.{layer}", f"v.{layer}"]
         return names
 
@@ -513,8 +564,13 @@ class PrefixCache:
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
         return struct.pack("<Q", len(raw)) + raw, arrays
 
-    def _check_header(self, block_hash: str, head: bytes, file_size: int) -> _FileInfo:
-        """Validates a file's header against this cache; raises _BadFile."""
+    def _check_header(
+        self, block_hash: str, head: bytes, file_size: int, layers: tuple[int, int] | None = None
+    ) -> _FileInfo:
+        """Validates a file's header against this cache, or, with `layers`, against a sibling
+        of this cache holding that layer range; raises _BadFile."""
+        own = layers is None or layers == (self.layer_start, self.layer_end)
+        start, end = layers or (self.layer_start, self.layer_end)
         if file_size < 8 or len(head) < 8:
             raise _BadFile("truncated", "shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head[:8])
@@ -535,8 +591,8 @@ class PrefixCache:
             )
         want = {
             "model_id": self.model_id,
-            "layer_start": str(self.layer_start),
-            "layer_end": str(self.layer_end),
+            "layer_start": str(start),
+            "layer_end": str(end),
             "block_size": str(self.block_size),
             "token_count": str(self.block_size),
             "block_hash": block_hash,
@@ -555,11 +611,12 @@ class PrefixCache:
             raise _BadFile("corrupt", "parent hash")
         if not isinstance(sha, str) or not _HEX64.match(sha):
             raise _BadFile("corrupt", "tensor hash")
-        if set(header) != set(self._tensor_order()):
+        order = self._tensor_order((start, end))
+        if set(header) != set(order):
             raise _BadFile("corrupt", f"tensors {sorted(header)[:6]}")
         itemsize = np.dtype(dt.np).itemsize
         tensors = []
-        for name in self._tensor_order():
+        for name in order:
             t = header[name]
             shape, offs = t.get("shape"), t.get("data_offsets")
             ok = (
@@ -588,6 +645,8 @@ class PrefixCache:
         if data_len > expect:
             raise _BadFile("corrupt", "trailing bytes after the tensors")
         info = _FileInfo(parent, dt, tensors, sha, 8 + n)
+        if not own:
+            return info  # a sibling's shapes are checked once its layers are assembled
         shapes = {name: shape for name, shape, _, _ in tensors}
         layers = range(self.layer_start, self.layer_end)
         layout = (
@@ -599,8 +658,11 @@ class PrefixCache:
             raise _BadFile("foreign", "tensor shapes differ from this stage's KV")
         return info
 
-    def _read_header(self, path: Path, block_hash: str) -> int:
-        """Checks a file's header; returns its size. Raises _BadFile or OSError."""
+    def _read_header(
+        self, path: Path, block_hash: str, layers: tuple[int, int] | None = None
+    ) -> tuple[int, _FileInfo]:
+        """Checks a file's header; returns its size and what the header says. Raises _BadFile
+        or OSError."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
@@ -608,8 +670,7 @@ class PrefixCache:
                 (n,) = struct.unpack("<Q", head)
                 if n <= _MAX_HEADER_BYTES:
                     head += f.read(n)
-        self._check_header(block_hash, head, size)
-        return size
+        return size, self._check_header(block_hash, head, size, layers)
 
     def _load(self, block_hash: str) -> _Block | None:
         """Reads and verifies one SSD block; None (and the file gone) if it is missing or bad."""
@@ -686,7 +747,7 @@ class PrefixCache:
                     h = name.removesuffix(".safetensors")
                     if not _HEX64.match(h) or sub.name != h[:2]:
                         raise _BadFile("foreign", "not named by a block hash")
-                    size = self._read_header(path, h)
+                    size, _ = self._read_header(path, h)
                     found.append((path.stat().st_mtime, h, size))
                 except _BadFile as e:
                     self._reject(path, e, None)
@@ -704,6 +765,200 @@ class PrefixCache:
                 "KV cache: %d blocks (%.1f MiB) on SSD at %s",
                 len(self._cold), self._cold_bytes / MiB, self.dir,
             )
+
+    # ---- sibling ranges (read-only) ---------------------------------------------------------
+
+    def _index_siblings(self) -> None:
+        """Indexes, from their headers, the block files of the other layer-range directories of
+        this model directory that overlap this stage's layers. Truncated or corrupt files are
+        removed (their owner would remove them too); foreign ones are skipped and left alone."""
+        assert self.dir is not None
+        model_dir = self.dir.parent
+        if not model_dir.is_dir():
+            return
+        found: dict[str, list[_SiblingFile]] = {}
+        n_dirs = skipped = 0
+        for rdir in sorted(model_dir.iterdir()):
+            m = re.fullmatch(r"(\d+)-(\d+)", rdir.name)
+            if m is None or not rdir.is_dir():
+                continue
+            start, end = int(m[1]), int(m[2])
+            if (start, end) == (self.layer_start, self.layer_end) or start >= end:
+                continue
+            if end <= self.layer_start or start >= self.layer_end:
+                continue  # none of our layers
+            n_dirs += 1
+            try:
+                subs = [sub for sub in rdir.iterdir() if sub.is_dir()]
+            except OSError as e:
+                log.warning("KV cache: cannot index sibling %s: %s", rdir, e)
+                continue
+            for sub in subs:
+                try:
+                    paths = list(sub.iterdir())
+                except OSError as e:
+                    log.warning("KV cache: cannot index sibling %s: %s", sub, e)
+                    continue
+                for path in paths:
+                    h = path.name.removesuffix(".safetensors")
+                    if h == path.name or not _HEX64.match(h) or sub.name != h[:2]:
+                        continue  # temp files and strangers are the owner's business
+                    try:
+                        _, info = self._read_header(path, h, (start, end))
+                    except _BadFile as e:
+                        skipped += not self._sibling_bad(path, e)
+                        continue
+                    except OSError as e:
+                        log.warning("KV cache: cannot index sibling file %s: %s", path, e)
+                        continue
+                    found.setdefault(h, []).append(
+                        _SiblingFile(path, start, end, info.dtype.name)
+                    )
+        with self._lock:
+            self._sib = found
+        if skipped:
+            log.info("KV cache: skipped %d sibling files under %s that do not fit this cache "
+                     "(another dtype or weights)", skipped, model_dir)
+        if found:
+            log.info(
+                "KV cache: %d sibling files of %d blocks in %d other layer ranges of %s",
+                sum(len(v) for v in found.values()), len(found), n_dirs, model_dir,
+            )
+
+    def _sibling_bad(self, path: Path, err: _BadFile) -> bool:
+        """A sibling file that failed a check: removed if it is broken for anyone (truncated,
+        corrupt), left alone if it is only foreign to this cache. True if it was removed."""
+        if err.reason == "foreign":
+            log.debug("KV cache: skipping sibling file %s: %s", path, err)
+            return False
+        self._reject(path, err, None)
+        return True
+
+    def _sibling_plan(self, block_hash: str) -> list[tuple[_SiblingFile, int, int]] | None:
+        """Lock held. Sibling files of one dtype whose ranges cover this stage's layers, each
+        with the layers [lo, hi) to take from it; None if they do not cover them all."""
+        files = self._sib.get(block_hash)
+        if not files:
+            return None
+        want = self.dtype or (self._layout[0] if self._layout is not None else None)
+        for dt in [want] if want is not None else sorted({f.dtype for f in files}):
+            cands = [f for f in files if f.dtype == dt]
+            plan: list[tuple[_SiblingFile, int, int]] = []
+            pos = self.layer_start
+            while pos < self.layer_end:
+                # Greedy interval cover: the file reaching furthest, so the fewest files.
+                best = max(
+                    (f for f in cands if f.start <= pos < f.end), key=lambda f: f.end, default=None
+                )
+                if best is None:
+                    break
+                hi = min(best.end, self.layer_end)
+                plan.append((best, pos, hi))
+                pos = hi
+            else:
+                return plan
+        return None
+
+    def _drop_sibling(self, block_hash: str, file: _SiblingFile) -> None:
+        with self._lock:
+            files = self._sib.get(block_hash)
+            if files is not None and file in files:
+                files.remove(file)
+                if not files:
+                    del self._sib[block_hash]
+
+    def _read_layers(
+        self, file: _SiblingFile, block_hash: str, lo: int, hi: int
+    ) -> tuple[_FileInfo, dict[str, np.ndarray]]:
+        """Reads layers [lo, hi) of a sibling file: the header is checked, the whole tensor
+        section is hashed against its sha256 (streamed, in file order) but only the wanted
+        tensors are kept. Raises _BadFile or OSError."""
+        wanted = set(self._tensor_order((lo, hi)))
+        with open(file.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if n <= _MAX_HEADER_BYTES:
+                    head += f.read(n)
+            info = self._check_header(block_hash, head, size, (file.start, file.end))
+            if info.dtype.name != file.dtype:
+                raise _BadFile("foreign", f"dtype {info.dtype.name}, indexed as {file.dtype}")
+            f.seek(info.data_start)
+            digest = hashlib.sha256()
+            # Tensors not wanted are read into one scratch buffer, only to be hashed.
+            scratch = bytearray(
+                max((e - s for name, _, s, e in info.tensors if name not in wanted), default=0)
+            )
+            out = {}
+            for name, shape, s, e in info.tensors:  # in file order, contiguous from 0
+                if name in wanted:
+                    arr = np.empty(shape, info.dtype.np)
+                    buf = memoryview(arr).cast("B")
+                else:
+                    arr, buf = None, memoryview(scratch)[: e - s]
+                got = 0
+                while got < len(buf):
+                    k = f.readinto(buf[got:])
+                    if not k:
+                        raise _BadFile("truncated", "the file ends inside its tensors")
+                    got += k
+                digest.update(buf)
+                if arr is not None:
+                    out[name] = arr
+        if digest.hexdigest() != info.tensor_sha256:
+            raise _BadFile("corrupt", "tensor bytes do not match their sha256")
+        return info, out
+
+    def _load_sibling(self, block_hash: str) -> _Block | None:
+        """Assembles this stage's block from sibling files; None if they no longer cover its
+        layers (a file vanished, went bad or turned out foreign: it leaves the index, and another
+        cover is tried)."""
+        while True:
+            with self._lock:
+                plan = self._sibling_plan(block_hash)
+            if plan is None:
+                return None
+            arrays: dict[str, np.ndarray] = {}
+            infos: list[_FileInfo] = []
+            for file, lo, hi in plan:
+                try:
+                    info, got = self._read_layers(file, block_hash, lo, hi)
+                except FileNotFoundError:
+                    self._drop_sibling(block_hash, file)  # evicted by its owner: a miss
+                    break
+                except OSError as e:
+                    log.warning("KV cache: cannot read sibling %s (%s); a miss", file.path, e)
+                    self._drop_sibling(block_hash, file)
+                    break
+                except _BadFile as e:
+                    self._sibling_bad(file.path, e)
+                    self._drop_sibling(block_hash, file)
+                    break
+                infos.append(info)
+                arrays.update(got)
+            else:
+                layers = range(self.layer_start, self.layer_end)
+                block = _Block(
+                    hash=block_hash,
+                    parent=infos[0].parent,
+                    dtype=infos[0].dtype,
+                    keys=[arrays[f"k.{i}"] for i in layers],
+                    values=[arrays[f"v.{i}"] for i in layers],
+                )
+                bad = None
+                if any(i.parent != block.parent for i in infos):
+                    bad = "its files disagree on the parent block"
+                elif self._layout is not None and block.layout != self._layout:
+                    bad = "its tensor shapes differ from this stage's KV"
+                if bad is None:
+                    return block
+                # Which file is wrong cannot be told: none of them is used for this block again.
+                log.warning("KV cache: not using sibling files of block %s: %s",
+                            block_hash[:12], bad)
+                for file, _, _ in plan:
+                    self._drop_sibling(block_hash, file)
+                return None
 
     def _evict_cold(self, incoming: int) -> list[str]:
         """Drops LRU entries until `incoming` more bytes fit under the cap (lock held)."""
