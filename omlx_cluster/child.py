@@ -34,14 +34,21 @@ def omlx_command(*args: str) -> list[str]:
 
 
 class ChildProcess:
-    def __init__(self, cmd: list[str], what: str, env: dict[str, str] | None = None):
+    def __init__(self, cmd: list[str], what: str, env: dict[str, str] | None = None,
+                 stdin_pipe: bool = False):
         self._dir = tempfile.TemporaryDirectory(prefix="omlx-child-")
         self.ready_file = Path(self._dir.name) / "ready.json"
         self.log_path = Path(self._dir.name) / "log"
         self.what = what
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*cmd, "--ready-file", str(self.ready_file)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+                                         stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.PIPE if stdin_pipe else None)
+
+    def send_line(self, line: str) -> None:
+        """Writes one line to the child's stdin and closes it (the child reads it once)."""
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.close()
 
     @property
     def pid(self) -> int:

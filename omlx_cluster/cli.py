@@ -169,10 +169,15 @@ def _build_parser() -> argparse.ArgumentParser:
         description="A shard worker: joins the plan's mx.distributed group, loads its layers and "
                     "runs them. Node agents start these; you should not need to.",
     )
-    worker.add_argument("--model", type=Path, required=True, help="mlx-lm model folder")
-    worker.add_argument("--model-id", required=True, help="the name clients use")
-    worker.add_argument("--layers", required=True, metavar="START:END",
-                        help="layer range [START, END); END may be empty for the last layer")
+    worker.add_argument("--model", type=Path, help="mlx-lm model folder (required)")
+    worker.add_argument("--model-id", help="the name clients use (required)")
+    worker.add_argument("--layers", metavar="START:END",
+                        help="layer range [START, END); END may be empty for the last layer "
+                             "(required)")
+    worker.add_argument("--standby", action="store_true",
+                        help="import everything, then wait for the rest of the arguments as "
+                             "one JSON line {argv, env} on stdin (how an agent keeps a worker "
+                             "ready for its next plan)")
     worker.add_argument("--rank", type=int, default=0, help="this stage's rank (default: 0)")
     worker.add_argument("--peers", default="",
                         help="comma-separated data-plane host:port of every rank, in rank "
@@ -469,12 +474,27 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    import json
+
     from omlx_cluster.child import watch_parent
     from omlx_cluster.model_store import data_home
     from omlx_node.worker import WorkerConfig, run_worker
 
     # A worker is only ever its agent's: when the agent goes, so does it.
     watch_parent(lambda: os._exit(0))
+    if args.standby:
+        job = json.loads(sys.stdin.readline() or "null")
+        if job is None:  # the agent went away without a plan for us
+            return 0
+        os.environ.update(job["env"])
+        given = sys.argv[sys.argv.index("worker") + 1:]
+        args = _build_parser().parse_args(
+            ["worker", *(a for a in given if a != "--standby"), *job["argv"]])
+    missing = [f for f in ("model", "model_id", "layers") if getattr(args, f) is None]
+    if missing:
+        print(f"error: worker needs --{', --'.join(m.replace('_', '-') for m in missing)}",
+              file=sys.stderr)
+        return 2
     start, _, end = args.layers.partition(":")
     config = WorkerConfig(
         model_path=args.model, model_id=args.model_id, layer_start=int(start),

@@ -5,6 +5,7 @@ survives whatever happens to a worker.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -34,12 +35,14 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
                  metrics_port: int | None = None, engine_args: list[str] | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
-                 speed: float = 0.0):
+                 speed: float = 0.0, standby: bool = True):
         self.secret = secret
         self.node_id = node_id or socket.gethostname()
         self.chip = chip or hardware.chip()
         self.speed = speed
         self.session: str | None = None  # set by Admit; None: no coordinator admitted us yet
+        self.standby = standby
+        self._standby: ChildProcess | None = None
         self._pending: dict[bytes, bytes] = {}  # node nonce -> coordinator nonce
         self.host = host
         self.data_port = data_port or free_port(host)
@@ -85,7 +88,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                 self._pending.clear()
                 log.info("admitted by the coordinator at %s", context.peer())
                 return pb.AdmitReply()
-        log.warning("refused coordinator %s: it does not hold this cluster's secret",
+        log.warning("refused coordinator %s: its cluster secret is not this node's",
                     context.peer())
         context.abort(grpc.StatusCode.PERMISSION_DENIED,
                       "wrong cluster secret: the coordinator and this node must share it")
@@ -134,21 +137,26 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         with self._lock:
             self._stop_worker()
             self.status = f"loading {request.model_path}"
-            cmd = omlx_command(
-                "worker", "--model", request.model_path,
-                "--model-id", request.model_id or os.path.basename(request.model_path),
-                "--layers", f"{request.layer_start}:{request.layer_end or ''}",
-                "--rank", str(request.rank), "--host", self.host,
-                "--backend", request.backend or "ring", "--plan-hash", request.plan_hash,
-                "--micro-batches", str(request.micro_batches), *self.engine_args)
+            argv = ["--model", request.model_path,
+                    "--model-id", request.model_id or os.path.basename(request.model_path),
+                    "--layers", f"{request.layer_start}:{request.layer_end or ''}",
+                    "--rank", str(request.rank), "--host", self.host,
+                    "--backend", request.backend or "ring", "--plan-hash", request.plan_hash,
+                    "--micro-batches", str(request.micro_batches)]
             if world > 1:
-                cmd += ["--peers", ",".join(request.peers)]
+                argv += ["--peers", ",".join(request.peers)]
             if self.metrics_port is not None:
-                cmd += ["--metrics-port", str(self.metrics_port)]
-            env = dict(os.environ)
-            if self.session:
-                env[auth.SESSION_ENV] = self.session  # its callers must present the same
-            worker = ChildProcess(cmd, f"the shard worker (rank {request.rank})", env=env)
+                argv += ["--metrics-port", str(self.metrics_port)]
+            # Its callers must present the same session.
+            env = {auth.SESSION_ENV: self.session} if self.session else {}
+            worker = self._take_standby()
+            what = f"the shard worker (rank {request.rank})"
+            if worker is not None:
+                worker.what = what
+                worker.send_line(json.dumps({"argv": argv, "env": env}))
+            else:
+                worker = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,
+                                      env={**os.environ, **env})
             try:
                 info = worker.wait_ready(WORKER_READY_TIMEOUT_SECONDS)
             except ChildError as e:
@@ -157,6 +165,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             finally:
                 # The next plan's group gets a fresh port: the last one may linger in TIME_WAIT.
                 self.data_port = free_port(self.host)
+                self._spawn_standby()
             self.worker, self.request = worker, request
             self.reply = pb.LoadShardReply(
                 model_id=request.model_id or os.path.basename(request.model_path),
@@ -169,10 +178,22 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                      info["layer_start"], info["layer_end"], request.rank, world)
             return self.reply
 
+    def _spawn_standby(self) -> None:
+        """Starts the next plan's worker now, up to where it waits for its plan: importing MLX
+        and mlx-lm takes seconds, which a re-plan after a failure should not wait for."""
+        if self.standby and (self._standby is None or not self._standby.alive()):
+            self._standby = ChildProcess(omlx_command("worker", "--standby", *self.engine_args),
+                                         "a standby shard worker", stdin_pipe=True)
+
+    def _take_standby(self) -> ChildProcess | None:
+        worker, self._standby = self._standby, None
+        return worker if worker is not None and worker.alive() else None
+
     def _stop_worker(self) -> None:
         if self.worker is not None:
-            # A stage blocked on a dead peer cannot run its SIGTERM handler: do not wait long.
-            self.worker.stop(timeout=3.0)
+            # A stage blocked on a dead peer cannot run its SIGTERM handler: do not wait long
+            # (a healthy one flushes its prefix cache and exits well within this).
+            self.worker.stop(timeout=1.0)
         self.worker = self.reply = self.request = None
 
     def shutdown(self) -> None:
@@ -185,6 +206,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         if watch:
             watch_parent(self.shutdown)
         self.server.start()
+        with self._lock:
+            self._spawn_standby()
         log.info("node agent listening on %s:%d (data plane port %d)", self.host, self.port,
                  self.data_port)
         while not self._shutdown.wait(0.5):  # a bare wait() would not let signal handlers run
@@ -192,3 +215,5 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.server.stop(grace=2).wait(5)
         with self._lock:
             self._stop_worker()
+            if self._standby is not None:
+                self._standby.stop(timeout=1.0)
