@@ -47,6 +47,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.host = host
         self.data_port = data_port or free_port(host)
         self.metrics_port = metrics_port
+        self.worker_metrics_port = 0  # the port the worker bound (metrics_port may be 0: any)
         self.engine_args = list(engine_args or [])  # passed on to every worker
         self.worker: ChildProcess | None = None
         self.reply: pb.LoadShardReply | None = None
@@ -115,7 +116,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         reply = pb.HealthReply(ready=ready, status=self.status if ready or w is None else
                                "the shard worker exited", version=__version__, pid=os.getpid(),
                                data_port=self.data_port,
-                               metrics_port=self.metrics_port or 0)
+                               metrics_port=self.worker_metrics_port)
         if r is not None and self.request is not None:
             reply.model_id = r.model_id
             reply.layer_start, reply.layer_end, reply.num_layers = (
@@ -167,6 +168,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                 self.data_port = free_port(self.host)
                 self._spawn_standby()
             self.worker, self.request = worker, request
+            self.worker_metrics_port = info.get("metrics_port") or 0
             self.reply = pb.LoadShardReply(
                 model_id=request.model_id or os.path.basename(request.model_path),
                 layer_start=info["layer_start"], layer_end=info["layer_end"],

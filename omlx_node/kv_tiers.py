@@ -71,6 +71,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,7 +225,7 @@ class PrefixCache:
         metrics_registry: CollectorRegistry | None = None,
         dtype: str | None = None,
         ssd_min_free_bytes: int | None = None,
-        write_queue_max_bytes: int = 256 * MiB,
+        write_queue_max_bytes: int = 1 * GiB,
     ):
         start, end = layer_range
         if not 0 <= start < end:
@@ -243,6 +244,8 @@ class PrefixCache:
         self.ssd_min_free_bytes = ssd_min_free_bytes
         self.write_queue_max_bytes = write_queue_max_bytes
         self.metrics = KVCacheMetrics(metrics_registry)
+        self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2),
+                                           thread_name_prefix="kv-read")
         self.last_restore_seconds = 0.0
 
         # One lock guards every index below; file I/O and numpy copies happen outside it.
@@ -327,7 +330,25 @@ class PrefixCache:
         t0 = time.perf_counter()
         n_blocks = max(0, min(n_tokens, len(tokens))) // self.block_size
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
+        with self._lock:
+            on_disk = [h for h in hashes if h not in self._hot and h in self._cold]
+        # Reading and checking SSD blocks releases the GIL (file reads, sha256): overlap them.
+        loads = {h: self._readers.submit(self._load, h) for h in on_disk}
         blocks: list[_Block] = []
+        try:
+            self._restore_blocks(hashes, loads, blocks)
+        finally:
+            for f in loads.values():
+                f.cancel()
+        caches = self._build(blocks)
+        self.last_restore_seconds = time.perf_counter() - t0
+        if hashes:
+            self.metrics.restore_seconds.observe(self.last_restore_seconds)
+        self._update_gauges()
+        return caches
+
+    def _restore_blocks(self, hashes: list[str], loads: dict, blocks: list[_Block]) -> None:
+        """Appends to `blocks` the unbroken chain of `hashes` that can be restored."""
         for h in hashes:
             tier = "ram"
             with self._lock:
@@ -340,7 +361,7 @@ class PrefixCache:
                     self._cv.notify_all()
             if block is None:
                 tier = "ssd"
-                block = self._load(h)
+                block = loads[h].result() if h in loads else self._load(h)
                 if block is None:
                     tier = "sibling"
                     block = self._load_sibling(h)
@@ -356,12 +377,6 @@ class PrefixCache:
                         self._enqueue(block)  # it becomes an ordinary block of this range
             blocks.append(block)
             self.metrics.hits.labels(tier=tier).inc()
-        caches = self._build(blocks)
-        self.last_restore_seconds = time.perf_counter() - t0
-        if hashes:
-            self.metrics.restore_seconds.observe(self.last_restore_seconds)
-        self._update_gauges()
-        return caches
 
     def store(self, tokens: Sequence[int], cache: Sequence[KVCache]) -> None:
         """Keeps every full block of `tokens` whose KV `cache` holds (one KVCache per layer of the
@@ -407,7 +422,9 @@ class PrefixCache:
                 slices.append(k[0, :, i * bs : (i + 1) * bs, :])
                 slices.append(v[0, :, i * bs : (i + 1) * bs, :])
         mx.eval(slices)
-        host = [np.array(a) for a in slices]
+        # Contiguous: a chunk that exactly fills mlx-lm's buffer can leave a transposed layout,
+        # which the writer's memoryview cannot serialise.
+        host = [np.ascontiguousarray(np.array(a)) for a in slices]
 
         new = []
         for b, i in enumerate(todo):
@@ -447,6 +464,7 @@ class PrefixCache:
 
     def close(self, timeout: float = 10.0) -> None:
         """Writes what is queued (waiting at most `timeout`), then stops the writer thread."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             return
         self.flush(timeout)

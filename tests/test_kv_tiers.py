@@ -257,6 +257,21 @@ def test_blocks_survive_a_restart(tmp_path, stage, vocab):
     again.close()
 
 
+def test_a_prefill_that_fills_the_buffer_exactly_reaches_the_ssd(tmp_path, stage, vocab):
+    """256 tokens in one chunk fill mlx-lm's KV buffer exactly; its slices were not contiguous
+    and the writer could not serialise them (the blocks never reached the disk)."""
+    prompt = rand_tokens(257, vocab, seed=21)
+    pc = make_pc(tmp_path)
+    cached_logits(pc, stage, prompt)
+    assert pc.flush()
+    pc.close()
+    assert len(files(pc)) == 256 // BS
+    again = make_pc(tmp_path)
+    n, logits = cached_logits(again, stage, prompt)
+    assert n == 256 and mx.array_equal(logits, cold_logits(stage, prompt))
+    again.close()
+
+
 def test_recency_survives_a_restart(tmp_path):
     pc = make_pc(tmp_path, layers=(0, 2))
     prompts = [[i] * BS for i in range(3)]

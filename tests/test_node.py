@@ -108,6 +108,7 @@ def test_load_generate_cancel_stats(node, model):
 
     agent_health = agent.Health(pb.HealthRequest(), timeout=5)
     assert agent_health.ready and agent_health.worker_pid == reply.worker_pid
+    assert agent_health.metrics_port == health.metrics_port  # the port bound, not "0"
     channel.close()
 
     # A new plan replaces the worker process (an mx.distributed group is formed once per process).
