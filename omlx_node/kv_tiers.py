@@ -523,19 +523,27 @@ class PrefixCache:
             self.metrics.evictions.labels(tier="ram").inc()
 
     def _build(self, blocks: list[_Block]) -> list[KVCache]:
+        """One copy of the blocks into each layer's buffer, with KVCache.step tokens of spare
+        room: the prefill and decode steps that follow append without copying it all again."""
         caches = [KVCache() for _ in range(self.n_layers)]
         if not blocks:
             return caches
-        n = len(blocks) * self.block_size
+        bs = self.block_size
+        n = len(blocks) * bs
         dt = blocks[0].dtype
         arrays = []
         for j, c in enumerate(caches):
-            k = mx.array(np.concatenate([b.keys[j] for b in blocks], axis=1))[None]
-            v = mx.array(np.concatenate([b.values[j] for b in blocks], axis=1))[None]
-            if dt.mx == mx.bfloat16:
-                k, v = k.view(mx.bfloat16), v.view(mx.bfloat16)
-            c.keys, c.values, c.offset = k, v, n
-            arrays += [k, v]
+            pair = []
+            for parts in ([b.keys[j] for b in blocks], [b.values[j] for b in blocks]):
+                heads, _, dim = parts[0].shape
+                buf = np.zeros((1, heads, n + KVCache.step, dim), parts[0].dtype)
+                for i, part in enumerate(parts):
+                    buf[0, :, i * bs : (i + 1) * bs] = part
+                a = mx.array(buf)
+                pair.append(a.view(mx.bfloat16) if dt.mx == mx.bfloat16 else a)
+            c.keys, c.values = pair
+            c.offset = n
+            arrays += pair
         mx.eval(arrays)
         return caches
 
