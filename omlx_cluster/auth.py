@@ -56,3 +56,8 @@ def compatible(a: str, b: str) -> bool:
     """Versions that may share a cluster: the same major.minor (the wire format may change
     between minor versions)."""
     return a.split(".")[:2] == b.split(".")[:2]
+
+
+def presented(context) -> str:
+    """The session token a gRPC caller sent (empty if none)."""
+    return dict(context.invocation_metadata()).get(SESSION_METADATA, "")

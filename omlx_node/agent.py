@@ -97,8 +97,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.secret is None:
             return
-        given = dict(context.invocation_metadata()).get(auth.SESSION_METADATA, "")
-        if self.session is None or not auth.check(self.session.encode(), given.encode()):
+        if self.session is None or not auth.check(self.session.encode(),
+                                                  auth.presented(context).encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "not admitted: the coordinator must handshake with the cluster secret")
 

@@ -201,6 +201,18 @@ class CacheStats:
     sibling_files: int = 0  # indexed files of other layer ranges (see the module docstring)
 
 
+def _read_head(f) -> tuple[int, bytes]:
+    """A safetensors file's size and its first bytes: the length prefix and, when that length
+    is sane, the JSON header (checked by the caller)."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= _MAX_HEADER_BYTES:
+            head += f.read(n)
+    return size, head
+
+
 class PrefixCache:
     """The KV prefix cache of the stage holding layers [layer_range[0], layer_range[1]).
 
@@ -690,12 +702,7 @@ class PrefixCache:
         """Checks a file's header; returns its size and what the header says. Raises _BadFile
         or OSError."""
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) == 8:
-                (n,) = struct.unpack("<Q", head)
-                if n <= _MAX_HEADER_BYTES:
-                    head += f.read(n)
+            size, head = _read_head(f)
         return size, self._check_header(block_hash, head, size, layers)
 
     def _load(self, block_hash: str) -> _Block | None:
@@ -901,12 +908,7 @@ class PrefixCache:
         tensors are kept. Raises _BadFile or OSError."""
         wanted = set(self._tensor_order((lo, hi)))
         with open(file.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) == 8:
-                (n,) = struct.unpack("<Q", head)
-                if n <= _MAX_HEADER_BYTES:
-                    head += f.read(n)
+            size, head = _read_head(f)
             info = self._check_header(block_hash, head, size, (file.start, file.end))
             if info.dtype.name != file.dtype:
                 raise _BadFile("foreign", f"dtype {info.dtype.name}, indexed as {file.dtype}")

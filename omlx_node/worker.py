@@ -77,8 +77,7 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.session is None:
             return
-        given = dict(context.invocation_metadata()).get(auth.SESSION_METADATA, "")
-        if not auth.check(self.session.encode(), given.encode()):
+        if not auth.check(self.session.encode(), auth.presented(context).encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "not admitted: calls to a shard worker need the cluster session")
 
