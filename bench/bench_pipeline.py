@@ -52,8 +52,8 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_single_node import (TINYLLAMA, Server, blas_of, child, free_port,  # noqa: E402
-                               machine_info, median, steady_rate, stream_one)
+from bench_single_node import (Server, blas_of, free_port,  # noqa: E402
+                               machine_info, median, select_model, steady_rate, stream_one)
 
 SERVER_START_TIMEOUT = 240.0
 
@@ -502,27 +502,7 @@ def main() -> int:
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
                                                                  "OPENBLAS_NUM_THREADS")}
 
-    if args.random_llama_1b:
-        model = work / "random-llama-1.1b"
-        if args.random_layers:
-            model = work / f"random-llama-1.1b-{args.random_layers}l"
-        if not (model / "config.json").exists():
-            print(f"building the random llama in {model} ...", file=sys.stderr, flush=True)
-            child("build", {"dest": str(model), "layers": args.random_layers}, base_env, 300, work)
-        layers = args.random_layers or TINYLLAMA["num_hidden_layers"]
-        model_name = "random-llama-1.1b" + (f" ({layers} layers)" if args.random_layers else "")
-        desc = ("random weights, TinyLlama-1.1B shape (hidden 2048, 32 heads / 4 kv, "
-                f"intermediate 5632, vocab 32000), {layers} layers, bf16 on disk")
-    else:
-        from omlx_cluster.model_store import resolve_model
-
-        model = resolve_model(args.model, progress=True)
-        model_name, desc = model.name, "from the model store" if args.model is None else str(model)
-    config = json.loads((model / "config.json").read_text())
-    if not args.random_llama_1b:
-        desc += f"; {config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
-        if config.get("quantization"):
-            desc += f", quantized on disk ({config['quantization'].get('bits')}-bit)"
+    model, model_name, desc, config = select_model(args, work, base_env)
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
     model_dtype = str(config.get("torch_dtype") or "float32")
     if model_dtype not in ("float32", "float16", "bfloat16"):

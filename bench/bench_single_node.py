@@ -527,6 +527,35 @@ def print_table(result: dict) -> None:
     Console().print(f"BLAS: {result['blas']['used']}")
 
 
+def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict]:
+    """The model a bench runs on: the random TinyLlama-shaped llama (built once under `work`)
+    with --random-llama-1b, else a stored or given folder. Returns (folder, name, description,
+    config)."""
+    if args.random_llama_1b:
+        suffix = f"-{args.random_layers}l" if args.random_layers else ""
+        model = work / f"random-llama-1.1b{suffix}"
+        if not (model / "config.json").exists():
+            print(f"building the random llama in {model} ...", file=sys.stderr, flush=True)
+            t = time.monotonic()
+            child("build", {"dest": str(model), "layers": args.random_layers}, base_env, 300, work)
+            print(f"  built in {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
+        layers = args.random_layers or TINYLLAMA["num_hidden_layers"]
+        model_name = "random-llama-1.1b" + (f" ({layers} layers)" if args.random_layers else "")
+        desc = ("random weights, TinyLlama-1.1B shape (hidden 2048, 32 heads / 4 kv, "
+                f"intermediate 5632, vocab 32000), {layers} layers, bf16 on disk")
+    else:
+        from omlx_cluster.model_store import resolve_model
+
+        model = resolve_model(args.model, progress=True)
+        model_name, desc = model.name, "from the model store" if args.model is None else str(model)
+    config = json.loads((model / "config.json").read_text())
+    if not args.random_llama_1b:
+        desc += f"; {config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
+        if config.get("quantization"):
+            desc += f", quantized on disk ({config['quantization'].get('bits')}-bit)"
+    return model, model_name, desc, config
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -582,27 +611,7 @@ def main() -> int:
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
                                                                  "OPENBLAS_NUM_THREADS")}
 
-    if args.random_llama_1b:
-        model = work / "random-llama-1.1b"
-        if not (model / "config.json").exists():
-            print(f"building the random llama in {model} ...", file=sys.stderr, flush=True)
-            t = time.monotonic()
-            child("build", {"dest": str(model), "layers": args.random_layers}, base_env, 300, work)
-            print(f"  built in {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
-        layers = args.random_layers or TINYLLAMA["num_hidden_layers"]
-        model_name = "random-llama-1.1b" + (f" ({layers} layers)" if args.random_layers else "")
-        desc = ("random weights, TinyLlama-1.1B shape (hidden 2048, 32 heads / 4 kv, "
-                f"intermediate 5632, vocab 32000), {layers} layers, bf16 on disk")
-    else:
-        from omlx_cluster.model_store import resolve_model
-
-        model = resolve_model(args.model, progress=True)
-        model_name, desc = model.name, "from the model store" if args.model is None else str(model)
-    config = json.loads((model / "config.json").read_text())
-    if not args.random_llama_1b:
-        desc += f"; {config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
-        if config.get("quantization"):
-            desc += f", quantized on disk ({config['quantization'].get('bits')}-bit)"
+    model, model_name, desc, config = select_model(args, work, base_env)
     vocab = int(config["vocab_size"])
 
     spec = {"model": str(model), "prompts": make_prompts(vocab, args), "repeats": args.repeats,
