@@ -60,7 +60,8 @@ for p in (str(REPO), str(REPO / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_single_node import (SERVER_START_TIMEOUT, Server, blas_of, free_port,  # noqa: E402
+from bench_single_node import (SERVER_START_TIMEOUT, Server, blas_of,  # noqa: E402
+                               completion_events, free_port,
                                machine_info, median)
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -144,33 +145,19 @@ def raw_disk_read(folder: Path, size: int, can_drop: bool) -> dict:
 
 
 async def stream_ttft(client, base: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first_text = first_chunk = None
     usage = None
     text = ""
-    async with client.stream("POST", base + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.perf_counter()
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                raise RuntimeError(f"stream error: {obj['error']}")
-            if obj.get("usage"):
-                usage = obj["usage"]
-            if obj.get("choices"):
-                first_chunk = first_chunk or now
-                piece = obj["choices"][0].get("text") or ""
-                if piece and first_text is None:
-                    first_text = now
-                text += piece
+    async for now, obj in completion_events(client, base, prompt, max_tokens):
+        if obj.get("usage"):
+            usage = obj["usage"]
+        if obj.get("choices"):
+            first_chunk = first_chunk or now
+            piece = obj["choices"][0].get("text") or ""
+            if piece and first_text is None:
+                first_text = now
+            text += piece
     end = time.perf_counter()
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return {"ttft": (first_text or first_chunk or end) - t0,

@@ -53,7 +53,8 @@ for p in (str(REPO), str(HERE)):
         sys.path.insert(0, p)
 
 from bench_single_node import (Server, blas_of, free_port,  # noqa: E402
-                               machine_info, median, select_model, steady_rate, stream_one)
+                               machine_info, median, select_model, stream_batch,
+                               stream_one)
 
 SERVER_START_TIMEOUT = 240.0
 
@@ -263,16 +264,7 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
             return {k: r[k] for k in ("ttft", "decode_tps", "tokens")}
 
         def batch(prompt_set, max_tokens):
-            async def go():
-                return await asyncio.gather(*(stream_one(client, server.base, pr, max_tokens)
-                                              for pr in prompt_set))
-            t0 = time.perf_counter()
-            rs = run(go())
-            wall = max(r["end"] for r in rs) - t0
-            ntok = sum(r["tokens"] for r in rs)
-            return {"agg_tps": ntok / wall, "wall": wall, "tokens": ntok,
-                    "ttft_mean": statistics.mean(r["ttft"] for r in rs),
-                    "steady_tps": steady_rate([r["times"] for r in rs])}
+            return run(stream_batch(client, server.base, prompt_set, max_tokens))
 
         try:
             w = args.warmups

@@ -324,12 +324,10 @@ class Server:
         self._log.close()
 
 
-async def stream_one(client, base: str, prompt: list[int], max_tokens: int) -> dict:
+async def completion_events(client, base: str, prompt: list[int], max_tokens: int):
+    """Streams a greedy /v1/completions of token ids; yields (arrival time, event object)."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage = None
     async with client.stream("POST", base + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
@@ -343,16 +341,35 @@ async def stream_one(client, base: str, prompt: list[int], max_tokens: int) -> d
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
-            if obj.get("usage"):
-                usage = obj["usage"]
-            elif obj["choices"] and obj["choices"][0].get("text"):
-                times.append(now)
+            yield now, obj
+
+
+async def stream_one(client, base: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    async for now, obj in completion_events(client, base, prompt, max_tokens):
+        if obj.get("usage"):
+            usage = obj["usage"]
+        elif obj["choices"] and obj["choices"][0].get("text"):
+            times.append(now)
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(times)
     rate = (n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 and times[-1] > times[0] \
         else None
     return {"ttft": times[0] - t0 if times else None, "decode_tps": rate, "tokens": n,
             "events": len(times), "t0": t0, "end": end, "times": times}
+
+
+async def stream_batch(client, base: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All `prompts` streamed at once: aggregate rate (prefill included) and decode-phase rate."""
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(stream_one(client, base, pr, max_tokens) for pr in prompts))
+    wall = max(r["end"] for r in res) - t0
+    ntok = sum(r["tokens"] for r in res)
+    return {"agg_tps": ntok / wall, "wall": wall, "tokens": ntok,
+            "ttft_mean": statistics.mean(r["ttft"] for r in res),
+            "steady_tps": steady_rate([r["times"] for r in res])}
 
 
 def measure_server(spec: dict, model: Path, work: Path, extra: list[str]) -> dict:
@@ -378,16 +395,7 @@ def measure_server(spec: dict, model: Path, work: Path, extra: list[str]) -> dic
             return {k: r[k] for k in ("ttft", "decode_tps", "tokens", "events")}
 
         def batch(prompts, max_tokens):
-            async def go():
-                return await asyncio.gather(*(stream_one(client, server.base, pr, max_tokens)
-                                              for pr in prompts))
-            t0 = time.perf_counter()
-            res = run(go())
-            wall = max(r["end"] for r in res) - t0
-            ntok = sum(r["tokens"] for r in res)
-            return {"agg_tps": ntok / wall, "wall": wall, "tokens": ntok,
-                    "ttft_mean": statistics.mean(r["ttft"] for r in res),
-                    "steady_tps": steady_rate([r["times"] for r in res])}
+            return run(stream_batch(client, server.base, prompts, max_tokens))
 
         try:
             out = run_workloads(spec, single, batch)

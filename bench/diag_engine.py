@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
