@@ -575,7 +575,9 @@ def _models(args: argparse.Namespace) -> int:
                 return 0
             table = Table("name", "family", "layers", "size", "quantization", "path")
             for m in rows:
-                table.add_row(m.name, m.model_type, str(m.num_layers),
+                # A node's shard folder: the layers it received from its coordinator.
+                layers = f"shard: {m.shard}" if m.shard else str(m.num_layers)
+                table.add_row(m.name, m.model_type, layers,
                               f"{m.size_bytes / 2**20:.0f} MiB", m.quantization, str(m.path))
             console.print(table)
         elif args.models_command == "import-gguf":

@@ -3,7 +3,9 @@
 `serve` starts its node agents as child processes on this machine (`--nodes N`, one by default)
 and drives them over real gRPC on loopback, the path a multi-Mac cluster uses: it plans the
 layer split, asks every agent at once to load its range (the data-plane group forms only when all
-ranks join) and sends sequences to the head worker.
+ranks join) and sends sequences to the head worker. Those agents read the coordinator's model
+folder; a node that joined over the network first receives the tensors of its range
+(omlx_coordinator/weight_transfer.py) unless it holds them already.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ from omlx_cluster.child import ChildProcess, omlx_command
 from omlx_cluster.hardware import machine_memory
 from omlx_coordinator.model_layout import read_layout
 from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
-from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
 from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.weight_transfer import (
+    TransferProgress,
+    WeightCounters,
+    WeightSource,
+    ensure_weights,
+)
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -81,6 +89,9 @@ class Member:
     last_seen: float = 0.0
     health: pb.HealthReply | None = None
     layers: tuple[int, int] | None = None
+    # Why the node cannot take this model's weights (no disk space): plans leave it out until
+    # it joins again.
+    weights_error: str = ""
 
 
 class NoCapacity(RuntimeError):
@@ -116,6 +127,8 @@ class Cluster:
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._replanning = asyncio.Lock()
+        self.weight_counters = WeightCounters()
+        self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
 
     def local_budget(self) -> int:
         """Local nodes share this machine's memory (less 4 GiB for everything else)."""
@@ -146,6 +159,7 @@ class Cluster:
                 "metrics_port": (h.metrics_port or None) if h else None,
                 "version": h.version if h else None,
                 "memory_budget": m.budget_bytes, "chip": m.chip,
+                "weights_error": m.weights_error or None,
             })
         return out
 
@@ -202,25 +216,22 @@ class Cluster:
     async def _load_plan(self) -> None:
         """Plans over the live members and has each load its range; every agent at once, since
         the data-plane group forms only when all ranks have joined."""
-        live = [m for m in self.members if m.alive]
-        try:
-            plan = self.make_plan(live) if live else None
-        except PlanError as e:
-            plan, self.capacity_error = None, str(e)
+        live, plan = self._next_plan()
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
             self.status = f"no capacity: {self.capacity_error}"
             raise NoCapacity(self.capacity_error)
+        by_name = {m.name: m for m in live}
+        members = [by_name[s.node] for s in plan.stages]
+        paths = await self._transfer_weights(members, plan)
         healths = await asyncio.gather(*(m.agent.health() for m in live))
         peers = [f"{m.agent.address.rsplit(':', 1)[0]}:{h.data_port}"
                  for m, h in zip(live, healths)]
-        by_name = {m.name: m for m in live}
-        members = [by_name[s.node] for s in plan.stages]
         world = len(plan.stages)
         self.status = f"loading {self.model_id} (plan {plan.plan_hash})"
         replies = await asyncio.gather(*(
             m.agent.load_shard(pb.LoadShardRequest(
-                model_path=str(self.model_path), model_id=self.model_id,
+                model_path=paths.get(m.name, str(self.model_path)), model_id=self.model_id,
                 layer_start=stage.layer_start, layer_end=stage.layer_end, rank=rank,
                 world_size=world, peers=[peers[live.index(x)] for x in members] if world > 1
                 else [], backend=self.options.backend, plan_hash=plan.plan_hash,
@@ -241,6 +252,57 @@ class Cluster:
                  world, plan.split, plan.plan_hash, self.epoch)
         self.ready, self.status = True, "ready"
         self._ready_event.set()
+
+    def _next_plan(self) -> tuple[list[Member], Plan | None]:
+        """The live members that may serve, and a plan over them (None: none fits)."""
+        live = [m for m in self.members if m.alive and not m.weights_error]
+        try:
+            return live, self.make_plan(live) if live else None
+        except PlanError as e:
+            self.capacity_error = str(e)
+            return live, None
+
+    async def _transfer_weights(self, members: list[Member], plan: Plan) -> dict[str, str]:
+        """Sends every remote stage the tensors of its range it lacks, all nodes at once;
+        returns each remote node's folder to load from. Local nodes read the model's folder."""
+        remote = [(m, s) for m, s in zip(members, plan.stages) if m.process is None]
+        if not remote:
+            return {}
+        if self._weight_source is None:
+            self._weight_source = await asyncio.to_thread(WeightSource, self.model_path,
+                                                          self.model_id)
+        source = self._weight_source
+        progress: dict[str, TransferProgress] = {}
+        before = self.status
+
+        def show(p: TransferProgress) -> None:
+            progress[p.node] = p
+            self.status = "transferring weights: " + ", ".join(
+                f"{q.node} {q.bytes_sent / 1e6:.0f}/{q.bytes_to_send / 1e6:.0f} MB"
+                for q in progress.values())
+
+        async def one(m: Member, stage: Stage) -> str:
+            try:
+                result = await ensure_weights(m.agent, source, stage.layer_start,
+                                              stage.layer_end, show, self.weight_counters,
+                                              label=m.name)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    m.weights_error = e.details()
+                    log.error("node %s cannot take %s: %s", m.name, self.model_id, e.details())
+                raise
+            return result.local_path
+
+        self.status = (f"transferring weights of {self.model_id} to "
+                       f"{', '.join(m.name for m, _ in remote)}")
+        # Every transfer runs to its end before a failure is raised: a retry must not race a
+        # transfer still writing into the same node folder.
+        results = await asyncio.gather(*(one(m, s) for m, s in remote), return_exceptions=True)
+        self.status = before
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return {m.name: path for (m, _), path in zip(remote, results)}
 
     async def add_remote(self, address: str) -> Member | None:
         """Admits the node agent at `address` (it must prove the cluster secret) and adds it to
@@ -266,6 +328,7 @@ class Cluster:
             await member.agent.close()
             member.agent = agent
         member.alive, member.last_seen, member.layers = True, time.monotonic(), None
+        member.weights_error = ""
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         log.info("node %s (%s, %s, %.1f GiB usable) joined", hello.node_id, address, hello.chip,
                  budget / 2**30)
@@ -314,6 +377,8 @@ class Cluster:
         async with self._replanning:
             if self.epoch != epoch and self.ready and not always:
                 return  # someone else recovered already
+            if self.ready:
+                await self._prefetch_weights()
             self.ready = False
             self._ready_event.clear()
             self.status = f"recovering: {reason}"
@@ -334,6 +399,19 @@ class Cluster:
                                   "started_at": started_at, "epoch": self.epoch,
                                   "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
+
+    async def _prefetch_weights(self) -> None:
+        """While the current plan still serves (a node joined), sends the next plan's remote
+        stages their weights: clients then wait only for the load, not for the transfer. A
+        failure here is only logged: _load_plan transfers (and reports) again."""
+        live, plan = self._next_plan()
+        if plan is None:
+            return
+        by_name = {m.name: m for m in live}
+        try:
+            await self._transfer_weights([by_name[s.node] for s in plan.stages], plan)
+        except (grpc.aio.AioRpcError, OSError) as e:
+            log.warning("weights for the next plan: %s", e)
 
     async def wait_ready(self, timeout: float) -> None:
         """Returns once a plan serves; raises NoCapacity at once when nothing can serve, or

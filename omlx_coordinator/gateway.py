@@ -452,7 +452,7 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
     """The gateway app; its lifespan starts `cluster` and calls `on_start_failure(reason)` if
     the model cannot be served at all."""
     settings = settings or GatewaySettings()
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(cluster.weight_counters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

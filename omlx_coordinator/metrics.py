@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from omlx_cluster.metric_buckets import LATENCY_BUCKETS
+from omlx_coordinator.weight_transfer import WeightCounters
+
+
+class _WeightCollector:
+    """Reads the cluster's transfer counters at scrape time (they count every chunk sent)."""
+
+    def __init__(self, counters: WeightCounters):
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("omlx:weight_bytes_sent",
+                                  "Weight bytes sent to nodes that lacked them",
+                                  value=self.counters.bytes_sent)
+        yield CounterMetricFamily("omlx:weight_files_sent",
+                                  "Weight files nodes received and verified",
+                                  value=self.counters.files_sent)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, weights: WeightCounters | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if weights is not None:
+            r.register(_WeightCollector(weights))
         self.requests = Counter(
             "omlx:requests", "HTTP generation requests, by endpoint and outcome",
             ["endpoint", "outcome"], registry=r,

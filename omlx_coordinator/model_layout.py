@@ -4,22 +4,19 @@ The planner needs per-layer weight bytes, the embedding/head/norm bytes and the 
 token. Guessing them from the parameter count is wrong for quantized models (scales and biases)
 and for uneven layers (some families mix layer shapes), so we read the real tensor sizes.
 
-A safetensors file starts with an 8-byte little-endian header length and a JSON header that maps
-each tensor name to its dtype, shape and byte range; reading that costs a few kilobytes even for
-a 100 GB model, which is what lets the coordinator (which has no MLX and no weights in memory)
-plan a cluster. This module must not import MLX.
+Only the safetensors headers are read (omlx_cluster/safetensors_header.py): a few kilobytes even
+for a 100 GB model, which is what lets the coordinator (which has no MLX and no weights in
+memory) plan a cluster. This module must not import MLX.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# A header longer than this is not a real safetensors header (the format caps it at 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
+from omlx_cluster.safetensors_header import read_header, tensor_range, weight_files
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.
@@ -68,54 +65,30 @@ class ModelLayout:
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
 
 
+def tensor_part(name: str) -> int | str | None:
+    """Where a checkpoint tensor belongs: its layer index, "embed", "head", "norm", "other" (no
+    part a pipeline stage knows), or None for tensors mlx-lm drops."""
+    if _IGNORED_RE.search(name):
+        return None
+    if m := _LAYER_RE.search(name):
+        return int(m.group(1))
+    if _EMBED_RE.search(name):
+        return "embed"
+    if _HEAD_RE.search(name):
+        return "head"
+    if _NORM_RE.search(name):
+        return "norm"
+    return "other"
+
+
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """The JSON header of one .safetensors file (tensor name -> dtype/shape/data_offsets),
     without the `__metadata__` entry. Reads only the header bytes."""
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise ValueError(f"{path} is too short to be a safetensors file")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > _MAX_HEADER_BYTES:
-            raise ValueError(f"{path}: header length {header_len} is not plausible")
-        raw = f.read(header_len)
-    if len(raw) != header_len:
-        raise ValueError(f"{path}: header truncated ({len(raw)} of {header_len} bytes)")
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header
-
-
-def _weight_files(model_path: Path) -> list[Path]:
-    """The files mlx-lm would load: the index's files if there is one, else model*.safetensors."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_path / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ValueError(f"{index} names missing files: {', '.join(missing)}")
-    else:
-        files = sorted(model_path.glob("model*.safetensors")) or sorted(
-            model_path.glob("*.safetensors")
-        )
-    if not files:
-        raise ValueError(f"no .safetensors files in {model_path}")
-    return files
+    return read_header(path).tensors
 
 
 def _tensor_bytes(name: str, info: dict, path: Path) -> int:
-    try:
-        start, end = info["data_offsets"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from e
-    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
-        raise ValueError(f"{path}: tensor {name!r} has bad data_offsets {info['data_offsets']}")
+    start, end = tensor_range(name, info, path)
     return end - start
 
 
@@ -150,29 +123,29 @@ def read_layout(
     has_head = False
     unknown: list[str] = []
     seen_names: set[str] = set()
-    for path in _weight_files(model_path):
+    for path in weight_files(model_path):
         for name, info in read_safetensors_header(path).items():
             if name in seen_names:
                 raise ValueError(f"tensor {name!r} appears in more than one file of {model_path}")
             seen_names.add(name)
-            if _IGNORED_RE.search(name):
+            part = tensor_part(name)
+            if part is None:
                 continue
             size = _tensor_bytes(name, info, path)
-            if m := _LAYER_RE.search(name):
-                i = int(m.group(1))
-                if i >= num_layers:
+            if isinstance(part, int):
+                if part >= num_layers:
                     raise ValueError(
-                        f"tensor {name!r} is for layer {i}, but config.json says "
+                        f"tensor {name!r} is for layer {part}, but config.json says "
                         f"{num_layers} layers"
                     )
-                layer_bytes[i] += size
-                seen_layers.add(i)
-            elif _EMBED_RE.search(name):
+                layer_bytes[part] += size
+                seen_layers.add(part)
+            elif part == "embed":
                 embed += size
-            elif _HEAD_RE.search(name):
+            elif part == "head":
                 head += size
                 has_head = True
-            elif _NORM_RE.search(name):
+            elif part == "norm":
                 norm += size
             else:
                 unknown.append(name)

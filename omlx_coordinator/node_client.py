@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from omlx_cluster import __version__, auth
@@ -9,6 +11,9 @@ from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
 LOAD_TIMEOUT_SECONDS = 1800.0
+# The node fingerprints its own copy of the model and checks its parts: reads of a few MB, but
+# it may first wait for a broken transfer's handler to let go of the folder.
+PREPARE_TIMEOUT_SECONDS = 120.0
 
 
 class AdmissionError(RuntimeError):
@@ -67,6 +72,15 @@ class AgentClient:
     async def health(self, timeout: float = 2.0) -> pb.HealthReply:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout,
                                       metadata=self.metadata)
+
+    async def prepare_weights(self, manifest: pb.WeightManifest,
+                              timeout: float = PREPARE_TIMEOUT_SECONDS) -> pb.WeightNeeds:
+        return await self.stub.PrepareWeights(manifest, timeout=timeout, metadata=self.metadata)
+
+    def push_weights(self, chunks: AsyncIterator[pb.WeightChunk]):
+        """A bidirectional stream: `read()` its WeightAcks; no deadline (a large range takes
+        as long as it takes: omlx_coordinator/weight_transfer.py watches the acks instead)."""
+        return self.stub.PushWeights(chunks, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -17,6 +17,7 @@ import grpc
 
 from omlx_cluster import __version__, auth, hardware
 from omlx_cluster.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_node.weight_store import WeightError, WeightStore
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -53,6 +54,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.reply: pb.LoadShardReply | None = None
         self.request: pb.LoadShardRequest | None = None
         self.status = "no shard loaded"
+        self.weights = WeightStore()  # layers received from the coordinator
         self._lock = threading.Lock()  # one plan change at a time
         self._shutdown = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
@@ -108,6 +110,24 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             return self.load(request)
         except (ChildError, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    def PrepareWeights(self, request: pb.WeightManifest, context: grpc.ServicerContext):
+        self._authorize(context)
+        try:
+            return self.weights.prepare(request)
+        except WeightError as e:
+            log.warning("weights refused: %s", e)
+            context.abort(e.code, str(e))
+
+    def PushWeights(self, request_iterator, context: grpc.ServicerContext):
+        self._authorize(context)
+        try:
+            yield from self.weights.receive(request_iterator)
+        except WeightError as e:
+            log.warning("weight transfer aborted: %s", e)
+            context.abort(e.code, str(e))
+        except grpc.RpcError:  # the sender went away; its parts stay for the next attempt
+            log.warning("weight transfer from %s broken off", context.peer())
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)

@@ -19,6 +19,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model, load_config, load_model
 
+from omlx_cluster.model_store import SHARD_RECORD, ModelError, read_shard_record
+from omlx_cluster.safetensors_header import read_header
+
 # Families whose mlx-lm classes share the layout a stage relies on:
 # model.embed_tokens, model.layers[i](h, mask, cache), model.norm, lm_head or tied embeddings.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -67,6 +70,40 @@ def _check_family(config: dict, path: Path) -> None:
         )
 
 
+def _check_loaded(model: nn.Module, path: Path, start: int, end: int, num_layers: int) -> None:
+    """Raises StageError unless the folder's files held every parameter layers [start, end)
+    and this stage's embedding/norm/head need."""
+    present: set[str] = set()
+    for f in path.glob("model*.safetensors"):
+        present.update(read_header(f).tensors)
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    first, last = start == 0, end == num_layers
+    kept = [f"model.layers.{i}." for i in range(start, end)]
+    if first or (last and tied):
+        kept.append("model.embed_tokens.")
+    if last:
+        kept += ["model.norm."] + ([] if tied else ["lm_head."])
+    missing = [name for name, _ in tree_flatten(model.parameters())
+               if name.startswith(tuple(kept)) and name not in present]
+    if missing:
+        layers = sorted({int(n.split(".")[2]) for n in missing if n.startswith("model.layers.")})
+        parts = sorted({n.split(".")[-2] for n in missing if not n.startswith("model.layers.")})
+        raise StageError(
+            f"{path} lacks weights of layers [{start}, {end}): "
+            f"{len(missing)} tensors missing (layers {layers or 'none'}"
+            f"{', ' + ', '.join(parts) if parts else ''}; e.g. {missing[0]}). The coordinator "
+            f"sends a node its layers before loading them; this folder holds "
+            f"{_held(path)}.")
+
+
+def _held(path: Path) -> str:
+    try:
+        record = read_shard_record(path)
+    except ModelError as e:
+        return str(e)
+    return record.describe() if record else "no shard record"
+
+
 class StageRunner:
     """Runs one contiguous slice of a model's layers on this node."""
 
@@ -83,7 +120,12 @@ class StageRunner:
                 f"{num_layers} layers"
             )
 
-        model, _ = load_model(path, lazy=True)
+        # A shard folder (omlx_node/weight_store.py) holds only some layers' tensors: the others
+        # keep their random initialisation, which _check_loaded makes sure this stage never runs.
+        shard = (path / SHARD_RECORD).is_file()
+        model, _ = load_model(path, lazy=True, strict=not shard)
+        if shard:
+            _check_loaded(model, path, layer_start, end, num_layers)
         inner = model.model
         self.layers = inner.layers[layer_start:end]
         is_first, is_last = layer_start == 0, end == num_layers

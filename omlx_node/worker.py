@@ -191,7 +191,13 @@ def join_group(config: WorkerConfig):
 
 def weights_fingerprint(model_path: Path) -> str:
     """Names the exact weights for the prefix cache: config plus every safetensors header,
-    size and mtime (cheap; hashing gigabytes of tensors at start-up is not)."""
+    size and mtime (cheap; hashing gigabytes of tensors at start-up is not). A shard folder
+    received from the coordinator is named by its model's content fingerprint instead: it gains
+    files as re-plans move this node's range, and the blocks of its layers stay valid."""
+    from omlx_cluster.model_store import read_shard_record
+
+    if (record := read_shard_record(model_path)) is not None:
+        return record.fingerprint[:12]
     h = hashlib.sha256(model_path.joinpath("config.json").read_bytes())
     for f in sorted(model_path.glob("*.safetensors")):
         st = f.stat()

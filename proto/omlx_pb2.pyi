@@ -197,3 +197,89 @@ class StatsReply(_message.Message):
     requests_total: int
     decode_tokens_per_second: float
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class WeightFile(_message.Message):
+    __slots__ = ("name", "size", "safetensors", "tensors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    safetensors: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., safetensors: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("model_id", "fingerprint", "layer_start", "layer_end", "num_layers", "files")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    fingerprint: str
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    files: _containers.RepeatedCompositeFieldContainer[WeightFile]
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ...) -> None: ...
+
+class FileHolding(_message.Message):
+    __slots__ = ("name", "have_bytes", "complete")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HAVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    have_bytes: int
+    complete: bool
+    def __init__(self, name: _Optional[str] = ..., have_bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class WeightNeeds(_message.Message):
+    __slots__ = ("local_path", "full_copy", "files")
+    LOCAL_PATH_FIELD_NUMBER: _ClassVar[int]
+    FULL_COPY_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    local_path: str
+    full_copy: bool
+    files: _containers.RepeatedCompositeFieldContainer[FileHolding]
+    def __init__(self, local_path: _Optional[str] = ..., full_copy: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileHolding, _Mapping]]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("fingerprint", "file", "offset", "data", "crc32", "sha256")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    file: str
+    offset: int
+    data: bytes
+    crc32: int
+    sha256: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class WeightAck(_message.Message):
+    __slots__ = ("file", "bytes_done", "complete")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    bytes_done: int
+    complete: bool
+    def __init__(self, file: _Optional[str] = ..., bytes_done: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...

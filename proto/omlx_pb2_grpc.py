@@ -56,6 +56,16 @@ class NodeAgentStub:
                 request_serializer=proto_dot_omlx__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.PrepareWeights = channel.unary_unary(
+                '/omlx.v1.NodeAgent/PrepareWeights',
+                request_serializer=proto_dot_omlx__pb2.WeightManifest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.WeightNeeds.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.stream_stream(
+                '/omlx.v1.NodeAgent/PushWeights',
+                request_serializer=proto_dot_omlx__pb2.WeightChunk.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.WeightAck.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -92,6 +102,23 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareWeights(self, request, context):
+        """Weights for a node that lacks the model's files (omlx_coordinator/weight_transfer.py sends,
+        omlx_node/weight_store.py receives). PrepareWeights names the files a layer range needs and
+        learns what the node holds already (its own full copy, complete files, or partial ones to
+        resume); PushWeights then streams only the missing bytes. LoadShard's model_path is then
+        WeightNeeds.local_path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +141,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_omlx__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.HealthReply.SerializeToString,
+            ),
+            'PrepareWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareWeights,
+                    request_deserializer=proto_dot_omlx__pb2.WeightManifest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.WeightNeeds.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=proto_dot_omlx__pb2.WeightChunk.FromString,
+                    response_serializer=proto_dot_omlx__pb2.WeightAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +263,60 @@ class NodeAgent:
             '/omlx.v1.NodeAgent/Health',
             proto_dot_omlx__pb2.HealthRequest.SerializeToString,
             proto_dot_omlx__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/PrepareWeights',
+            proto_dot_omlx__pb2.WeightManifest.SerializeToString,
+            proto_dot_omlx__pb2.WeightNeeds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omlx.v1.NodeAgent/PushWeights',
+            proto_dot_omlx__pb2.WeightChunk.SerializeToString,
+            proto_dot_omlx__pb2.WeightAck.FromString,
             options,
             channel_credentials,
             insecure,
