@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,7 +54,7 @@ for p in (str(REPO), str(HERE)):
         sys.path.insert(0, p)
 
 from bench_single_node import (Server, blas_of, free_port,  # noqa: E402
-                               machine_info, median, select_model, stream_batch,
+                               add_model_args, machine_info, median, select_model, stream_batch,
                                stream_one)
 
 SERVER_START_TIMEOUT = 240.0
@@ -114,6 +115,8 @@ def hop_rank(spec: dict) -> dict:
             h = base + (i & 1) if case["mode"] == "lazy" else base
         t0 = time.perf_counter()
         wire.send_step(step, h, plan, 1, group)
+        if case.get("flush"):
+            wire.flush()
         toks = wire.recv_tokens(max(case["rows"], 1), 1, group)
         dt = time.perf_counter() - t0
         assert len(toks) == max(case["rows"], 1)
@@ -152,7 +155,10 @@ def hop_bench(hidden_size: int, dtype: str, args, node_env: dict, work: Path) ->
              {"name": "decode step, 1 row, hidden evaluated", "rows": 1, "tokens": 1,
               "mode": "ready"},
              {"name": "decode step, 1 row, hidden from a device op", "rows": 1, "tokens": 1,
-              "mode": "lazy"}]
+              "mode": "lazy"},
+             {"name": "decode step, 1 row, hidden from a device op, sender waits for its send "
+                      "(synchronous sends)", "rows": 1, "tokens": 1, "mode": "lazy",
+              "flush": True}]
     for rows in args.hop_rows:
         cases.append({"name": f"decode step, {rows} rows, hidden from a device op", "rows": rows,
                       "tokens": 1, "mode": "lazy"})
@@ -219,6 +225,57 @@ def make_prompts(vocab: int, args, seed: int = 4321) -> dict:
     return p
 
 
+class EngineRate:
+    """Samples the head node's generated-token counter while a batch runs. Its slope over the
+    middle half of the batch's tokens (every stream decoding) is the pipeline's own decode
+    rate: the engine never waits for its clients, so this is what the stages sustain whatever
+    the gateway and this one-process client can carry."""
+
+    METRIC = "omlx_node:tokens_predicted_total"
+
+    def __init__(self, url: str, every: float = 0.02):
+        self.url, self.every = url, every
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self, client) -> float | None:
+        for line in client.get(self.url, timeout=2.0).text.splitlines():
+            if line.startswith(self.METRIC + " "):
+                return float(line.split()[1])
+        return None
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                v = self._read(client)
+                if v is not None:
+                    self.samples.append((t, v))
+                self._stop.wait(self.every)
+
+    def __enter__(self) -> "EngineRate":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def rate(self) -> float | None:
+        """Tokens/s between the samples where 25% and 75% of the batch's tokens were out."""
+        if len(self.samples) < 3:
+            return None
+        v0, v1 = self.samples[0][1], self.samples[-1][1]
+        lo = next((s for s in self.samples if s[1] - v0 >= 0.25 * (v1 - v0)), None)
+        hi = next((s for s in self.samples if s[1] - v0 >= 0.75 * (v1 - v0)), None)
+        if lo is None or hi is None or hi[0] <= lo[0]:
+            return None
+        return (hi[1] - lo[1]) / (hi[0] - lo[0])
+
+
 def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> dict:
     """Starts `serve` with cfg's flags, warms it up, times batch-1 decode and every concurrency
     level; returns what it measured (and an error with the server log's tail if it failed)."""
@@ -228,7 +285,8 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
     extra = ["--nodes", str(cfg["nodes"])]
     if cfg["k"] is not None:
         extra += ["--micro-batches", str(cfg["k"])]
-    extra += args.server_arg
+    metrics_port = free_port()
+    extra += ["--node-metrics-port", str(metrics_port), *args.server_arg]
     log_path = work / f"server_{cfg['key']}.log"
     res: dict = {"nodes": cfg["nodes"], "k": cfg["k"] or cfg["nodes"],
                  "k_flag": cfg["k"], "server_args": extra}
@@ -264,7 +322,9 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
             return {k: r[k] for k in ("ttft", "decode_tps", "tokens")}
 
         def batch(prompt_set, max_tokens):
-            return run(stream_batch(client, server.base, prompt_set, max_tokens))
+            with EngineRate(f"http://127.0.0.1:{metrics_port}/metrics") as engine:
+                r = run(stream_batch(client, server.base, prompt_set, max_tokens))
+            return {**r, "engine_tps": engine.rate()}
 
         try:
             w = args.warmups
@@ -289,9 +349,11 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
                 res[f"agg_{c}"] = {"runs": runs,
                                    "median_tps": median([r["agg_tps"] for r in runs]),
                                    "median_steady_tps": median([r["steady_tps"] for r in runs]),
+                                   "median_engine_tps": median([r["engine_tps"] for r in runs]),
                                    "median_ttft_mean": median([r["ttft_mean"] for r in runs])}
                 note(f"aggregate x{c}: {res[f'agg_{c}']['median_tps']:.1f} tok/s "
-                     f"(decode phase {res[f'agg_{c}']['median_steady_tps'] or 0:.1f})")
+                     f"(decode phase {res[f'agg_{c}']['median_steady_tps'] or 0:.1f}, engine "
+                     f"{res[f'agg_{c}']['median_engine_tps'] or 0:.1f})")
         finally:
             loop.run_until_complete(client.aclose())
             loop.run_until_complete(loop.shutdown_asyncgens())
@@ -314,9 +376,9 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-def get(configs: dict, key: str, metric: str):
+def get(configs: dict, key: str, metric: str, field: str = "median_tps"):
     c = configs.get(key) or {}
-    return (c.get(metric) or {}).get("median_tps")
+    return (c.get(metric) or {}).get(field)
 
 
 def summarize(result: dict, args) -> list[dict]:
@@ -331,6 +393,11 @@ def summarize(result: dict, args) -> list[dict]:
             rows.append({"metric": f"aggregate tok/s, {c} streams: {n} stages K={n} / K=1",
                          "a": get(cf, kk, f"agg_{c}"), "b": get(cf, k1, f"agg_{c}"),
                          "unit": "tok/s", "goal": 1.5 if n == 2 else None})
+        for c in args.concurrency:
+            rows.append({"metric": f"engine decode tok/s, {c} streams: {n} stages K={n} / K=1",
+                         "a": get(cf, kk, f"agg_{c}", "median_engine_tps"),
+                         "b": get(cf, k1, f"agg_{c}", "median_engine_tps"),
+                         "unit": "tok/s", "goal": None})
         for c in args.concurrency:
             rows.append({"metric": f"aggregate tok/s, {c} streams: {n} stages K={n} / 1 stage",
                          "a": get(cf, kk, f"agg_{c}"), "b": get(cf, one, f"agg_{c}"),
@@ -381,7 +448,8 @@ def markdown(result: dict, args) -> str:
     lines += ["", "## Every configuration (medians)", ""]
     head = ["config", "layers per stage", "batch-1 decode tok/s"]
     for c in s["concurrency"]:
-        head += [f"agg tok/s x{c}", f"decode-phase tok/s x{c}", f"mean TTFT x{c} (ms)"]
+        head += [f"agg tok/s x{c}", f"decode-phase tok/s x{c}", f"engine tok/s x{c}",
+                 f"mean TTFT x{c} (ms)"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key, c in result["configs"].items():
         if c.get("skipped"):
@@ -393,7 +461,7 @@ def markdown(result: dict, args) -> str:
             a = c.get(f"agg_{n}") or {}
             ttft = a.get("median_ttft_mean")
             cells += [fmt(a.get("median_tps")), fmt(a.get("median_steady_tps")),
-                      fmt(ttft * 1000 if ttft else None)]
+                      fmt(a.get("median_engine_tps")), fmt(ttft * 1000 if ttft else None)]
         lines.append("| " + " | ".join(cells) + " |")
         if c.get("error"):
             lines.append(f"| ^ failed: {c['error'][:300]} |" + " |" * (len(head) - 1))
@@ -406,8 +474,9 @@ def markdown(result: dict, args) -> str:
         lines += [f"Two processes, ring backend, devices {hop.get('device')} "
                   f"(pinned: {hop.get('devices') or 'no'}), hidden size {hop['hidden_size']}, "
                   f"{hop['cases'][0]['iters'] if hop['cases'] else 0} timed iterations per case. "
-                  "A decode step is what `PipelineHead._launch` sends: header int32[8], payload "
-                  "int32[2], hidden (rows, 1, hidden); int32[rows] tokens come back. "
+                  "A decode step is what `PipelineHead._launch` sends (`wire.send_step`): header "
+                  "int32[8], then one body of payload int32[2] + hidden (rows, 1, hidden); "
+                  "int32[rows] tokens come back. "
                   "One way ~= rtt / 2.", "",
                   "| case | hidden bytes | rtt median (us) | p10 | p90 | one way (us) |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -418,7 +487,10 @@ def markdown(result: dict, args) -> str:
     lines += ["", "Ratios > 1 mean a is faster. Throughput is measured end to end through HTTP "
               "streaming (gateway -> gRPC -> head worker -> ring -> ...); aggregate = completion "
               "tokens / wall time from the first request sent to the last stream finished "
-              "(prefill included); decode phase = tokens/s while every stream is decoding.", ""]
+              "(prefill included); decode phase = tokens/s while every stream is decoding, as this "
+              "one-process client sees them; engine = the head node's generated-token counter "
+              "(Prometheus) over the middle half of each batch's tokens, what the stages "
+              "sustain whatever the gateway and the client carry.", ""]
     return "\n".join(lines)
 
 
@@ -428,11 +500,7 @@ def markdown(result: dict, args) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model folder or store name (default: the default model)")
-    ap.add_argument("--random-llama-1b", action="store_true",
-                    help="build and use a random-weight TinyLlama-shaped 1.1B llama in bf16")
-    ap.add_argument("--random-layers", type=int, default=None,
-                    help="override the random llama's layer count (quick dry runs)")
+    add_model_args(ap)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", help="results file tag (default: cpu/h200/h200xN/gpu)")
     ap.add_argument("--stages", type=int, default=2, help="pipeline length to compare (>= 2)")

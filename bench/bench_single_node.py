@@ -49,6 +49,23 @@ if str(REPO) not in sys.path:
 SERVER_START_TIMEOUT = 300.0
 TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                  num_key_value_heads=4, intermediate_size=5632, vocab_size=32000)
+# Llama-3-8B's layers with TinyLlama's vocabulary (7.2B parameters, 14.5 GB in bf16): a model
+# whose decode step is device work, not host overhead, on an H200.
+LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=14336, vocab_size=32000)
+RANDOM_LLAMAS = {"1b": ("random-llama-1.1b", "TinyLlama-1.1B", TINYLLAMA),
+                 "8b": ("random-llama-8b", "Llama-3-8B (vocab 32000)", LLAMA8B)}
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="model folder or store name (default: the default model)")
+    ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS), default=None,
+                    help="build and use a random-weight llama in bf16: 1b (TinyLlama shape) or "
+                         "8b (Llama-3-8B layers)")
+    ap.add_argument("--random-llama-1b", dest="random_llama", action="store_const", const="1b",
+                    help="same as --random-llama 1b")
+    ap.add_argument("--random-layers", type=int, default=None,
+                    help="override the random llama's layer count (quick dry runs)")
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -114,9 +131,11 @@ def steady_rate(streams: list[list[float]]) -> float | None:
 # ---- internal child modes -----------------------------------------------------------------------
 
 
-def build_random_llama(dest: Path, layers: int | None) -> None:
-    """A random-weight TinyLlama-shaped llama in bf16, as an mlx-lm folder with a 32000-token
-    word-level tokenizer (every id decodes to text, so streamed tokens are never held back)."""
+def build_random_llama(dest: Path, layers: int | None, size: str = "1b") -> None:
+    """A random-weight llama of RANDOM_LLAMAS[size]'s shape in bf16, as an mlx-lm folder with a
+    32000-token word-level tokenizer (every id decodes to text, so streamed tokens are never
+    held back)."""
+    shape = RANDOM_LLAMAS[size][2]
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -125,13 +144,13 @@ def build_random_llama(dest: Path, layers: int | None) -> None:
 
     dest.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, TINYLLAMA["vocab_size"])})
+    vocab.update({f"t{i}": i for i in range(3, shape["vocab_size"])})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>", pad_token="<unk>").save_pretrained(dest)
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINYLLAMA,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], **shape,
         "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "bfloat16",
@@ -539,25 +558,29 @@ def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict
     """The model a bench runs on: the random TinyLlama-shaped llama (built once under `work`)
     with --random-llama-1b, else a stored or given folder. Returns (folder, name, description,
     config)."""
-    if args.random_llama_1b:
+    if args.random_llama:
+        base, like, shape = RANDOM_LLAMAS[args.random_llama]
         suffix = f"-{args.random_layers}l" if args.random_layers else ""
-        model = work / f"random-llama-1.1b{suffix}"
+        model = work / f"{base}{suffix}"
         if not (model / "config.json").exists():
             print(f"building the random llama in {model} ...", file=sys.stderr, flush=True)
             t = time.monotonic()
-            child("build", {"dest": str(model), "layers": args.random_layers}, base_env, 300, work)
+            child("build", {"dest": str(model), "layers": args.random_layers,
+                            "size": args.random_llama}, base_env, 600, work)
             print(f"  built in {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
-        layers = args.random_layers or TINYLLAMA["num_hidden_layers"]
-        model_name = "random-llama-1.1b" + (f" ({layers} layers)" if args.random_layers else "")
-        desc = ("random weights, TinyLlama-1.1B shape (hidden 2048, 32 heads / 4 kv, "
-                f"intermediate 5632, vocab 32000), {layers} layers, bf16 on disk")
+        layers = args.random_layers or shape["num_hidden_layers"]
+        model_name = base + (f" ({layers} layers)" if args.random_layers else "")
+        desc = (f"random weights, {like} shape (hidden {shape['hidden_size']}, "
+                f"{shape['num_attention_heads']} heads / {shape['num_key_value_heads']} kv, "
+                f"intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), "
+                f"{layers} layers, bf16 on disk")
     else:
         from omlx_cluster.model_store import resolve_model
 
         model = resolve_model(args.model, progress=True)
         model_name, desc = model.name, "from the model store" if args.model is None else str(model)
     config = json.loads((model / "config.json").read_text())
-    if not args.random_llama_1b:
+    if not args.random_llama:
         desc += f"; {config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
         if config.get("quantization"):
             desc += f", quantized on disk ({config['quantization'].get('bits')}-bit)"
@@ -567,11 +590,7 @@ def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model folder or store name (default: the default model)")
-    ap.add_argument("--random-llama-1b", action="store_true",
-                    help="build and use a random-weight TinyLlama-shaped 1.1B llama in bf16")
-    ap.add_argument("--random-layers", type=int, default=None,
-                    help="override the random llama's layer count (quick dry runs)")
+    add_model_args(ap)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -599,7 +618,8 @@ def main() -> int:
     if args._child:
         payload = json.loads(Path(args._spec).read_text())
         if args._child == "build":
-            build_random_llama(Path(payload["dest"]), payload.get("layers"))
+            build_random_llama(Path(payload["dest"]), payload.get("layers"),
+                               payload.get("size", "1b"))
             res = {"ok": True}
         elif args._child.startswith("probe"):
             res = blas_probe()

@@ -226,9 +226,7 @@ def over_http(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model")
-    ap.add_argument("--random-llama-1b", action="store_true")
-    ap.add_argument("--random-layers", type=int)
+    bsn.add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--warmup-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
@@ -238,16 +236,8 @@ def main() -> int:
     args = ap.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-diag-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.random_llama_1b:
-        model = work / "random-llama-1.1b"
-        if not (model / "config.json").exists():
-            bsn.child("build", {"dest": str(model), "layers": args.random_layers},
-                      dict(os.environ), 300, work)
-    else:
-        from omlx_cluster.model_store import resolve_model
-
-        model = resolve_model(args.model, progress=True)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model, _, _, config = bsn.select_model(args, work, dict(os.environ))
+    vocab = config["vocab_size"]
     import random
 
     rng = random.Random(7)

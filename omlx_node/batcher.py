@@ -71,6 +71,7 @@ class Sequence:
         self.generated = 0
         self.input_is_prompt = True  # its decode input is still the last prompt token
         self.cancelled = False
+        self.finished = False  # its Finish is out; a pipeline drops its row at the next step
         self.submitted = time.perf_counter()
         self.last_token_time = 0.0
 
@@ -370,6 +371,7 @@ class Engine:
         return keep
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
+        seq.finished = True
         seq.events.put(finish)
         self.metrics.finished.labels(reason=finish.reason).inc()
 

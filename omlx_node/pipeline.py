@@ -7,6 +7,12 @@ wrap-around link. The wire format is in `omlx_node.wire`.
 Micro-batch pipelining: the running sequences are spread over K micro-batches and the head keeps
 up to K decode steps in flight, so while the tail computes micro-batch 0 the head already computes
 micro-batch 1. K = 1 is the lockstep pipeline (exo, mlx-lm's `pipeline()`).
+
+No stage's Python sits between two device steps. The head builds and sends a micro-batch's next
+step as soon as its tokens are due, with those tokens still in flight (a lazy receive feeds the
+embedding), and streams them out afterwards, as mlx-lm's generate_step overlaps its next step;
+a row whose sequence turned out finished rides along one step more and is dropped at the next.
+Every other stage receives the hidden states lazily, so its graph is built before they land.
 """
 
 from __future__ import annotations
@@ -34,10 +40,8 @@ def hidden_dtype(stage: StageRunner) -> mx.Dtype:
 @dataclass
 class MicroBatch:
     mb: int
-    seqs: list[Sequence] = field(default_factory=list)
-    inputs: list[int] = field(default_factory=list)  # next decode input of each row
+    seqs: list[Sequence] = field(default_factory=list)  # the rows of its last step, in order
     pending: list[Sequence] = field(default_factory=list)  # prefilled, join at the next launch
-    keep: list[int] | None = None  # rows to keep at the next launch (None: all)
     in_flight: bool = False
 
 
@@ -62,7 +66,7 @@ class PipelineHead(Engine):
         self.broken = False
 
     def running_seqs(self) -> list[Sequence]:
-        return [s for m in self.mbs for s in (*m.seqs, *m.pending)]
+        return [s for m in self.mbs for s in (*m.seqs, *m.pending) if not s.finished]
 
     def _reset(self) -> None:
         # After a failed step the stages may disagree on their state: this plan cannot go on.
@@ -80,8 +84,8 @@ class PipelineHead(Engine):
 
     def _work(self) -> None:
         for m in self.mbs:
-            if not m.in_flight and (m.seqs or m.pending or m.keep is not None):
-                self._launch(m)
+            if not m.in_flight and m.pending:
+                self._launch(m, None)
         if self.state.prefix_cache is not None:
             for seq in self._waiting:
                 if not seq.lookup_sent:
@@ -127,35 +131,43 @@ class PipelineHead(Engine):
                 seq.input_is_prompt = False  # tokens come back for the step that ran it
                 min(self.mbs, key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
 
-    def _launch(self, m: MicroBatch) -> None:
-        """Sends micro-batch m's next decode step down the pipeline."""
+    def _launch(self, m: MicroBatch, tokens: mx.array | None) -> None:
+        """Sends micro-batch m's next decode step: its rows not finished yet, whose inputs are
+        `tokens`, their last step's output (lazy), then the sequences that join."""
+        live = [i for i, s in enumerate(m.seqs) if not s.finished]
+        keep = None if len(live) == len(m.seqs) else live
         admits = [s for s in m.pending if not s.cancelled]
         for s in m.pending:
             if s.cancelled:
                 self._dropped_while_waiting(s)
                 self._finish(s, Finish("cancelled"))
         m.pending = []
-        self.state.update(m.mb, m.keep, [s.sid for s in admits])
-        m.seqs += admits
-        m.inputs += [s.req.prompt[-1] for s in admits]
-        step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=m.keep,
+        self.state.update(m.mb, keep, [s.sid for s in admits])
+        inputs = []
+        if live:
+            inputs.append(tokens if keep is None else tokens[mx.array(live)])
+        if admits:
+            inputs.append(mx.array([s.req.prompt[-1] for s in admits]))
+        m.seqs = [m.seqs[i] for i in live] + admits
+        step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=keep,
                          admits=[wire.Admit(s.sid, s.req.sampling) for s in admits])
-        m.keep = None
-        hidden = self.state.forward(m.mb, mx.array(m.inputs)[:, None]) if m.seqs else None
+        hidden = (self.state.forward(m.mb, mx.concatenate(inputs)[:, None]) if m.seqs
+                  else None)
         self._send(step, hidden)
-        if m.seqs:
-            m.in_flight = True
+        m.in_flight = bool(m.seqs)
+        if m.in_flight:
             self._replies.append(m)
 
     def _collect(self, m: MicroBatch) -> None:
-        """Receives micro-batch m's sampled tokens from the tail and streams them out."""
-        tokens = wire.recv_tokens(len(m.seqs), self.tail, self.group)
-        m.in_flight = False
-        keep = self._emit_step(m.seqs, tokens)
-        m.inputs = [tokens[i] for i in keep]
-        if len(keep) < len(m.seqs):
-            m.seqs = [m.seqs[i] for i in keep]
-            m.keep = keep
+        """Micro-batch m's tokens are due from the tail: its next step goes out first, fed by
+        them while they are still in flight, then they are streamed out."""
+        rows = m.seqs
+        tokens = wire.recv_token_array(len(rows), self.tail, self.group)
+        self._launch(m, tokens)
+        # Always read: the receive must complete even when no row needed it.
+        values = tokens.tolist()
+        live = [i for i, s in enumerate(rows) if not s.finished]
+        self._emit_step([rows[i] for i in live], [values[i] for i in live])
 
     def shutdown_pipeline(self) -> None:
         """Tells every other stage to exit (after the engine loop ended)."""
@@ -166,6 +178,7 @@ class PipelineHead(Engine):
             wire.recv_tokens(len(r.seqs) if isinstance(r, MicroBatch) else 1, self.tail,
                              self.group)
         self._send(wire.Step(wire.STOP), None)
+        wire.flush()
 
 
 class StageLoop:
@@ -192,6 +205,7 @@ class StageLoop:
             else:
                 wire.send_step(step, out, self.plan, self.rank + 1, self.group)
             if step.op == wire.STOP:
+                wire.flush()
                 return
 
     def apply(self, step: wire.Step, hidden: mx.array | None) -> mx.array | None:
