@@ -236,6 +236,12 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="the shard worker exports Prometheus /metrics here (default: off)")
     join.add_argument("--no-announce", action="store_true",
                       help="do not announce over Bonjour (use with --coordinator)")
+    join.add_argument("--speed", type=float, default=None, metavar="GBPS",
+                      help="this Mac's weight-streaming speed in GB/s for the planner (default: "
+                           "measured once, about 2 s, and kept in "
+                           "$OMLX_CLUSTER_HOME/calibration.json)")
+    join.add_argument("--recalibrate", action="store_true",
+                      help="measure the speed again instead of using the saved measurement")
     join.add_argument("--ready-file", type=Path,
                       help="write {port, pid} as JSON here once listening")
     _add_engine_flags(join)
@@ -401,8 +407,19 @@ def _join(args: argparse.Namespace) -> int:
         print("error: joining a cluster needs its secret: --secret S or $OMLX_CLUSTER_SECRET "
               "(the coordinator prints it)", file=sys.stderr)
         return 2
+    if args.speed is not None and args.speed <= 0:
+        print(f"error: --speed must be positive (GB/s), got {args.speed}", file=sys.stderr)
+        return 2
+    speed = args.speed
+    if speed is None:
+        from omlx_cluster.model_store import data_home
+        from omlx_node.calibrate import node_speed
+
+        speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
+        if speed:
+            log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
     agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=secret, node_id=args.name)
+                      secret=secret, node_id=args.name, speed=speed)
     advertiser = None
     if not args.no_announce:
         from omlx_cluster.discovery import (Advertiser, NodeAnnouncement, announce_address,

@@ -158,7 +158,7 @@ class Cluster:
                 "worker_pid": (h.worker_pid or None) if h else None,
                 "metrics_port": (h.metrics_port or None) if h else None,
                 "version": h.version if h else None,
-                "memory_budget": m.budget_bytes, "chip": m.chip,
+                "memory_budget": m.budget_bytes, "chip": m.chip, "speed_gbps": m.speed,
                 "weights_error": m.weights_error or None,
             })
         return out

@@ -7,13 +7,21 @@ through matrix-vector products, not peak FLOPs. The planner wants it in GB/s:
     NodeSpec(name, memory_bytes, speed=measure_speed() / 1e9)
 
 MLX is imported inside the function: the coordinator imports this package on machines that
-have no MLX.
+have no MLX. `omlx-cluster join` measures once per machine (`node_speed`) and reports the result
+to the coordinator when it is admitted.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def measure_speed(
@@ -56,3 +64,38 @@ def measure_speed(
         if elapsed >= seconds:
             break
     return passes * pass_bytes / elapsed
+
+
+def node_speed(cache: Path, recalibrate: bool = False, timeout: float = 120.0) -> float:
+    """This machine's speed in GB/s for the planner: measured once in a child process (a node
+    agent never runs MLX itself) and kept in `cache` for the next join; 0.0 (uncalibrated) if
+    the measurement fails, with a warning that says why."""
+    from omlx_cluster.hardware import chip
+
+    here = chip()
+    if not recalibrate:
+        try:
+            saved = json.loads(cache.read_text())
+            if saved.get("chip") == here and saved.get("speed_gbps", 0) > 0:
+                return float(saved["speed_gbps"])
+        except (OSError, ValueError):
+            pass
+    try:
+        out = subprocess.run([sys.executable, "-m", "omlx_node.calibrate"], capture_output=True,
+                             text=True, timeout=timeout, check=True)
+        speed = float(out.stdout.strip().splitlines()[-1]) / 1e9
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("could not measure this node's speed (the planner will treat it as "
+                    "average): %s", detail.strip()[-500:])
+        return 0.0
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"chip": here, "speed_gbps": speed}))
+    except OSError as e:
+        log.warning("could not save the speed to %s: %s", cache, e)
+    return speed
+
+
+if __name__ == "__main__":
+    print(measure_speed())

@@ -117,6 +117,8 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
                               and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
                               "both nodes to join and be planned")
             assert "rogue" not in {n["id"] for n in status["nodes"]}
+            # Each node measured its speed when it joined; the planner weighs the split by it.
+            assert all(n["speed_gbps"] > 0.01 for n in status["nodes"]), status["nodes"]
             r = complete(ns)
             assert r["status"] == 200, r
             reference = r["body"]["choices"][0]["text"]
