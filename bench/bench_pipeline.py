@@ -236,14 +236,18 @@ class EngineRate:
     def __init__(self, url: str, every: float = 0.02):
         self.url, self.every = url, every
         self.samples: list[tuple[float, float]] = []
+        self.micro_batches: float | None = None  # the most the head chose (default mode)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _read(self, client) -> float | None:
+        value = None
         for line in client.get(self.url, timeout=2.0).text.splitlines():
             if line.startswith(self.METRIC + " "):
-                return float(line.split()[1])
-        return None
+                value = float(line.split()[1])
+            elif line.startswith("omlx_node:micro_batches "):
+                self.micro_batches = max(self.micro_batches or 0.0, float(line.split()[1]))
+        return value
 
     def _run(self) -> None:
         import httpx
@@ -324,7 +328,7 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
         def batch(prompt_set, max_tokens):
             with EngineRate(f"http://127.0.0.1:{metrics_port}/metrics") as engine:
                 r = run(stream_batch(client, server.base, prompt_set, max_tokens))
-            return {**r, "engine_tps": engine.rate()}
+            return {**r, "engine_tps": engine.rate(), "micro_batches": engine.micro_batches}
 
         try:
             w = args.warmups
@@ -385,9 +389,9 @@ def summarize(result: dict, args) -> list[dict]:
     cf, rows = result["configs"], []
     one = "s1"
     for n in sorted({c["nodes"] for c in cf.values() if c["nodes"] > 1 and not c.get("skipped")}):
-        kk, k1 = f"s{n}_k{n}", f"s{n}_k1"
-        rows.append({"metric": f"batch-1 decode tok/s: {n} stages (K={n}) / 1 stage",
-                     "a": get(cf, kk, "decode_b1"), "b": get(cf, one, "decode_b1"),
+        kk, k1, auto = f"s{n}_k{n}", f"s{n}_k1", f"s{n}_auto"
+        rows.append({"metric": f"batch-1 decode tok/s: {n} stages (default) / 1 stage",
+                     "a": get(cf, auto, "decode_b1"), "b": get(cf, one, "decode_b1"),
                      "unit": "tok/s", "goal": None})
         for c in args.concurrency:
             rows.append({"metric": f"aggregate tok/s, {c} streams: {n} stages K={n} / K=1",
@@ -399,8 +403,15 @@ def summarize(result: dict, args) -> list[dict]:
                          "b": get(cf, k1, f"agg_{c}", "median_engine_tps"),
                          "unit": "tok/s", "goal": None})
         for c in args.concurrency:
-            rows.append({"metric": f"aggregate tok/s, {c} streams: {n} stages K={n} / 1 stage",
-                         "a": get(cf, kk, f"agg_{c}"), "b": get(cf, one, f"agg_{c}"),
+            rows.append({"metric": f"engine decode tok/s, {c} streams: {n} stages default / K=1",
+                         "a": get(cf, auto, f"agg_{c}", "median_engine_tps"),
+                         "b": get(cf, k1, f"agg_{c}", "median_engine_tps"),
+                         "unit": "tok/s", "goal": None})
+        for c in args.concurrency:
+            rows.append({"metric": f"engine decode tok/s, {c} streams: {n} stages default / "
+                                   "1 stage",
+                         "a": get(cf, auto, f"agg_{c}", "median_engine_tps"),
+                         "b": get(cf, one, f"agg_{c}", "median_engine_tps"),
                          "unit": "tok/s", "goal": None})
     for r in rows:
         r["ratio"] = ratio(r["a"], r["b"])
@@ -507,7 +518,7 @@ def main() -> int:
     ap.add_argument("--three-stages", action="store_true",
                     help="also run 3 stages (K=3 and K=1) when --stages is 2")
     ap.add_argument("--configs", help="only these configurations, comma-separated keys "
-                                      "(s1, s2_k2, s2_k1, s3_k3, s3_k1); default: all")
+                                      "(s1, s2_auto, s2_k2, s2_k1, s3_k3, s3_k1); default: all")
     ap.add_argument("--skip-batch1", action="store_true",
                     help="measure the concurrency levels only")
     ap.add_argument("--skip-hop", action="store_true", help="skip the data-plane hop test")
@@ -615,12 +626,13 @@ def main() -> int:
     prompts = make_prompts(vocab, args)
     n = args.stages
     configs = [{"key": "s1", "label": "1 stage", "nodes": 1, "k": None},
-               {"key": f"s{n}_k{n}", "label": f"{n} stages, K={n} (default)", "nodes": n,
-                "k": None},
+               {"key": f"s{n}_auto", "label": f"{n} stages, default (up to K={n}, as many as "
+                "pay off)", "nodes": n, "k": None},
+               {"key": f"s{n}_k{n}", "label": f"{n} stages, K={n} always", "nodes": n, "k": n},
                {"key": f"s{n}_k1", "label": f"{n} stages, K=1 (lockstep)", "nodes": n, "k": 1}]
     if args.three_stages and n == 2:
         # optional: a pair that runs whole or not at all (it needs two configurations' time)
-        configs += [{"key": "s3_k3", "label": "3 stages, K=3 (default)", "nodes": 3, "k": None,
+        configs += [{"key": "s3_k3", "label": "3 stages, K=3 always", "nodes": 3, "k": 3,
                      "optional": 2},
                     {"key": "s3_k1", "label": "3 stages, K=1 (lockstep)", "nodes": 3, "k": 1,
                      "after": "s3_k3"}]

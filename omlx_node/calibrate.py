@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,29 @@ def measure_speed(
         if elapsed >= seconds:
             break
     return passes * pass_bytes / elapsed
+
+
+def row_costs(fn: Callable, width: int, dtype: str,
+              rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+              repeats: int = 5) -> dict[int, float]:
+    """Seconds one call of `fn` (a layer's MLP, say) takes on (r, 1, width) inputs for each r:
+    how a decode step's cost grows with its rows on this device. Flat means weight-bandwidth
+    bound (splitting a batch buys nothing), proportional means compute bound."""
+    import mlx.core as mx
+
+    dt = getattr(mx, dtype)
+    out = {}
+    for r in rows:
+        x = mx.random.normal((r, 1, width)).astype(dt)
+        mx.eval(fn(x))  # warm-up: kernels are built per shape on some backends
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(fn(x))
+            times.append(time.perf_counter() - t)
+        # Never cheaper with more rows: a noisy sample must not invent a knee.
+        out[r] = max(sorted(times)[len(times) // 2], *out.values(), 0.0)
+    return out
 
 
 def node_speed(cache: Path, recalibrate: bool = False, timeout: float = 120.0) -> float:

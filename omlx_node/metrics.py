@@ -36,6 +36,10 @@ class NodeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.micro_batches = Gauge(
+            "omlx_node:micro_batches", "Micro-batches the pipeline head spreads new sequences "
+            "over (1: lockstep)", registry=r
+        )
         self.load_seconds = Gauge("omlx_node:shard_load_seconds", "Time to load the shard", registry=r)
         self.shard_bytes = Gauge("omlx_node:shard_bytes", "Weight bytes of the loaded shard", registry=r)
 

@@ -8,6 +8,13 @@ Micro-batch pipelining: the running sequences are spread over K micro-batches an
 up to K decode steps in flight, so while the tail computes micro-batch 0 the head already computes
 micro-batch 1. K = 1 is the lockstep pipeline (exo, mlx-lm's `pipeline()`).
 
+How many micro-batches pay off depends on the device: K micro-batches of R/K rows beat one of R
+rows by up to cost(R) / cost(R/K), which is ~1 where a step is weight-bandwidth bound (a GPU at
+tens of rows: two half batches cost twice one batch) and ~K where it is compute bound. By default
+the head measures that curve at start-up (`omlx_node.calibrate.row_costs` on one of its layers)
+and splits into as many micro-batches, up to one per stage, as the rows in flight make worth it;
+an explicit `--micro-batches K` always splits into K.
+
 No stage's Python sits between two device steps. The head builds and sends a micro-batch's next
 step as soon as its tokens are due, with those tokens still in flight (a lazy receive feeds the
 embedding), and streams them out afterwards, as mlx-lm's generate_step overlaps its next step;
@@ -37,6 +44,34 @@ def hidden_dtype(stage: StageRunner) -> mx.Dtype:
     return getattr(mx, stage.info.dtype)
 
 
+# Each micro-batch beyond the first costs host work and a hop per step: ask this much gain each.
+MICRO_BATCH_PENALTY = 0.25
+
+
+def step_cost(costs: dict[int, float], rows: int) -> float:
+    """A step's cost at `rows`, interpolated from a measured curve of at least two points
+    (extrapolated along its last segment past its end)."""
+    pts = sorted(costs.items())
+    for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            break
+    return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+
+def micro_batches_worth(costs: dict[int, float], rows: int, k_max: int) -> int:
+    """How many micro-batches (1..k_max) to spread `rows` over: the k with the best
+    cost(rows) / cost(rows / k), each micro-batch beyond the first discounted by
+    MICRO_BATCH_PENALTY."""
+    if k_max <= 1 or len(costs) < 2 or rows < 2:
+        return 1
+    whole = step_cost(costs, rows)
+
+    def gain(k: int) -> float:
+        return whole / step_cost(costs, -(-rows // k)) / (1 + MICRO_BATCH_PENALTY * (k - 1))
+
+    return max(range(1, min(k_max, rows) + 1), key=lambda k: (gain(k), -k))
+
+
 @dataclass
 class MicroBatch:
     mb: int
@@ -53,12 +88,16 @@ class PipelineHead(Engine):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
                  micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None,
+                 row_costs: dict[int, float] | None = None):
+        """Up to `micro_batches` in flight; with `row_costs` (the measured cost of a step by
+        rows) only as many as pay off for the rows in flight, else always all of them."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
                          stage.embed_tokens.weight.shape[0], prefix_cache)
         self.group, self.plan = group, plan
         self.tail = group.size() - 1
         self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
+        self.row_costs = row_costs
         # Answers the tail owes rank 0, in the order their steps were sent: a micro-batch's
         # tokens, or the prefix every stage holds for a sequence (LOOKUP).
         self._replies: deque[MicroBatch | Sequence] = deque()
@@ -129,7 +168,17 @@ class PipelineHead(Engine):
             if seq.prefilled == len(seq.to_prefill):
                 self._waiting.popleft()
                 seq.input_is_prompt = False  # tokens come back for the step that ran it
-                min(self.mbs, key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
+                min(self.mbs[:self._worth()],
+                    key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
+
+    def _worth(self) -> int:
+        """Micro-batches worth using for the sequences running and waiting now."""
+        if self.row_costs is None:
+            return len(self.mbs)
+        rows = len(self.running_seqs()) + len(self._waiting)
+        k = micro_batches_worth(self.row_costs, rows, len(self.mbs))
+        self.metrics.micro_batches.set(k)
+        return k
 
     def _launch(self, m: MicroBatch, tokens: mx.array | None) -> None:
         """Sends micro-batch m's next decode step: its rows not finished yet, whose inputs are

@@ -235,7 +235,8 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
 
 def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRunner,
            metrics: NodeMetrics, prefix_cache: PrefixCache | None) -> int:
-    from omlx_node.pipeline import PipelineHead, StageLoop
+    from omlx_node.calibrate import row_costs
+    from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
 
     metrics.load_seconds.set(stage.info.load_seconds)
     metrics.shard_bytes.set(stage.nbytes())
@@ -258,9 +259,16 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRun
         engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch,
                                  prefix_cache)
     else:
-        k = config.micro_batches or config.world_size
-        engine = PipelineHead(stage, metrics, group, plan, k, config.prefill_chunk,
-                              config.max_batch, prefix_cache)
+        costs = None
+        if not config.micro_batches:
+            costs = row_costs(stage.layers[0].mlp, stage.hidden_size, info.dtype)
+            log.info("decode step cost by rows (one layer's MLP, us): %s; micro-batches pay "
+                     "off from %s rows", {r: round(c * 1e6) for r, c in costs.items()},
+                     next((r for r in (2 ** i for i in range(1, 12))
+                           if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
+        engine = PipelineHead(stage, metrics, group, plan,
+                              config.micro_batches or config.world_size, config.prefill_chunk,
+                              config.max_batch, prefix_cache, costs)
     metrics_port = (metrics.serve(config.host, config.metrics_port)
                     if config.metrics_port is not None else 0)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),

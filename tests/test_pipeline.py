@@ -93,9 +93,10 @@ def run_concurrently(fn, items: list) -> list:
 
 
 @pytest.mark.parametrize("split, micro_batches", [
-    ([1, 3], 0),        # two uneven stages, K = 2
-    ([2, 1, 1], 0),     # three stages, K = 3
+    ([1, 3], 2),        # two uneven stages, K = 2
+    ([2, 1, 1], 3),     # three stages, K = 3
     ([1, 2, 1], 1),     # lockstep (K = 1): same tokens
+    ([3, 1], 0),        # as many micro-batches as pay off on this device
 ])
 def test_pipeline_greedy_matches_mlx_lm(model, references, split, micro_batches):
     _, tok = load(str(model))
@@ -110,7 +111,7 @@ def test_pipeline_greedy_matches_mlx_lm(model, references, split, micro_batches)
 
 def test_pipeline_concurrency_with_cancellation(model, references):
     _, tok = load(str(model))
-    with pipeline(model, [1, 1, 2]) as (stub, _):
+    with pipeline(model, [1, 1, 2], 3) as (stub, _):
         cancelled: list[str] = []
 
         def one(i: int):
