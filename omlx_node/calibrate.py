@@ -69,15 +69,20 @@ def measure_speed(
 
 def row_costs(fn: Callable, width: int, dtype: str,
               rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-              repeats: int = 5) -> dict[int, float]:
+              repeats: int = 5, budget_seconds: float = 2.0) -> dict[int, float]:
     """Seconds one call of `fn` (a layer's MLP, say) takes on (r, 1, width) inputs for each r:
     how a decode step's cost grows with its rows on this device. Flat means weight-bandwidth
-    bound (splitting a batch buys nothing), proportional means compute bound."""
+    bound (splitting a batch buys nothing), proportional means compute bound. Stops at the
+    first row count that ends past `budget_seconds` (a big layer on a CPU): the curve's last
+    segment stands for the rest."""
     import mlx.core as mx
 
     dt = getattr(mx, dtype)
-    out = {}
+    out: dict[int, float] = {}
+    start = time.perf_counter()
     for r in rows:
+        if len(out) >= 2 and time.perf_counter() - start > budget_seconds:
+            break
         x = mx.random.normal((r, 1, width)).astype(dt)
         mx.eval(fn(x))  # warm-up: kernels are built per shape on some backends
         times = []

@@ -43,3 +43,11 @@ def test_row_costs_measures_every_row_count():
     costs = row_costs(lambda x: x @ w, 64, "float32", rows=(1, 8, 64), repeats=3)
     assert set(costs) == {1, 8, 64}
     assert all(c > 0 for c in costs.values())
+
+
+def test_row_costs_stops_at_its_time_budget():
+    import mlx.core as mx
+
+    w = mx.random.normal((64, 64))
+    costs = row_costs(lambda x: x @ w, 64, "float32", rows=(1, 2, 4, 8), budget_seconds=0.0)
+    assert list(costs) == [1, 2]  # two points: a curve the head can still extrapolate
