@@ -94,6 +94,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per prefix-cache block (default: 256)")
 
 
+def _add_backend_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["auto", "ring", "jaccl"], default="auto",
+                   help="the data plane between pipeline stages. auto: jaccl (RDMA over "
+                        "Thunderbolt 5) when every pair of neighbouring stages (and the last "
+                        "and the first) is joined by a Thunderbolt cable between Macs with "
+                        "RDMA enabled (macOS 26.2+, `rdma_ctl enable` in macOS Recovery), "
+                        "otherwise ring (TCP); a jaccl group that fails to form is loaded "
+                        "again over ring. ring: always TCP. jaccl: RDMA or refuse to serve, "
+                        "naming the missing cables. GET /cluster/status shows the choice and "
+                        "why (default: auto)")
+
+
 def _engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags as given, to pass on to the process that runs the engine."""
     out = ["--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
@@ -135,8 +147,10 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="layers per node, e.g. 1,6,2 (must sum to the model's layers, no "
                             "stage empty; default: the planner's split)")
     serve.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
-                       help="decode steps kept in flight in a pipeline (default: one per "
-                            "stage; 1 is the lockstep pipeline)")
+                       help="decode micro-batches kept in flight in a pipeline, always K "
+                            "(default: up to one per stage, as many as pay off on this device, "
+                            "measured at start; 1 is the lockstep pipeline)")
+    _add_backend_flag(serve)
     _add_engine_flags(serve)
 
     node = sub.add_parser(
@@ -183,10 +197,16 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="comma-separated data-plane host:port of every rank, in rank "
                              "order (default: none, a single-stage plan)")
     worker.add_argument("--backend", default="ring", choices=["ring", "jaccl"],
-                        help="mx.distributed backend (default: ring)")
+                        help="mx.distributed backend: ring (TCP between the peers' addresses) "
+                             "or jaccl (RDMA over Thunderbolt 5, with --rdma-devices; rank 0's "
+                             "peer address is its side channel) (default: ring)")
+    worker.add_argument("--rdma-devices", default="", metavar="JSON",
+                        help="for jaccl: MLX's MLX_IBV_DEVICES matrix, one row per rank with "
+                             "each rank's RDMA device (null: no cable) (default: none)")
     worker.add_argument("--plan-hash", default="", help="the plan every stage must agree on (default: none)")
     worker.add_argument("--micro-batches", type=int, default=0,
-                        help="decode steps in flight on the head (default 0: one per stage)")
+                        help="decode micro-batches in flight on the head, always K (default 0: "
+                             "up to one per stage, as many as pay off on this device)")
     worker.add_argument("--host", default="127.0.0.1", help="gRPC address of the head worker (default: 127.0.0.1)")
     worker.add_argument("--metrics-port", type=int, default=None,
                         help="export Prometheus /metrics on this port (default: off)")
@@ -211,7 +231,10 @@ def _build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--no-discovery", action="store_true",
                              help="do not browse Bonjour; only `join --coordinator` nodes join")
     coordinator.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
-                             help="decode steps kept in flight (default: one per stage)")
+                             help="decode micro-batches kept in flight, always K (default: up "
+                                  "to one per stage, as many as pay off on the head's device; "
+                                  "1 is the lockstep pipeline)")
+    _add_backend_flag(coordinator)
 
     join = sub.add_parser(
         "join", parents=[common], help="offer this Mac to a cluster (a node agent)",
@@ -360,7 +383,7 @@ def _serve(args: argparse.Namespace) -> int:
                  else ("--metrics-port", str(args.node_metrics_port)))
     # Its own nodes get a secret made up for this run: nothing else can drive them.
     options = ClusterOptions(nodes=args.nodes, split=args.split,
-                             micro_batches=args.micro_batches or 0,
+                             micro_batches=args.micro_batches or 0, backend=args.backend,
                              node_args=tuple(_engine_args(args)), head_args=head_args,
                              secret=new_secret())
     cluster = Cluster(model_path, args.model_id or model_path.name, options)
@@ -389,6 +412,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         print(f"cluster secret (give it to `omlx-cluster join --secret`): {secret}",
               file=sys.stderr)
     options = ClusterOptions(nodes=0, micro_batches=args.micro_batches or 0, secret=secret,
+                             backend=args.backend,
                              os_reserve_bytes=args.os_reserve,
                              discovery=not args.no_discovery,
                              discovery_interfaces=default_interfaces(args.host))
@@ -517,7 +541,8 @@ def _worker(args: argparse.Namespace) -> int:
         model_path=args.model, model_id=args.model_id, layer_start=int(start),
         layer_end=int(end) if end else None, rank=args.rank,
         peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
-        plan_hash=args.plan_hash, micro_batches=args.micro_batches, host=args.host,
+        rdma_devices=args.rdma_devices, plan_hash=args.plan_hash,
+        micro_batches=args.micro_batches, host=args.host,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
         metrics_port=args.metrics_port, init_timeout=args.init_timeout,
         cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
@@ -564,6 +589,9 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     console = Console()
     console.print(f"{body['model']}: {body['status']} (plan epoch {body['epoch']})")
+    if body.get("backend"):
+        console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
+                      markup=False)
     table = Table("id", "address", "health", "layers", "agent pid", "worker pid")
     for n in body["nodes"]:
         health = "ok" if n["healthy"] else ("lost" if not n["alive"] else "unhealthy")

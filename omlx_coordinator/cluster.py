@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ import grpc
 from omlx_cluster import auth
 from omlx_cluster.child import ChildProcess, omlx_command
 from omlx_cluster.hardware import machine_memory
+from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
 from omlx_coordinator.model_layout import read_layout
 from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
@@ -66,7 +67,7 @@ class ClusterOptions:
     nodes: int = 1
     split: list[int] | None = None
     micro_batches: int = 0  # 0: one per stage
-    backend: str = "ring"
+    backend: str = "auto"  # the data plane: "auto", "ring" or "jaccl" (omlx_coordinator/backend.py)
     secret: str | None = None  # the cluster secret; serve makes one up for its own nodes
     os_reserve_bytes: int = 8 << 30  # memory every remote node keeps for its OS and apps
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
@@ -89,6 +90,8 @@ class Member:
     last_seen: float = 0.0
     health: pb.HealthReply | None = None
     layers: tuple[int, int] | None = None
+    # Its Thunderbolt ports with RDMA, from its handshake (none off macOS).
+    rdma_ports: list[pb.RdmaPort] = field(default_factory=list)
     # Why the node cannot take this model's weights (no disk space): plans leave it out until
     # it joins again.
     weights_error: str = ""
@@ -123,6 +126,10 @@ class Cluster:
         self.capacity_error = ""
         self.last_recovery: dict | None = None
         self.load_seconds = 0.0  # the slowest stage's weight load in the last plan
+        self.backend: BackendChoice | None = None  # the data plane of the active plan
+        # Stages (member names in rank order) whose automatic jaccl group failed to form, and
+        # why: they go straight to ring until one of them joins again.
+        self._jaccl_failed: dict[tuple[str, ...], str] = {}
         self._ready_event = asyncio.Event()
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
@@ -160,6 +167,7 @@ class Cluster:
                 "version": h.version if h else None,
                 "memory_budget": m.budget_bytes, "chip": m.chip, "speed_gbps": m.speed,
                 "weights_error": m.weights_error or None,
+                "rdma_devices": [p.device for p in m.rdma_ports],
             })
         return out
 
@@ -204,7 +212,7 @@ class Cluster:
             hellos = await asyncio.gather(*(m.agent.admit(self.options.secret)
                                             for m in self.members))
             for m, hello in zip(self.members, hellos):
-                m.chip = hello.chip
+                m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
             await self._load_plan()
             self._monitor_task = asyncio.create_task(self._monitor())
         except Exception as e:
@@ -215,7 +223,9 @@ class Cluster:
 
     async def _load_plan(self) -> None:
         """Plans over the live members and has each load its range; every agent at once, since
-        the data-plane group forms only when all ranks have joined."""
+        the data-plane group forms only when all ranks have joined. A jaccl group chosen
+        automatically that fails to form is loaded again over ring: RDMA that misbehaves must
+        not leave the cluster down."""
         live, plan = self._next_plan()
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
@@ -223,20 +233,25 @@ class Cluster:
             raise NoCapacity(self.capacity_error)
         by_name = {m.name: m for m in live}
         members = [by_name[s.node] for s in plan.stages]
+        try:
+            choice = self._choose_backend(members)
+        except BackendError as e:
+            self.capacity_error = str(e)
+            self.status = f"cannot serve: {e}"
+            raise NoCapacity(str(e)) from None
         paths = await self._transfer_weights(members, plan)
-        healths = await asyncio.gather(*(m.agent.health() for m in live))
-        peers = [f"{m.agent.address.rsplit(':', 1)[0]}:{h.data_port}"
-                 for m, h in zip(live, healths)]
-        world = len(plan.stages)
         self.status = f"loading {self.model_id} (plan {plan.plan_hash})"
-        replies = await asyncio.gather(*(
-            m.agent.load_shard(pb.LoadShardRequest(
-                model_path=paths.get(m.name, str(self.model_path)), model_id=self.model_id,
-                layer_start=stage.layer_start, layer_end=stage.layer_end, rank=rank,
-                world_size=world, peers=[peers[live.index(x)] for x in members] if world > 1
-                else [], backend=self.options.backend, plan_hash=plan.plan_hash,
-                micro_batches=self.options.micro_batches))
-            for rank, (m, stage) in enumerate(zip(members, plan.stages))))
+        try:
+            replies = await self._load_stages(plan, members, paths, choice)
+        except grpc.aio.AioRpcError as e:
+            if choice.backend != "jaccl" or self.options.backend != "auto":
+                raise
+            error = _error_line(e.details() or str(e.code()))
+            log.warning("the jaccl group of plan %s did not form (%s): loading it over ring",
+                        plan.plan_hash, error)
+            self._jaccl_failed[tuple(m.name for m in members)] = error
+            choice = BackendChoice("ring", f"jaccl did not form: {error}")
+            replies = await self._load_stages(plan, members, paths, choice)
         if self.node is not None:
             await self.node.close()
         self.node = WorkerClient(replies[0].worker_address, members[0].agent.session)
@@ -245,13 +260,56 @@ class Cluster:
         for m, r in zip(members, replies):
             m.layers = (r.layer_start, r.layer_end)
             m.health = await m.agent.health()
-        self.plan, self.capacity_error = plan, ""
+        self.plan, self.backend, self.capacity_error = plan, choice, ""
         self.load_seconds = max(r.load_seconds for r in replies)
         self.epoch += 1
-        log.info("serving %s on %d stage(s), split %s (plan %s, epoch %d)", self.model_id,
-                 world, plan.split, plan.plan_hash, self.epoch)
+        log.info("serving %s on %d stage(s) over %s (%s), split %s (plan %s, epoch %d)",
+                 self.model_id, len(members), choice.backend, choice.reason, plan.split,
+                 plan.plan_hash, self.epoch)
         self.ready, self.status = True, "ready"
         self._ready_event.set()
+
+    def _choose_backend(self, members: list[Member]) -> BackendChoice:
+        """The data plane for `members` (in rank order); raises BackendError."""
+        failed = self._jaccl_failed.get(tuple(m.name for m in members))
+        if failed is not None and self.options.backend == "auto":
+            return BackendChoice("ring", f"jaccl did not form on these nodes before: {failed}")
+        return choose_backend(self.options.backend, [m.rdma_ports for m in members],
+                              [m.name for m in members])
+
+    async def _load_stages(self, plan: Plan, members: list[Member], paths: dict[str, str],
+                           choice: BackendChoice) -> list[pb.LoadShardReply]:
+        """Has every stage load its range over `choice`'s backend. Waits for every agent to
+        answer before raising: a retry must not find an agent still busy with this attempt, nor
+        name a data port it is about to replace. Raises the first failure, usually the cause:
+        the other ranks then wait for the failed one until their watchdog ends them."""
+        world = len(members)
+        peers: list[str] = []
+        if world > 1:
+            healths = await asyncio.gather(*(m.agent.health() for m in members))
+            peers = [f"{m.agent.address.rsplit(':', 1)[0]}:{h.data_port}"
+                     for m, h in zip(members, healths)]
+        failures: list[BaseException] = []
+
+        async def load(rank: int, m: Member, stage: Stage) -> pb.LoadShardReply:
+            try:
+                return await m.agent.load_shard(pb.LoadShardRequest(
+                    model_path=paths.get(m.name, str(self.model_path)), model_id=self.model_id,
+                    layer_start=stage.layer_start, layer_end=stage.layer_end, rank=rank,
+                    world_size=world, peers=peers,
+                    backend=choice.backend if world > 1 else "",
+                    rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
+                    micro_batches=self.options.micro_batches))
+            except BaseException as e:
+                failures.append(e)
+                raise
+
+        replies = await asyncio.gather(*(load(rank, m, stage) for rank, (m, stage)
+                                         in enumerate(zip(members, plan.stages))),
+                                       return_exceptions=True)
+        if failures:
+            raise failures[0]
+        return replies
 
     def _next_plan(self) -> tuple[list[Member], Plan | None]:
         """The live members that may serve, and a plan over them (None: none fits)."""
@@ -329,6 +387,10 @@ class Cluster:
             member.agent = agent
         member.alive, member.last_seen, member.layers = True, time.monotonic(), None
         member.weights_error = ""
+        member.rdma_ports = list(hello.rdma_ports)
+        # It may come back with RDMA enabled or recabled: let jaccl be tried again.
+        self._jaccl_failed = {k: v for k, v in self._jaccl_failed.items()
+                              if member.name not in k}
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         log.info("node %s (%s, %s, %.1f GiB usable) joined", hello.node_id, address, hello.chip,
                  budget / 2**30)
@@ -432,3 +494,11 @@ class Cluster:
             await self.node.close()
         await asyncio.gather(*(asyncio.to_thread(m.process.stop) for m in self.members
                                if m.process is not None))
+
+
+def _error_line(details: str) -> str:
+    """The line that says what went wrong in a failed LoadShard's details (which end with the
+    worker's log): its last "error:" line, else its last line."""
+    lines = [line.strip() for line in details.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or [details])[-1].removeprefix("error:").strip()

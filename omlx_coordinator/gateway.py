@@ -545,6 +545,8 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         return {"model": cluster.model_id, "ready": cluster.ready, "status": cluster.status,
                 "epoch": cluster.epoch, "capacity_error": cluster.capacity_error or None,
                 "plan": plan.to_dict() if plan else None,
+                "backend": ({"name": cluster.backend.backend, "reason": cluster.backend.reason}
+                            if cluster.backend else None),
                 "last_recovery": cluster.last_recovery, "nodes": cluster.nodes}
 
     @app.get("/metrics")

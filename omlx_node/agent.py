@@ -17,6 +17,7 @@ import grpc
 
 from omlx_cluster import __version__, auth, hardware
 from omlx_cluster.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -41,6 +42,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.node_id = node_id or socket.gethostname()
         self.chip = chip or hardware.chip()
         self.speed = speed
+        # Read once: the tools take seconds, and a recabled Mac joins again anyway.
+        self.rdma_ports = rdma_ports()
+        if self.rdma_ports:
+            log.info("RDMA over Thunderbolt: %s", ", ".join(
+                f"{p.device} ({'cabled' if p.peer_uuid else 'no cable'})"
+                for p in self.rdma_ports))
         self.session: str | None = None  # set by Admit; None: no coordinator admitted us yet
         self.standby = standby
         self._standby: ChildProcess | None = None
@@ -80,7 +87,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                       if self.secret else b"")
         return pb.HandshakeReply(node_id=self.node_id, version=__version__, node_nonce=n_nonce,
                                  proof=node_proof, memory_bytes=hardware.machine_memory(),
-                                 chip=self.chip, speed=self.speed)
+                                 chip=self.chip, speed=self.speed,
+                                 rdma_ports=self.rdma_ports)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         for n_nonce, c_nonce in list(self._pending.items()):
@@ -155,6 +163,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                              f"{len(request.peers)}")
         if not 0 <= request.rank < world:
             raise ValueError(f"rank {request.rank} is outside a plan of {world} stages")
+        backend = request.backend or "ring"
+        if world > 1 and backend not in ("ring", "jaccl"):
+            raise ValueError(f"backend {backend!r}: a plan's data plane is ring or jaccl, "
+                             "resolved by the coordinator")
+        if world > 1 and backend == "jaccl" and not request.rdma_devices_json:
+            raise ValueError("a jaccl plan needs its RDMA device matrix (rdma_devices_json)")
         with self._lock:
             self._stop_worker()
             self.status = f"loading {request.model_path}"
@@ -162,10 +176,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                     "--model-id", request.model_id or os.path.basename(request.model_path),
                     "--layers", f"{request.layer_start}:{request.layer_end or ''}",
                     "--rank", str(request.rank), "--host", self.host,
-                    "--backend", request.backend or "ring", "--plan-hash", request.plan_hash,
+                    "--plan-hash", request.plan_hash,
                     "--micro-batches", str(request.micro_batches)]
             if world > 1:
-                argv += ["--peers", ",".join(request.peers)]
+                argv += ["--peers", ",".join(request.peers), "--backend", backend]
+            if world > 1 and backend == "jaccl":
+                argv += ["--rdma-devices", request.rdma_devices_json]
             if self.metrics_port is not None:
                 argv += ["--metrics-port", str(self.metrics_port)]
             # Its callers must present the same session.

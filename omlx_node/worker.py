@@ -48,7 +48,9 @@ class WorkerConfig:
     layer_end: int | None
     rank: int = 0
     peers: tuple[str, ...] = ()
-    backend: str = "ring"
+    backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
+    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
+    rdma_devices: str = ""
     plan_hash: str = ""
     micro_batches: int = 0
     host: str = "127.0.0.1"
@@ -156,22 +158,49 @@ def plan_int(plan_hash: str) -> int:
 
 
 def join_group(config: WorkerConfig):
-    """Forms the plan's mx.distributed group, or exits naming what could not be reached:
-    MLX's ring init waits forever for a missing peer."""
+    """Forms the plan's mx.distributed group, or exits naming the backend and what could not be
+    reached: MLX's ring init waits forever for a missing peer, and jaccl's rank 0 for the
+    others on its side channel."""
     import json
     import tempfile
 
     import mlx.core as mx
 
-    hostfile = Path(tempfile.mkdtemp(prefix="omlx-hosts-")) / "hosts.json"
-    hostfile.write_text(json.dumps([[p] for p in config.peers]))
-    os.environ["MLX_RANK"] = str(config.rank)
-    os.environ["MLX_HOSTFILE"] = str(hostfile)
+    rank, world, peers = config.rank, config.world_size, config.peers
+    scratch = Path(tempfile.mkdtemp(prefix="omlx-group-"))
+    os.environ["MLX_RANK"] = str(rank)
+    if config.backend == "jaccl":
+        host = peers[rank].rsplit(":", 1)[0]
+        if not mx.distributed.is_available("jaccl"):
+            raise SystemExit(f"error: this MLX build has no jaccl backend on {host} (RDMA over "
+                             "Thunderbolt 5 needs MLX on macOS 26.2+ with RDMA enabled); use "
+                             "--backend ring")
+        try:
+            row = json.loads(config.rdma_devices)[rank]
+        except (ValueError, IndexError, TypeError):
+            raise SystemExit(f"error: --rdma-devices must be MLX's device matrix as JSON with a "
+                             f"row for rank {rank}, got {config.rdma_devices!r}") from None
+        devices = scratch / "devices.json"
+        devices.write_text(config.rdma_devices)
+        os.environ["MLX_IBV_DEVICES"] = str(devices)
+        # Rank 0 listens there for the others to exchange their RDMA queue pairs; the ring
+        # variant connects each rank to its two neighbours only, as the pipeline sends.
+        os.environ["MLX_JACCL_COORDINATOR"] = peers[0]
+        os.environ["MLX_JACCL_RING"] = "1"
+        links = ", ".join(f"{'+'.join(d) if isinstance(d, list) else d} to rank {r}"
+                          for r, d in enumerate(row) if d) or "none"
+        where = (f"rank {rank} of {world} on {host}, side channel at rank 0's {peers[0]}, "
+                 f"RDMA devices {links}")
+        hint = "Is every node of the plan up, RDMA-enabled and cabled to its ring neighbours?"
+    else:
+        hostfile = scratch / "hosts.json"
+        hostfile.write_text(json.dumps([[p] for p in peers]))
+        os.environ["MLX_HOSTFILE"] = str(hostfile)
+        where = f"rank {rank} of {world}, listening on {peers[rank]}, peers {', '.join(peers)}"
+        hint = "Is every node of the plan up and reachable?"
 
     message = (f"error: could not form the {config.backend} group within "
-               f"{config.init_timeout:.0f}s: rank {config.rank} of {config.world_size}, "
-               f"listening on {config.peers[config.rank]}, peers {', '.join(config.peers)}. "
-               "Is every node of the plan up and reachable?")
+               f"{config.init_timeout:.0f}s: {where}. {hint}")
     # MLX's init holds the GIL while it waits, so no thread or signal handler of this process
     # can run: a separate watchdog process ends it.
     watchdog = subprocess.Popen(
@@ -180,12 +209,15 @@ def join_group(config: WorkerConfig):
          str(config.init_timeout), message, str(os.getpid())])
     try:
         group = mx.distributed.init(strict=True, backend=config.backend)
+    except RuntimeError as e:  # e.g. a jaccl device that cannot be opened, a refused connection
+        raise SystemExit(f"error: could not form the {config.backend} group: {e} ({where})"
+                         ) from None
     finally:
         watchdog.kill()
         watchdog.wait()
-    if group.size() != config.world_size or group.rank() != config.rank:
+    if group.size() != world or group.rank() != rank:
         raise RuntimeError(f"joined a group of {group.size()} as rank {group.rank()}, expected "
-                           f"{config.world_size} / {config.rank}")
+                           f"{world} / {rank}")
     return group
 
 

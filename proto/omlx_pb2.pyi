@@ -15,7 +15,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed")
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class HandshakeReply(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHIP_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
+    RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     node_nonce: bytes
@@ -30,7 +31,18 @@ class HandshakeReply(_message.Message):
     memory_bytes: int
     chip: str
     speed: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ...) -> None: ...
+    rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ...) -> None: ...
+
+class RdmaPort(_message.Message):
+    __slots__ = ("device", "uuid", "peer_uuid")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PEER_UUID_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    uuid: str
+    peer_uuid: str
+    def __init__(self, device: _Optional[str] = ..., uuid: _Optional[str] = ..., peer_uuid: _Optional[str] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("proof",)
@@ -43,7 +55,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +66,7 @@ class LoadShardRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -64,7 +77,8 @@ class LoadShardRequest(_message.Message):
     backend: str
     plan_hash: str
     micro_batches: int
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ...) -> None: ...
+    rdma_devices_json: str
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
