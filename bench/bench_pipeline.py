@@ -150,7 +150,7 @@ def hop_bench(hidden_size: int, dtype: str, args, node_env: dict, work: Path) ->
     ports = [free_port(), free_port()]
     hostfile = work / "hop_hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    cases = [{"name": "header only (int32[8]) + token back", "rows": 0, "tokens": 1,
+    cases = [{"name": "header only (int32[64]) + token back", "rows": 0, "tokens": 1,
               "mode": "header"},
              {"name": "decode step, 1 row, hidden evaluated", "rows": 1, "tokens": 1,
               "mode": "ready"},
@@ -486,7 +486,7 @@ def markdown(result: dict, args) -> str:
                   f"(pinned: {hop.get('devices') or 'no'}), hidden size {hop['hidden_size']}, "
                   f"{hop['cases'][0]['iters'] if hop['cases'] else 0} timed iterations per case. "
                   "A decode step is what `PipelineHead._launch` sends (`wire.send_step`): header "
-                  "int32[8], then one body of payload int32[2] + hidden (rows, 1, hidden); "
+                  "int32[64] with the payload int32[2] inline, then the hidden (rows, 1, hidden); "
                   "int32[rows] tokens come back. "
                   "One way ~= rtt / 2.", "",
                   "| case | hidden bytes | rtt median (us) | p10 | p90 | one way (us) |",
