@@ -61,7 +61,7 @@ class ModelLayout:
 
     @property
     def total_weight_bytes(self) -> int:
-        """Every tensor of the checkpoint, each counted once."""
+        """Every tensor mlx-lm keeps of the checkpoint, each counted once."""
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
 
 
@@ -161,6 +161,11 @@ def read_layout(
     if embed == 0:
         raise ValueError(f"{model_path}: no embed_tokens tensors")
 
+    # mlx-lm ties the head to the embedding when the config says so, which its families assume
+    # when it is silent, and its sanitize then drops any lm_head tensor: that one is never
+    # loaded. Without an lm_head tensor the head is the embedding, whatever the config says.
+    tied = bool(setting("tie_word_embeddings", True)) or not has_head
+
     heads = int(setting("num_attention_heads", 0))
     kv_heads = int(setting("num_key_value_heads", 0) or heads)
     head_dim = setting("head_dim")
@@ -176,9 +181,8 @@ def read_layout(
         num_layers=num_layers,
         layer_bytes=tuple(layer_bytes),
         embed_bytes=embed,
-        head_bytes=head,
+        head_bytes=0 if tied else head,
         norm_bytes=norm,
-        # No lm_head tensor means mlx-lm uses the embedding as the head, whatever the config says.
-        tied_embeddings=not has_head,
+        tied_embeddings=tied,
         kv_bytes_per_token_per_layer=kv,
     )

@@ -449,3 +449,21 @@ def test_measure_speed_returns_bytes_per_second():
 
     speed = measure_speed(seconds=0.05, dim=256, matrices=2)
     assert math.isfinite(speed) and speed > 1e6  # any machine streams more than 1 MB/s
+
+
+@pytest.mark.parametrize("tie", [True, None])
+def test_a_head_mlx_lm_drops_is_not_planned(tmp_path: Path, tie: bool | None):
+    """A config that ties the head (or, for llama, says nothing) makes mlx-lm drop an lm_head
+    tensor the checkpoint ships: the last stage then holds the embedding instead."""
+    from tests.tiny_models import build_model
+
+    folder = build_model(tmp_path / "m", family="llama", num_layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    if tie is None:
+        del config["tie_word_embeddings"]
+    else:
+        config["tie_word_embeddings"] = tie
+    (folder / "config.json").write_text(json.dumps(config))
+    lay = read_layout(folder)
+    assert lay.tied_embeddings and lay.head_bytes == 0
+    assert lay.total_weight_bytes == file_tensor_bytes(folder) - lay.embed_bytes  # lm_head: same size
