@@ -14,9 +14,13 @@ Measures, each as a median of --repeats timed runs after warm-ups:
    (the per-message floor) and hidden states of 16 / 32 rows (the micro-batch sizes below).
 3. aggregate tok/s at 16 and 32 concurrent streams (completion tokens / wall time from the first
    request sent to the last stream finished, prefill included) of the 2-stage pipeline with
-   K = stages micro-batches in flight (the default) against K = 1 (`--micro-batches 1`, the
-   lockstep pipeline), same prompts and max_tokens; the single stage is measured too.
-4. optionally (--three-stages) the same for 3 stages, K = 3 against K = 1.
+   K = stages micro-batches in flight against K = 1 (`--micro-batches 1`, the lockstep
+   pipeline), same prompts and max_tokens; the single stage is measured too.
+4. the same for every pipeline length of --stages (e.g. `--stages 2 4`), each with the default
+   (as many micro-batches as pay off), K = stages always, and K = 1;
+5. with one GPU per stage (OMLX_NODE_DEVICES) and nvidia-smi present: each stage's busy
+   fraction, nvidia-smi's `utilization.gpu` (share of time a kernel ran) sampled every 100 ms
+   over the middle half of each concurrent batch.
 
 Every server runs alone (`python -m omlx_cluster.cli serve --nodes N ...`), warmed up with one
 full-length request at batch 1 and one full-length batch at every concurrency level (on a GPU the
@@ -26,6 +30,9 @@ OMLX_NODE_DEVICES=0,1 so each stage (and each rank of the hop test) gets its own
     python bench/bench_pipeline.py                               # the default model, CPU-sized
     OMLX_NODE_DEVICES=0,1 python bench/bench_pipeline.py --random-llama-1b --repeats 5 \\
         --decode-tokens 256 --conc-tokens 256 --warmup-tokens 256
+    # the 4-GPU scaling run: 1, 2 and 4 stages, 8 / 32 / 64 streams, busy fraction per GPU
+    OMLX_NODE_DEVICES=0,1,2,3 python bench/bench_pipeline.py --random-llama 8b --stages 2 4 \\
+        --concurrency 8 32 64 --repeats 3 --decode-tokens 64 --conc-tokens 64
 
 Results: bench/results/pipeline_<tag>.json and .md (tag: cpu, h200, h200x2, gpu, or --tag).
 """
@@ -280,6 +287,55 @@ class EngineRate:
         return (hi[1] - lo[1]) / (hi[0] - lo[0])
 
 
+class GpuBusy:
+    """Samples nvidia-smi's `utilization.gpu` of every GPU while a batch runs: the share of
+    time a kernel ran, per device. With one GPU per stage, a stage's busy fraction."""
+
+    def __init__(self, every_ms: int = 100):
+        self.samples: list[tuple[float, int, float]] = []  # (time, gpu index, percent)
+        self._proc = None
+        self._thread = None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu",
+                 "--format=csv,noheader,nounits", f"-lms={every_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                index, percent = (x.strip() for x in line.split(","))
+                self.samples.append((time.perf_counter(), int(index), float(percent)))
+            except ValueError:
+                continue  # a header or an "[N/A]" reading
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(5)
+            self._thread.join(5)
+
+    def busy(self, devices: list[str], t0: float, t1: float) -> list[float] | None:
+        """Mean busy fraction of each device in `devices` (GPU indices, a stage's each) over
+        the middle half of [t0, t1]; None without samples."""
+        lo, hi = t0 + (t1 - t0) / 4, t1 - (t1 - t0) / 4
+        out = []
+        for d in devices:
+            xs = [pct for t, i, pct in self.samples if str(i) == d and lo <= t <= hi]
+            if not xs:
+                return None
+            out.append(round(statistics.mean(xs) / 100, 3))
+        return out
+
+
+def stage_devices(nodes: int) -> list[str]:
+    """The GPU of each stage, as `serve` pins them (OMLX_NODE_DEVICES, round robin)."""
+    devices = [d for d in os.environ.get("OMLX_NODE_DEVICES", "").split(",") if d]
+    return [devices[i % len(devices)] for i in range(nodes)] if devices else []
+
+
 def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> dict:
     """Starts `serve` with cfg's flags, warms it up, times batch-1 decode and every concurrency
     level; returns what it measured (and an error with the server log's tail if it failed)."""
@@ -325,10 +381,20 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
             r = run(stream_one(client, server.base, prompt, max_tokens))
             return {k: r[k] for k in ("ttft", "decode_tps", "tokens")}
 
+        devices = stage_devices(cfg["nodes"])
+
         def batch(prompt_set, max_tokens):
-            with EngineRate(f"http://127.0.0.1:{metrics_port}/metrics") as engine:
-                r = run(stream_batch(client, server.base, prompt_set, max_tokens))
-            return {**r, "engine_tps": engine.rate(), "micro_batches": engine.micro_batches}
+            gpus = GpuBusy() if devices else None
+            try:
+                t0 = time.perf_counter()
+                with EngineRate(f"http://127.0.0.1:{metrics_port}/metrics") as engine:
+                    r = run(stream_batch(client, server.base, prompt_set, max_tokens))
+                t1 = time.perf_counter()
+            finally:
+                if gpus is not None:
+                    gpus.stop()
+            return {**r, "engine_tps": engine.rate(), "micro_batches": engine.micro_batches,
+                    "stage_busy": gpus.busy(devices, t0, t1) if gpus else None}
 
         try:
             w = args.warmups
@@ -354,6 +420,7 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
                                    "median_tps": median([r["agg_tps"] for r in runs]),
                                    "median_steady_tps": median([r["steady_tps"] for r in runs]),
                                    "median_engine_tps": median([r["engine_tps"] for r in runs]),
+                                   "median_stage_busy": median_busy(runs),
                                    "median_ttft_mean": median([r["ttft_mean"] for r in runs])}
                 note(f"aggregate x{c}: {res[f'agg_{c}']['median_tps']:.1f} tok/s "
                      f"(decode phase {res[f'agg_{c}']['median_steady_tps'] or 0:.1f}, engine "
@@ -374,6 +441,12 @@ def measure_config(cfg: dict, model: Path, prompts: dict, args, work: Path) -> d
 
 
 # ---- summary ------------------------------------------------------------------------------------
+
+
+def median_busy(runs: list[dict]) -> list[float] | None:
+    """Each stage's median busy fraction over the runs that have one."""
+    rows = [r["stage_busy"] for r in runs if r.get("stage_busy")]
+    return [median(list(col)) for col in zip(*rows)] if rows else None
 
 
 def ratio(a, b):
@@ -460,7 +533,7 @@ def markdown(result: dict, args) -> str:
     head = ["config", "layers per stage", "batch-1 decode tok/s"]
     for c in s["concurrency"]:
         head += [f"agg tok/s x{c}", f"decode-phase tok/s x{c}", f"engine tok/s x{c}",
-                 f"mean TTFT x{c} (ms)"]
+                 f"mean TTFT x{c} (ms)", f"stage busy % x{c}"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key, c in result["configs"].items():
         if c.get("skipped"):
@@ -471,8 +544,10 @@ def markdown(result: dict, args) -> str:
         for n in s["concurrency"]:
             a = c.get(f"agg_{n}") or {}
             ttft = a.get("median_ttft_mean")
+            busy = a.get("median_stage_busy")
             cells += [fmt(a.get("median_tps")), fmt(a.get("median_steady_tps")),
-                      fmt(a.get("median_engine_tps")), fmt(ttft * 1000 if ttft else None)]
+                      fmt(a.get("median_engine_tps")), fmt(ttft * 1000 if ttft else None),
+                      " / ".join(f"{b * 100:.0f}" for b in busy) if busy else "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
         if c.get("error"):
             lines.append(f"| ^ failed: {c['error'][:300]} |" + " |" * (len(head) - 1))
@@ -501,7 +576,9 @@ def markdown(result: dict, args) -> str:
               "(prefill included); decode phase = tokens/s while every stream is decoding, as this "
               "one-process client sees them; engine = the head node's generated-token counter "
               "(Prometheus) over the middle half of each batch's tokens, what the stages "
-              "sustain whatever the gateway and the client carry.", ""]
+              "sustain whatever the gateway and the client carry; stage busy = nvidia-smi's "
+              "utilization.gpu of each stage's GPU (share of time a kernel ran), rank 0 first, "
+              "over the middle half of each batch (n/a: no GPU per stage).", ""]
     return "\n".join(lines)
 
 
@@ -514,9 +591,8 @@ def main() -> int:
     add_model_args(ap)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", help="results file tag (default: cpu/h200/h200xN/gpu)")
-    ap.add_argument("--stages", type=int, default=2, help="pipeline length to compare (>= 2)")
-    ap.add_argument("--three-stages", action="store_true",
-                    help="also run 3 stages (K=3 and K=1) when --stages is 2")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2],
+                    help="pipeline lengths to compare with one stage, e.g. 2 4 (each >= 2)")
     ap.add_argument("--configs", help="only these configurations, comma-separated keys "
                                       "(s1, s2_auto, s2_k2, s2_k1, s3_k3, s3_k1); default: all")
     ap.add_argument("--skip-batch1", action="store_true",
@@ -540,9 +616,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=420.0,
                     help="time limit of one configuration's requests, seconds")
     ap.add_argument("--budget", type=float, default=0.0,
-                    help="time budget in seconds for the optional configurations (3 stages): "
-                         "one starts only if the slowest configuration so far still fits "
-                         "(0: no budget); the 1-stage and N-stage K=N / K=1 runs always run")
+                    help="time budget in seconds for the pipeline lengths after the first "
+                         "of --stages: each length's three runs start only if three times the "
+                         "slowest configuration so far still fits (0: no budget); 1 stage and "
+                         "the first length always run")
     ap.add_argument("--work-dir", type=Path, help="scratch folder (default: a temp folder)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -553,8 +630,8 @@ def main() -> int:
         res = hop_rank(json.loads(Path(args._spec).read_text()))
         Path(args._result).write_text(json.dumps(res))
         return 0
-    if args.stages < 2:
-        ap.error("--stages must be at least 2")
+    if min(args.stages) < 2:
+        ap.error("every --stages value must be at least 2")
 
     from omlx_coordinator.cluster import node_env as server_node_env
 
@@ -624,18 +701,17 @@ def main() -> int:
     save_partial()
 
     prompts = make_prompts(vocab, args)
-    n = args.stages
-    configs = [{"key": "s1", "label": "1 stage", "nodes": 1, "k": None},
-               {"key": f"s{n}_auto", "label": f"{n} stages, default (up to K={n}, as many as "
-                "pay off)", "nodes": n, "k": None},
-               {"key": f"s{n}_k{n}", "label": f"{n} stages, K={n} always", "nodes": n, "k": n},
-               {"key": f"s{n}_k1", "label": f"{n} stages, K=1 (lockstep)", "nodes": n, "k": 1}]
-    if args.three_stages and n == 2:
-        # optional: a pair that runs whole or not at all (it needs two configurations' time)
-        configs += [{"key": "s3_k3", "label": "3 stages, K=3 always", "nodes": 3, "k": 3,
-                     "optional": 2},
-                    {"key": "s3_k1", "label": "3 stages, K=1 (lockstep)", "nodes": 3, "k": 1,
-                     "after": "s3_k3"}]
+    configs = [{"key": "s1", "label": "1 stage", "nodes": 1, "k": None}]
+    for i, n in enumerate(dict.fromkeys(args.stages)):
+        group = [{"key": f"s{n}_auto", "label": f"{n} stages, default (up to K={n}, as many as "
+                  "pay off)", "nodes": n, "k": None},
+                 {"key": f"s{n}_k{n}", "label": f"{n} stages, K={n} always", "nodes": n, "k": n},
+                 {"key": f"s{n}_k1", "label": f"{n} stages, K=1 (lockstep)", "nodes": n, "k": 1}]
+        if i > 0:  # a length after the first runs whole or not at all, within --budget
+            group[0]["optional"] = len(group)
+            for cfg in group[1:]:
+                cfg["after"] = group[0]["key"]
+        configs += group
     if args.configs:
         wanted = set(args.configs.split(","))
         configs = [c for c in configs if c["key"] in wanted]
