@@ -94,7 +94,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per prefix-cache block (default: 256)")
 
 
-def _add_backend_flag(p: argparse.ArgumentParser) -> None:
+def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
+                   help="decode micro-batches kept in flight in a pipeline, always K (default: "
+                        "up to one per stage, as many as pay off on the head's device, measured "
+                        "at start; 1 is the lockstep pipeline)")
     p.add_argument("--backend", choices=["auto", "ring", "jaccl"], default="auto",
                    help="the data plane between pipeline stages. auto: jaccl (RDMA over "
                         "Thunderbolt 5) when every pair of neighbouring stages (and the last "
@@ -146,11 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--split", type=_split, metavar="A,B,...",
                        help="layers per node, e.g. 1,6,2 (must sum to the model's layers, no "
                             "stage empty; default: the planner's split)")
-    serve.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
-                       help="decode micro-batches kept in flight in a pipeline, always K "
-                            "(default: up to one per stage, as many as pay off on this device, "
-                            "measured at start; 1 is the lockstep pipeline)")
-    _add_backend_flag(serve)
+    _add_pipeline_flags(serve)
     _add_engine_flags(serve)
 
     node = sub.add_parser(
@@ -230,11 +230,7 @@ def _build_parser() -> argparse.ArgumentParser:
                              help="memory every node keeps for its OS (default: 8GiB)")
     coordinator.add_argument("--no-discovery", action="store_true",
                              help="do not browse Bonjour; only `join --coordinator` nodes join")
-    coordinator.add_argument("--micro-batches", type=_positive, default=None, metavar="K",
-                             help="decode micro-batches kept in flight, always K (default: up "
-                                  "to one per stage, as many as pay off on the head's device; "
-                                  "1 is the lockstep pipeline)")
-    _add_backend_flag(coordinator)
+    _add_pipeline_flags(coordinator)
 
     join = sub.add_parser(
         "join", parents=[common], help="offer this Mac to a cluster (a node agent)",
