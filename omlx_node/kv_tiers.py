@@ -55,10 +55,19 @@ foreign to this cache (another dtype, other KV shapes, metadata not matching its
 skipped and left alone. Files that other processes write into sibling directories after this
 cache started are not seen: a cache sees its siblings as they were when it was created (a
 re-plan restarts the stages, which re-indexes them).
+
+Old ranges. Every re-plan that moves layers starts a new range directory, so without a bound a
+node that lives through many re-plans would fill its disk. A cache holds a shared lock on its
+directory's `.live` file for as long as it runs (the OS drops it when the process dies); at
+start-up, before it indexes its siblings, it prunes the range directories of its model that no
+running cache holds: together they may keep at most `ssd_max_bytes` (on top of this range's own
+cap), the most recently used first; the others, and empty ones, are removed whole (renamed away
+first, so a cache starting on that range meanwhile gets a fresh directory).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -92,6 +101,25 @@ _HASH_DOMAIN = b"omlx-kv-v1\0"
 _MAX_HEADER_BYTES = 1 << 20  # a real header is ~100 bytes per layer; more means garbage
 _STALE_TMP_SECONDS = 600.0  # a younger temp file may belong to a writer still running
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_RANGE_DIR = re.compile(r"(\d+)-(\d+)")
+_LIVE_FILE = ".live"
+_TRASH_PREFIX = ".trash-"
+
+
+def _lock_range(range_dir: Path, exclusive: bool) -> int | None:
+    """Locks `range_dir`'s liveness file: shared (blocking) by the cache that uses the directory,
+    exclusive (never blocking) by a pruner. Returns the open descriptor that holds the lock, or
+    None when a running cache holds it (or the directory is gone)."""
+    try:
+        fd = os.open(range_dir / _LIVE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 @dataclass(frozen=True)
@@ -281,6 +309,7 @@ class PrefixCache:
         # Block hash -> files of other layer ranges holding some of this stage's layers.
         self._sib: dict[str, list[_SiblingFile]] = {}
         self.metrics.hits.labels(tier="sibling")
+        self._live_fd: int | None = None  # the shared lock on this range's directory
 
         if ssd_dir is not None:
             self.dir = Path(ssd_dir) / model_dir_name(model_id) / f"{start}-{end}"
@@ -290,10 +319,15 @@ class PrefixCache:
             except OSError as e:
                 self._degrade(e)
             if self.dir.is_dir():
+                self._live_fd = _lock_range(self.dir, exclusive=False)
                 try:
                     self._rebuild_index()
                 except OSError as e:  # an unreadable dir costs its blocks, not the node
                     log.warning("KV cache: cannot index %s: %s", self.dir, e)
+            try:
+                self._prune_old_ranges()
+            except OSError as e:
+                log.warning("KV cache: cannot prune the old ranges next to %s: %s", self.dir, e)
             try:
                 self._index_siblings()
             except OSError as e:
@@ -475,16 +509,19 @@ class PrefixCache:
             )
 
     def close(self, timeout: float = 10.0) -> None:
-        """Writes what is queued (waiting at most `timeout`), then stops the writer thread."""
+        """Writes what is queued (waiting at most `timeout`), then stops the writer thread and
+        lets go of the range directory (a later cache may prune it)."""
         self._readers.shutdown(wait=False, cancel_futures=True)
-        if self._thread is None:
-            return
-        self.flush(timeout)
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout)
-        self._thread = None
+        if self._thread is not None:
+            self.flush(timeout)
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            self._thread.join(timeout)
+            self._thread = None
+        if self._live_fd is not None:
+            os.close(self._live_fd)
+            self._live_fd = None
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -801,6 +838,48 @@ class PrefixCache:
 
     # ---- sibling ranges (read-only) ---------------------------------------------------------
 
+    def _prune_old_ranges(self) -> None:
+        """Removes the least recently used range directories of this model that no running
+        cache holds, beyond ssd_max_bytes for all of them together, and the empty ones (see the
+        module docstring)."""
+        assert self.dir is not None
+        model_dir = self.dir.parent
+        if not model_dir.is_dir():
+            return
+        old: list[tuple[float, int, Path]] = []
+        for rdir in model_dir.iterdir():
+            if rdir.name.startswith(_TRASH_PREFIX):  # a prune that died half-way
+                shutil.rmtree(rdir, ignore_errors=True)
+                continue
+            if rdir == self.dir or not _RANGE_DIR.fullmatch(rdir.name) or not rdir.is_dir():
+                continue
+            size, newest = 0, 0.0
+            for f in rdir.glob("*/*.safetensors"):
+                try:
+                    st = f.stat()
+                except OSError:
+                    continue  # removed meanwhile by its owner
+                size, newest = size + st.st_size, max(newest, st.st_mtime)
+            old.append((newest, size, rdir))
+        kept = 0
+        for newest, size, rdir in sorted(old, key=lambda o: o[0], reverse=True):
+            if size and kept + size <= self.ssd_max_bytes:
+                kept += size
+                continue
+            fd = _lock_range(rdir, exclusive=True)
+            if fd is None:  # a running cache uses it
+                kept += size
+                continue
+            try:
+                trash = model_dir / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
+                rdir.rename(trash)
+            finally:
+                os.close(fd)
+            shutil.rmtree(trash, ignore_errors=True)
+            log.info("KV cache: removed %s (%.1f MiB, layers a re-plan moved; the old ranges "
+                     "of %s keep at most %.1f MiB)", rdir, size / MiB, model_dir.name,
+                     self.ssd_max_bytes / MiB)
+
     def _index_siblings(self) -> None:
         """Indexes, from their headers, the block files of the other layer-range directories of
         this model directory that overlap this stage's layers. Truncated or corrupt files are
@@ -812,7 +891,7 @@ class PrefixCache:
         found: dict[str, list[_SiblingFile]] = {}
         n_dirs = skipped = 0
         for rdir in sorted(model_dir.iterdir()):
-            m = re.fullmatch(r"(\d+)-(\d+)", rdir.name)
+            m = _RANGE_DIR.fullmatch(rdir.name)
             if m is None or not rdir.is_dir():
                 continue
             start, end = int(m[1]), int(m[2])

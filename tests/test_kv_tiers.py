@@ -851,3 +851,62 @@ def test_sibling_not_a_wrong_answer_after_restart_with_other_shapes(tmp_path):
     assert kv[0].offset == 0 and pc.lookup(tokens) == 0
     assert len(files(odd)) == 2
     pc.close()
+
+
+# ---- (i) old ranges: bounded, and never one a running cache uses --------------------------------
+
+
+def range_dirs(ssd_dir: Path) -> list[str]:
+    return sorted(d.name for d in (ssd_dir / model_dir_name(MODEL_ID)).iterdir())
+
+
+def test_old_ranges_beyond_the_cap_are_pruned_least_recently_used_first(tmp_path):
+    tokens = rand_tokens(3 * BS + 1, 1000, seed=71)
+    old = [write_range(tmp_path, r, tokens) for r in ((0, 1), (1, 2), (2, 3))]
+    size = {pc.dir.name: sum(f.stat().st_size for f in files(pc)) for pc in old}
+    now = time.time()
+    for pc, age in zip(old, (300, 0, 100)):  # [1,2) used last, then [2,3), then [0,1)
+        for f in files(pc):
+            os.utime(f, (now - age, now - age))
+    pc = make_pc(tmp_path, layers=(0, 4), ssd_max_bytes=size["1-2"] + size["2-3"])
+    assert range_dirs(tmp_path) == ["0-4", "1-2", "2-3"]
+    # The ranges kept are still siblings; without [0,1) they cannot cover layers 0-3...
+    assert pc.stats().sibling_files == 6 and pc.lookup(tokens) == 0
+    pc.close()
+    pc = make_pc(tmp_path, layers=(1, 3))  # ...but they cover [1,3)
+    assert pc.lookup(tokens) == 3 * BS
+    pc.close()
+
+
+def test_a_range_a_running_cache_holds_is_never_pruned(tmp_path):
+    tokens = rand_tokens(2 * BS + 1, 1000, seed=72)
+    write_range(tmp_path, (0, 2), tokens)
+    live = make_pc(tmp_path, layers=(2, 4))
+    live.store(tokens, layer_caches((2, 4), len(tokens)))
+    assert live.flush()
+    pc = make_pc(tmp_path, layers=(1, 3), ssd_max_bytes=1)  # every old range is over the cap
+    assert range_dirs(tmp_path) == ["1-3", "2-4"]
+    pc.close()
+    live.close()
+    pc = make_pc(tmp_path, layers=(0, 4), ssd_max_bytes=1)
+    assert range_dirs(tmp_path) == ["0-4"]  # closed now: pruned; [1,3) was empty
+    pc.close()
+
+
+def test_a_killed_stage_lets_go_of_its_range(tmp_path):
+    script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+              "from omlx_node.kv_tiers import PrefixCache\n"
+              f"pc = PrefixCache({MODEL_ID!r}, (2, 4), {BS}, ssd_dir=sys.argv[1])\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        make_pc(tmp_path, layers=(0, 2), ssd_max_bytes=1).close()
+        assert range_dirs(tmp_path) == ["0-2", "2-4"]  # held by the running stage
+    finally:
+        proc.kill()
+        proc.wait(10)
+    make_pc(tmp_path, layers=(0, 2), ssd_max_bytes=1).close()
+    assert range_dirs(tmp_path) == ["0-2"]  # the OS dropped its lock with it
