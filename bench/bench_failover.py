@@ -31,7 +31,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from omlx_cluster.child import omlx_command  # noqa: E402
+from omlx_shared.child import omlx_command  # noqa: E402
 
 
 def free_port() -> int:
@@ -117,7 +117,7 @@ def main() -> None:
 
         model = build_model(work / "tiny-failover", "llama", num_layers=8, hidden_size=256)
     else:
-        from omlx_cluster.model_store import resolve_model
+        from omlx_shared.model_spec import resolve_model
 
         model = args.model or resolve_model(None)
     rows = []

@@ -2,7 +2,7 @@
 """Tiered KV prefix cache benchmark: TTFT cold vs RAM hit vs SSD hit vs SSD hit after a restart,
 and the SSD restore bandwidth against the disk's raw sequential read bandwidth, in one run.
 
-What one run does (every server is `python -m omlx_cluster.cli serve`, measured through HTTP
+What one run does (every server is `python -m omlx_cluster serve`, measured through HTTP
 streaming: request sent -> first streamed token, token-id prompts, greedy, ignore_eos):
 
 0. raw disk read: a freshly written, fsync'd 1 GiB file in the cache directory's filesystem, read
@@ -60,9 +60,15 @@ for p in (str(REPO), str(REPO / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_single_node import (SERVER_START_TIMEOUT, Server, blas_of,  # noqa: E402
-                               completion_events, free_port,
-                               machine_info, median)
+from bench_single_node import (  # noqa: E402
+    SERVER_START_TIMEOUT,
+    Server,
+    blas_of,
+    completion_events,
+    free_port,
+    machine_info,
+    median,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 OMLX_PUBLISHED = {"prompt_tokens": "~6k", "cold_s": 2.688, "hit_s": 0.021,
@@ -369,8 +375,8 @@ def main() -> int:
                                             "(when run from a `git archive` export, not a checkout)")
     args = ap.parse_args()
 
-    from omlx_cluster.model_store import resolve_model
     from omlx_coordinator.cluster import node_env
+    from omlx_shared.model_spec import resolve_model
 
     t_start = time.monotonic()
     # The model from the user's normal store, resolved before the home changes.

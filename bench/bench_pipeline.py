@@ -22,7 +22,7 @@ Measures, each as a median of --repeats timed runs after warm-ups:
    fraction, nvidia-smi's `utilization.gpu` (share of time a kernel ran) sampled every 100 ms
    over the middle half of each concurrent batch.
 
-Every server runs alone (`python -m omlx_cluster.cli serve --nodes N ...`), warmed up with one
+Every server runs alone (`python -m omlx_cluster serve --nodes N ...`), warmed up with one
 full-length request at batch 1 and one full-length batch at every concurrency level (on a GPU the
 first call of each shape JIT-compiles) before anything is timed. On a multi-GPU host set
 OMLX_NODE_DEVICES=0,1 so each stage (and each rank of the hop test) gets its own GPU.
@@ -60,9 +60,17 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_single_node import (Server, blas_of, free_port,  # noqa: E402
-                               add_model_args, machine_info, median, select_model, stream_batch,
-                               stream_one)
+from bench_single_node import (  # noqa: E402
+    Server,
+    add_model_args,
+    blas_of,
+    free_port,
+    machine_info,
+    median,
+    select_model,
+    stream_batch,
+    stream_one,
+)
 
 SERVER_START_TIMEOUT = 240.0
 

@@ -13,7 +13,7 @@ Measures, each as a median of --repeats timed runs after a warm-up:
 3. TTFT at batch 1 for a short and a ~512-token prompt: request sent -> first streamed token,
    against mlx-lm `generate_step` call -> first token (prefill + first sample).
 
-Fairness: the server runs alone (started with `python -m omlx_cluster.cli serve`, stopped
+Fairness: the server runs alone (started with `python -m omlx_cluster serve`, stopped
 before the reference runs); mlx-lm runs in a child process with exactly the node's environment
 (`omlx_coordinator.cluster.node_env`: same LD_PRELOAD/OPENBLAS_NUM_THREADS, so the same BLAS)
 and the node's compute dtype (float32 and dequantized on a CPU, the model's own dtype on a GPU).
@@ -301,7 +301,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "omlx_cluster.cli", "serve", "--model", str(model),
+        cmd = [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model),
                "--model-id", "bench", "--port", str(self.port), "--log-level", "warning", *extra]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -575,7 +575,7 @@ def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict
                 f"intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), "
                 f"{layers} layers, bf16 on disk")
     else:
-        from omlx_cluster.model_store import resolve_model
+        from omlx_shared.model_spec import resolve_model
 
         model = resolve_model(args.model, progress=True)
         model_name, desc = model.name, "from the model store" if args.model is None else str(model)

@@ -147,7 +147,7 @@ def over_grpc(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
     log = open(work / "node.log", "wb")
     env = node_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster", "node", "--port", "0",
                              "--ready-file", str(ready_file), "--model", str(model_path),
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                             env=env)

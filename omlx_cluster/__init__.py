@@ -1,3 +1,4 @@
-"""omlx-cluster: one LLM endpoint over the Macs of an office."""
+"""omlx-cluster, the application: the command line on top of the coordinator and the node.
 
-__version__ = "0.1.0"
+Nothing imports this package; it imports `omlx_coordinator`, `omlx_node` and `omlx_shared`.
+"""

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from omlx_cluster import __version__
+from omlx_shared import __version__
 
 log = logging.getLogger("omlx_cluster")
 
@@ -325,7 +325,8 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
     """Serves the gateway in front of `cluster` until stopped; 1 if it could not start."""
     import uvicorn
 
-    from omlx_coordinator.gateway import GatewaySettings, create_app
+    from omlx_coordinator.gateway import create_app
+    from omlx_coordinator.generation import GatewaySettings
 
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
@@ -350,7 +351,8 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
 
 def _keys_and_model(args: argparse.Namespace) -> tuple[frozenset[str], Path] | None:
     """What every gateway command checks first; None (after saying why) to exit with 2."""
-    from omlx_cluster.model_store import ModelError, resolve_model
+    from omlx_shared.model_spec import resolve_model
+    from omlx_shared.model_store import ModelError
 
     keys = _api_keys(args)
     if keys is None:
@@ -363,9 +365,9 @@ def _keys_and_model(args: argparse.Namespace) -> tuple[frozenset[str], Path] | N
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omlx_cluster.auth import new_secret
     from omlx_coordinator.cluster import Cluster, ClusterOptions
     from omlx_coordinator.planner import PlanError
+    from omlx_shared.auth import new_secret
 
     checked = _keys_and_model(args)
     if checked is None:
@@ -394,9 +396,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from omlx_cluster.auth import new_secret, secret_from
-    from omlx_cluster.discovery import default_interfaces
     from omlx_coordinator.cluster import Cluster, ClusterOptions
+    from omlx_shared.auth import new_secret, secret_from
+    from omlx_shared.discovery import default_interfaces
 
     checked = _keys_and_model(args)
     if checked is None:
@@ -416,11 +418,11 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from omlx_cluster import __version__
-    from omlx_cluster.auth import secret_from
-    from omlx_cluster.child import write_ready
-    from omlx_cluster.hardware import chip, machine_memory
     from omlx_node.agent import NodeAgent
+    from omlx_shared import __version__
+    from omlx_shared.auth import secret_from
+    from omlx_shared.child import write_ready
+    from omlx_shared.hardware import chip, machine_memory
 
     secret = secret_from(args.secret)
     if secret is None:
@@ -432,8 +434,8 @@ def _join(args: argparse.Namespace) -> int:
         return 2
     speed = args.speed
     if speed is None:
-        from omlx_cluster.model_store import data_home
         from omlx_node.calibrate import node_speed
+        from omlx_shared.model_store import data_home
 
         speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
         if speed:
@@ -442,15 +444,19 @@ def _join(args: argparse.Namespace) -> int:
                       secret=secret, node_id=args.name, speed=speed)
     advertiser = None
     if not args.no_announce:
-        from omlx_cluster.discovery import (Advertiser, NodeAnnouncement, announce_address,
-                                            default_interfaces)
+        from omlx_shared.discovery import (
+            Advertiser,
+            NodeAnnouncement,
+            announce_address,
+            default_interfaces,
+        )
 
         advertiser = Advertiser(NodeAnnouncement(
             node_id=agent.node_id, host=announce_address(args.host), port=agent.port,
             version=__version__, memory_bytes=machine_memory(), chip=chip(),
             data_port=agent.data_port), default_interfaces(args.host))
     if args.coordinator:
-        from omlx_cluster.discovery import announce_address
+        from omlx_shared.discovery import announce_address
 
         _register_periodically(args.coordinator, f"{announce_address(args.host)}:{agent.port}")
     if args.ready_file:
@@ -484,17 +490,17 @@ def _register_periodically(coordinator: str, address: str, every: float = 2.0) -
 
 
 def _node(args: argparse.Namespace) -> int:
-    from omlx_cluster.child import write_ready
     from omlx_node.agent import NodeAgent
+    from omlx_shared.auth import secret_from
+    from omlx_shared.child import write_ready
     from proto import omlx_pb2 as pb
-
-    from omlx_cluster.auth import secret_from
 
     agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
                       secret=secret_from(args.secret), node_id=args.name)
     if args.model:
-        from omlx_cluster.child import ChildError
-        from omlx_cluster.model_store import ModelError, resolve_model
+        from omlx_shared.child import ChildError
+        from omlx_shared.model_spec import resolve_model
+        from omlx_shared.model_store import ModelError
 
         try:
             path = resolve_model(args.model, progress=False)
@@ -513,9 +519,9 @@ def _node(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import json
 
-    from omlx_cluster.child import watch_parent
-    from omlx_cluster.model_store import data_home
     from omlx_node.worker import WorkerConfig, run_worker
+    from omlx_shared.child import watch_parent
+    from omlx_shared.model_store import data_home
 
     # A worker is only ever its agent's: when the agent goes, so does it.
     watch_parent(lambda: os._exit(0))
@@ -549,9 +555,16 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from omlx_cluster.model_store import ModelError, resolve_model
     from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.planner import PlanError, format_plan, make_plan, parse_node_arg, parse_size
+    from omlx_coordinator.planner import (
+        PlanError,
+        format_plan,
+        make_plan,
+        parse_node_arg,
+        parse_size,
+    )
+    from omlx_shared.model_spec import resolve_model
+    from omlx_shared.model_store import ModelError
 
     try:
         path = resolve_model(args.model, progress=True)
@@ -602,9 +615,9 @@ def _models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from omlx_cluster import model_store
-    from omlx_cluster.default_model import pull_default
-    from omlx_cluster.gguf_import import import_gguf
+    from omlx_shared import model_store
+    from omlx_shared.default_model import pull_default
+    from omlx_shared.gguf_import import import_gguf
 
     console = Console()
     try:
@@ -641,6 +654,3 @@ def main(argv: list[str] | None = None) -> int:
                "models": _models}[args.command]
     return handler(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,10 +21,8 @@ from pathlib import Path
 
 import grpc
 
-from omlx_cluster import auth
-from omlx_cluster.child import ChildProcess, omlx_command
-from omlx_cluster.hardware import machine_memory
 from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
+from omlx_coordinator.membership import DiscoveryBridge
 from omlx_coordinator.model_layout import read_layout
 from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
@@ -35,6 +33,9 @@ from omlx_coordinator.weight_transfer import (
     WeightSource,
     ensure_weights,
 )
+from omlx_shared import auth
+from omlx_shared.child import ChildProcess, omlx_command
+from omlx_shared.hardware import machine_memory
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -195,9 +196,8 @@ class Cluster:
                      "on" if self.options.discovery else "off")
             self._monitor_task = asyncio.create_task(self._monitor())
             if self.options.discovery:
-                from omlx_coordinator.membership import DiscoveryBridge
-
-                self._discovery = DiscoveryBridge(self, self.options.discovery_interfaces)
+                self._discovery = DiscoveryBridge(self.add_remote,
+                                                  self.options.discovery_interfaces)
                 await self._discovery.start()
             return
         try:

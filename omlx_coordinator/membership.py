@@ -1,16 +1,15 @@
 """How remote nodes reach the coordinator: Bonjour announcements and explicit registration.
 
-Either way the coordinator only learns an address: `Cluster.add_remote` admits the node only
-after it proves the cluster secret (omlx_cluster/auth.py). Liveness comes from the coordinator's
-heartbeats, never from mDNS (a crashed Mac sends no goodbye).
+Either way the coordinator only learns an address: the `admit` callback (`Cluster.add_remote`)
+admits the node only after it proves the cluster secret (omlx_shared/auth.py). Liveness comes
+from the coordinator's heartbeats, never from mDNS (a crashed Mac sends no goodbye).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-from omlx_coordinator.cluster import Cluster
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
@@ -18,15 +17,15 @@ log = logging.getLogger(__name__)
 class DiscoveryBridge:
     """Admits the node agents that Bonjour announces (`_omlx-node._tcp.local.`)."""
 
-    def __init__(self, cluster: Cluster, interfaces: list[str] | None):
-        self.cluster = cluster
+    def __init__(self, admit: Callable[[str], Awaitable[object]], interfaces: list[str] | None):
+        self.admit = admit
         self.interfaces = interfaces
         self.browser = None
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        from omlx_cluster.discovery import Browser
+        from omlx_shared.discovery import Browser
 
         self._loop = asyncio.get_running_loop()
         # zeroconf blocks while it starts: off the event loop.
@@ -41,7 +40,7 @@ class DiscoveryBridge:
         log.info("node %s stopped announcing itself", node_id)
 
     def _admit(self, address: str) -> None:
-        task = asyncio.ensure_future(self.cluster.add_remote(address))
+        task = asyncio.ensure_future(self.admit(address))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from omlx_cluster.metric_buckets import LATENCY_BUCKETS
 from omlx_coordinator.weight_transfer import WeightCounters
+from omlx_shared.metric_buckets import LATENCY_BUCKETS
 
 
 class _WeightCollector:

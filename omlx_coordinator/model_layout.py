@@ -4,7 +4,7 @@ The planner needs per-layer weight bytes, the embedding/head/norm bytes and the 
 token. Guessing them from the parameter count is wrong for quantized models (scales and biases)
 and for uneven layers (some families mix layer shapes), so we read the real tensor sizes.
 
-Only the safetensors headers are read (omlx_cluster/safetensors_header.py): a few kilobytes even
+Only the safetensors headers are read (omlx_shared/safetensors_header.py): a few kilobytes even
 for a 100 GB model, which is what lets the coordinator (which has no MLX and no weights in
 memory) plan a cluster. This module must not import MLX.
 """
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from omlx_cluster.safetensors_header import read_header, tensor_range, weight_files
+from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from omlx_cluster import __version__, auth
+from omlx_shared import __version__, auth
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -32,7 +32,7 @@ class AgentClient:
         return ((auth.SESSION_METADATA, self.session),)
 
     async def admit(self, secret: str | None, timeout: float = 5.0) -> pb.HandshakeReply:
-        """The two-way proof of the cluster secret (omlx_cluster/auth.py); raises
+        """The two-way proof of the cluster secret (omlx_shared/auth.py); raises
         AdmissionError with the reason, logged on both sides."""
         c_nonce = auth.new_nonce()
         try:

@@ -8,7 +8,7 @@ omlx_node/weight_store.py):
    `model-embed` on the first stage (and on the last when the embedding is the head),
    `model-norm` and `model-head` on the last, each listing its tensors in data order, plus the
    folder's small files (config.json, tokenizer and chat template files) copied as they are;
-   the model is named by its content fingerprint (omlx_cluster.model_store);
+   the model is named by its content fingerprint (omlx_shared.model_store);
 2. asks the node what it holds (`PrepareWeights`): its own copy of the model, verified files of
    an earlier transfer, or parts of a broken one with the offset to resume from;
 3. streams only the missing bytes (`PushWeights`), read by offset straight from the source
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import grpc
 
-from omlx_cluster.model_store import content_fingerprint
-from omlx_cluster.safetensors_header import read_header, tensor_range, weight_files
 from omlx_coordinator.model_layout import tensor_part
 from omlx_coordinator.node_client import AgentClient
+from omlx_shared.model_store import content_fingerprint
+from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)

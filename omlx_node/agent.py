@@ -15,8 +15,8 @@ from concurrent import futures
 
 import grpc
 
-from omlx_cluster import __version__, auth, hardware
-from omlx_cluster.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_shared import __version__, auth, hardware
+from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
 from proto import omlx_pb2 as pb

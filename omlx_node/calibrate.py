@@ -99,7 +99,7 @@ def node_speed(cache: Path, recalibrate: bool = False, timeout: float = 120.0) -
     """This machine's speed in GB/s for the planner: measured once in a child process (a node
     agent never runs MLX itself) and kept in `cache` for the next join; 0.0 (uncalibrated) if
     the measurement fails, with a warning that says why."""
-    from omlx_cluster.hardware import chip
+    from omlx_shared.hardware import chip
 
     here = chip()
     if not recalibrate:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from omlx_cluster.metric_buckets import LATENCY_BUCKETS
+from omlx_shared.metric_buckets import LATENCY_BUCKETS
 
 
 

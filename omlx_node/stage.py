@@ -19,8 +19,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model, load_config, load_model
 
-from omlx_cluster.model_store import SHARD_RECORD, ModelError, read_shard_record
-from omlx_cluster.safetensors_header import read_header
+from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
+from omlx_shared.safetensors_header import read_header
 
 # Families whose mlx-lm classes share the layout a stage relies on:
 # model.embed_tokens, model.layers[i](h, mask, cache), model.norm, lm_head or tied embeddings.

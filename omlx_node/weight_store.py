@@ -3,7 +3,7 @@
 A node that lacks a model's files gets only the tensors of its layer range from the coordinator
 (sender: omlx_coordinator/weight_transfer.py; contract: proto/omlx.proto):
 
-1. `PrepareWeights(manifest)`: the model's content fingerprint (omlx_cluster.model_store), the
+1. `PrepareWeights(manifest)`: the model's content fingerprint (omlx_shared.model_store), the
    layer range and every file the range needs: per-layer safetensors files
    (`model-layer-00012.safetensors`, `model-embed`, `model-norm`, `model-head`) listing their
    tensors in data order, and small files copied as they are (config.json, tokenizer files).
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import grpc
 
-from omlx_cluster.model_store import (
+from omlx_shared.model_store import (
     SHARD_RECORD,
     ModelError,
     ShardRecord,
@@ -53,7 +53,7 @@ from omlx_cluster.model_store import (
     read_shard_record,
     write_shard_record,
 )
-from omlx_cluster.safetensors_header import DTYPE_BYTES
+from omlx_shared.safetensors_header import DTYPE_BYTES
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)

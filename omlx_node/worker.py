@@ -22,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from omlx_cluster import __version__, auth
-from omlx_cluster.child import write_ready
+from omlx_shared import __version__, auth
+from omlx_shared.child import write_ready
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
 from omlx_node.kv_tiers import PrefixCache
 from omlx_node.metrics import NodeMetrics
@@ -226,7 +226,7 @@ def weights_fingerprint(model_path: Path) -> str:
     size and mtime (cheap; hashing gigabytes of tensors at start-up is not). A shard folder
     received from the coordinator is named by its model's content fingerprint instead: it gains
     files as re-plans move this node's range, and the blocks of its layers stay valid."""
-    from omlx_cluster.model_store import read_shard_record
+    from omlx_shared.model_store import read_shard_record
 
     if (record := read_shard_record(model_path)) is not None:
         return record.fingerprint[:12]

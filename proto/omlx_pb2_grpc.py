@@ -74,7 +74,7 @@ class NodeAgentServicer:
     """
 
     def Handshake(self, request, context):
-        """Admission (omlx_cluster/auth.py): the node proves it holds the cluster secret...
+        """Admission (omlx_shared/auth.py): the node proves it holds the cluster secret...
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

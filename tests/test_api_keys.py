@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from omlx_cluster.child import omlx_command
+from omlx_shared.child import omlx_command
 from tests.conftest import free_port, start_server
 
 

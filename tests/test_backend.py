@@ -270,7 +270,7 @@ def test_serve_auto_uses_ring_and_says_why(model, tmp_path):
         reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
             "model": model.name, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
-        shown = subprocess.run([sys.executable, "-m", "omlx_cluster.cli", "status", "--url",
+        shown = subprocess.run([sys.executable, "-m", "omlx_cluster", "status", "--url",
                                 server.url], capture_output=True, text=True, timeout=30)
         assert "data plane: ring (no node of the plan has an RDMA device" in shown.stdout
         assert "over ring (no node of the plan has an RDMA device" in server.log_tail(200)
@@ -279,7 +279,7 @@ def test_serve_auto_uses_ring_and_says_why(model, tmp_path):
 def test_serve_jaccl_refuses_without_rdma(model, tmp_path):
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "omlx_cluster.cli", "serve", "--model", str(model), "--nodes",
+        [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model), "--nodes",
          "2", "--backend", "jaccl", "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, cwd=REPO,
         env={**os.environ, "OMLX_CLUSTER_HOME": str(tmp_path / "home")})

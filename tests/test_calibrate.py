@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from omlx_cluster.hardware import chip
 from omlx_node.calibrate import node_speed
+from omlx_shared.hardware import chip
 
 
 def test_speed_is_measured_once_and_kept(tmp_path):

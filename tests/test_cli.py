@@ -24,7 +24,7 @@ def _cmd() -> list[str]:
     if SCRIPT.exists():
         return [str(SCRIPT)]
     found = shutil.which("omlx-cluster")
-    return [found] if found else [sys.executable, "-m", "omlx_cluster.cli"]
+    return [found] if found else [sys.executable, "-m", "omlx_cluster"]
 
 
 def run_cli(*args: str, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omlx_cluster.child import omlx_command
+from omlx_shared.child import omlx_command
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
 from tests.tiny_models import build_model
 

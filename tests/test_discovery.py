@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 from zeroconf import ServiceInfo
 
-from omlx_cluster.discovery import (
+from omlx_shared.discovery import (
     SERVICE_TYPE,
     Advertiser,
     NodeAnnouncement,
@@ -127,7 +127,7 @@ def test_announce_address_specific_and_refusals() -> None:
 # stdin closes/says anything; print CLOSED. Lives at most 60 s on its own (a safety net).
 ADVERTISER = r"""
 import json, signal, sys, threading
-from omlx_cluster.discovery import Advertiser, NodeAnnouncement
+from omlx_shared.discovery import Advertiser, NodeAnnouncement
 done = threading.Event()
 signal.signal(signal.SIGTERM, lambda *a: done.set())
 threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
@@ -143,7 +143,7 @@ print("CLOSED", flush=True)
 # stdin closes or on SIGTERM; at most 60 s on its own.
 BROWSER = r"""
 import asyncio, dataclasses, json, signal, sys, threading
-from omlx_cluster.discovery import Browser
+from omlx_shared.discovery import Browser
 
 async def main():
     loop = asyncio.get_running_loop()
@@ -173,7 +173,7 @@ asyncio.run(main())
 
 
 def _pythonpath() -> str:
-    # The repo first (children import omlx_cluster from it), then whatever the caller had.
+    # The repo first (children import the project from it), then whatever the caller had.
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
@@ -272,7 +272,7 @@ def children(netns: str) -> Iterator[list[Child]]:
 
 
 PRINT_ANNOUNCE_ADDRESS = (
-    "from omlx_cluster.discovery import announce_address; print(announce_address('0.0.0.0'))"
+    "from omlx_shared.discovery import announce_address; print(announce_address('0.0.0.0'))"
 )
 
 

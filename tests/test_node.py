@@ -31,7 +31,7 @@ def model(tmp_path_factory) -> Path:
 def node(tmp_path_factory):
     ready = tmp_path_factory.mktemp("node") / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omlx_cluster.cli", "node", "--port", "0", "--ready-file",
+        [sys.executable, "-m", "omlx_cluster", "node", "--port", "0", "--ready-file",
          str(ready), "--metrics-port", "0", "--prefill-chunk", "4"],
     )
     deadline = time.monotonic() + 60

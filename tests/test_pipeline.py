@@ -15,7 +15,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from openai import OpenAI
 
-from omlx_cluster.child import ChildError, ChildProcess, omlx_command
+from omlx_shared.child import ChildError, ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server

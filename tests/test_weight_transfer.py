@@ -21,16 +21,17 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from prometheus_client import generate_latest
 
-from omlx_cluster import auth
-from omlx_cluster.child import ChildProcess, omlx_command
-from omlx_cluster.model_store import ModelError, list_models, read_shard_record, resolve_model
-from omlx_cluster.safetensors_header import read_header
 from omlx_coordinator.cluster import Cluster, ClusterOptions
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.node_client import AgentClient
 from omlx_coordinator.weight_transfer import SourceFile, WeightSource, ensure_weights
 from omlx_node.stage import StageError, StageRunner
 from omlx_node.weight_store import ACK_EVERY_BYTES, CHUNK_MAX_BYTES
+from omlx_shared import auth
+from omlx_shared.child import ChildProcess, omlx_command
+from omlx_shared.model_spec import resolve_model
+from omlx_shared.model_store import ModelError, list_models, read_shard_record
+from omlx_shared.safetensors_header import read_header
 from proto import omlx_pb2 as pb
 from tests.conftest import parse_metrics
 from tests.tiny_models import build_model

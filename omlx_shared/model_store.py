@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omlx_cluster.safetensors_header import read_header, tensor_range, weight_files
+from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SHARD_RECORD = "shard.json"
@@ -190,47 +190,6 @@ def list_models() -> list[ModelInfo]:
             continue
         infos.append(_model_info(path))
     return infos
-
-
-def resolve_model(spec: str | None, progress: bool = True) -> Path:
-    """Turn a `--model` value into a validated model folder.
-
-    None means the default model, imported into the store on first use. Otherwise `spec` is a
-    folder path or the name of a model in the store; a folder wins over a store name.
-    """
-    if spec is None:
-        from omlx_cluster.default_model import pull_default
-
-        return pull_default(progress=progress)
-    candidate = Path(spec).expanduser()
-    if candidate.is_dir():
-        _refuse_shard(candidate)
-        validate_model_dir(candidate)
-        return candidate.resolve()
-    stored = models_dir() / spec
-    if stored.is_dir():
-        _refuse_shard(stored)
-        validate_model_dir(stored)
-        return stored
-    if spec == DEFAULT_MODEL_NAME:
-        from omlx_cluster.default_model import pull_default
-
-        return pull_default(progress=progress)
-    names = [info.name for info in list_models()]
-    known = ", ".join(names) if names else "none yet"
-    raise ModelError(
-        f"{spec!r} is neither a model folder nor a model in the store ({models_dir()}). "
-        f"Stored models: {known}. Import a GGUF file with "
-        f"`omlx-cluster models import-gguf FILE.gguf`, or pass an mlx-lm model folder with "
-        f"`--model PATH`."
-    )
-
-
-def _refuse_shard(path: Path) -> None:
-    if (record := read_shard_record(path)) is not None:
-        raise ModelError(
-            f"{path} holds only part of {record.model_id} ({record.describe()}), received from a "
-            f"coordinator for a pipeline stage; serve the whole model's folder instead.")
 
 
 def _read_config(path: Path) -> dict:

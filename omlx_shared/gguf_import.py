@@ -22,9 +22,15 @@ from typing import Callable
 import gguf
 import mlx.core as mx
 import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
-from omlx_cluster.model_store import ModelError, models_dir, validate_model_dir
+from omlx_shared.model_store import ModelError, models_dir, validate_model_dir
 
 GROUP_SIZE = 32
 
@@ -374,7 +380,9 @@ def _write_tokenizer(meta: _Metadata, arch: str, folder: Path, context_length: i
     metadata is read here with gguf instead.
     """
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+    )
 
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):

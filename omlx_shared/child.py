@@ -30,7 +30,7 @@ def write_ready(path: Path, info: dict) -> None:
 
 
 def omlx_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "omlx_cluster.cli", *args]
+    return [sys.executable, "-m", "omlx_cluster", *args]
 
 
 class ChildProcess:

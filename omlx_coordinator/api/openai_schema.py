@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the gateway accepts, and its OpenAI-style error object.
+"""The OpenAI request bodies the gateway accepts.
 
 Unknown fields are ignored (clients send many), but every field we read is type-checked, so a
 wrong type is a 400 that names the field rather than a 500.
@@ -10,20 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omlx_coordinator.errors import APIError
+
 MAX_STOP_STRINGS = 16
-
-
-class APIError(Exception):
-    """An error the client caused or must know about, rendered as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 class StreamOptions(BaseModel):

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from omlx_cluster.gguf_import import import_gguf
-from omlx_cluster.model_store import (
+from omlx_shared.gguf_import import import_gguf
+from omlx_shared.model_store import (
     DEFAULT_MODEL_NAME,
     ModelError,
     data_home,

@@ -1,0 +1,1 @@
+"""The protocol adapters: thin translations between an HTTP API and the generation core."""
