@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -110,6 +111,23 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "why (default: auto)")
 
 
+def _add_secret_file_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", type=Path, metavar="FILE",
+                   help="read the cluster secret from FILE (mode 0600; other users must not "
+                        "read it), so it never shows in `ps`")
+
+
+def _secret(args: argparse.Namespace) -> str | None:
+    """The secret from --secret, --secret-file or the environment; exits 2 on a bad file."""
+    from omlx_shared.auth import SecretError, secret_from
+
+    try:
+        return secret_from(args.secret, args.secret_file)
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags as given, to pass on to the process that runs the engine."""
     out = ["--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
@@ -174,7 +192,9 @@ def _build_parser() -> argparse.ArgumentParser:
     node.add_argument("--exit-with-parent", action="store_true",
                       help="exit when the process that started this node exits")
     node.add_argument("--secret", help="the cluster secret a coordinator must prove it holds "
-                                       "(default: $OMLX_CLUSTER_SECRET; none: any coordinator)")
+                                       "(default: --secret-file, then $OMLX_CLUSTER_SECRET; "
+                                       "none: any coordinator)")
+    _add_secret_file_flag(node)
     node.add_argument("--name", default="", help="this node's id (default: the host name)")
     _add_engine_flags(node)
 
@@ -223,9 +243,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     "cluster secret. The model is planned over the nodes as they come and go.",
     )
     _add_gateway_flags(coordinator)
-    coordinator.add_argument("--secret", help="the cluster secret (default: "
+    coordinator.add_argument("--secret", help="the cluster secret; `ps` shows it, so prefer "
+                                              "--secret-file (default: --secret-file, then "
                                               "$OMLX_CLUSTER_SECRET; none: one is made up and "
                                               "printed)")
+    _add_secret_file_flag(coordinator)
     coordinator.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
                              help="memory every node keeps for its OS (default: 8GiB)")
     coordinator.add_argument("--no-discovery", action="store_true",
@@ -239,8 +261,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the cluster secret. --coordinator registers directly where multicast is "
                     "blocked.",
     )
-    join.add_argument("--secret", help="the cluster secret (default: $OMLX_CLUSTER_SECRET; "
-                                       "required)")
+    join.add_argument("--secret", help="the cluster secret; `ps` shows it, so prefer "
+                                       "--secret-file (default: --secret-file, then "
+                                       "$OMLX_CLUSTER_SECRET; one is required)")
+    _add_secret_file_flag(join)
     join.add_argument("--host", default="127.0.0.1",
                       help="address for gRPC and the data plane (default: 127.0.0.1; use this "
                            "Mac's LAN address, or 0.0.0.0, to join other Macs)")
@@ -294,6 +318,9 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default="http://127.0.0.1:8000",
                         help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--api-key", metavar="KEY",
+                        help="the key of a gateway started with --api-key (default: the first "
+                             "of $OMLX_API_KEY)")
 
     models = sub.add_parser("models", parents=[common], help="manage the local model store",
                             description="Manage the model store under $OMLX_CLUSTER_HOME/models.")
@@ -312,7 +339,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
     """The gateway's API keys; None (after printing why) when the address needs one."""
-    keys = args.api_key or [k for k in os.environ.get("OMLX_API_KEY", "").split(",") if k]
+    keys = args.api_key if args.api_key is not None else [
+        k for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()]
+    if any(not k.strip() for k in keys):
+        print("error: an API key is empty or only whitespace (--api-key ''): every key must "
+              "be a non-empty string clients send as 'Authorization: Bearer KEY'",
+              file=sys.stderr)
+        return None
+    keys = [k.strip() for k in keys]
     if not keys and not _is_loopback(args.host):
         print(f"error: the gateway would listen on {args.host}, reachable from the network, "
               "without an API key: pass --api-key KEY (or set OMLX_API_KEY), or listen on "
@@ -337,12 +371,23 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
         failures.append(reason)
         server.should_exit = True
 
+    # Bound before anything starts: a port in use fails here, before any node or worker runs.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror} (another "
+              "server may hold the port: pass --port)", file=sys.stderr)
+        return 2
     app = create_app(cluster, settings, on_start_failure=give_up)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
-    log.info("serving %s at http://%s:%d/v1", cluster.model_id, args.host, args.port)
-    server.run()
+    log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
+             "is ready)", args.host, sock.getsockname()[1], cluster.model_id)
+    server.run(sockets=[sock])
     if failures:
         print(f"error: could not serve {cluster.model_path}: {failures[0]}", file=sys.stderr)
         return 1
@@ -397,14 +442,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from omlx_coordinator.cluster import Cluster, ClusterOptions
-    from omlx_shared.auth import new_secret, secret_from
+    from omlx_shared.auth import new_secret
     from omlx_shared.discovery import default_interfaces
 
     checked = _keys_and_model(args)
     if checked is None:
         return 2
     keys, model_path = checked
-    secret = secret_from(args.secret)
+    secret = _secret(args)
     if secret is None:
         secret = new_secret()
         print(f"cluster secret (give it to `omlx-cluster join --secret`): {secret}",
@@ -420,14 +465,13 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _join(args: argparse.Namespace) -> int:
     from omlx_node.agent import NodeAgent
     from omlx_shared import __version__
-    from omlx_shared.auth import secret_from
     from omlx_shared.child import write_ready
     from omlx_shared.hardware import chip, machine_memory
 
-    secret = secret_from(args.secret)
+    secret = _secret(args)
     if secret is None:
-        print("error: joining a cluster needs its secret: --secret S or $OMLX_CLUSTER_SECRET "
-              "(the coordinator prints it)", file=sys.stderr)
+        print("error: joining a cluster needs its secret: --secret-file FILE, --secret S or "
+              "$OMLX_CLUSTER_SECRET (the coordinator prints it)", file=sys.stderr)
         return 2
     if args.speed is not None and args.speed <= 0:
         print(f"error: --speed must be positive (GB/s), got {args.speed}", file=sys.stderr)
@@ -491,12 +535,11 @@ def _register_periodically(coordinator: str, address: str, every: float = 2.0) -
 
 def _node(args: argparse.Namespace) -> int:
     from omlx_node.agent import NodeAgent
-    from omlx_shared.auth import secret_from
     from omlx_shared.child import write_ready
     from proto import omlx_pb2 as pb
 
     agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=secret_from(args.secret), node_id=args.name)
+                      secret=_secret(args), node_id=args.name)
     if args.model:
         from omlx_shared.child import ChildError
         from omlx_shared.model_spec import resolve_model
@@ -586,8 +629,15 @@ def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    key = args.api_key or next(
+        (k.strip() for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()), None)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(args.url.rstrip("/") + "/cluster/status", timeout=10)
+        r = httpx.get(args.url.rstrip("/") + "/cluster/status", timeout=10, headers=headers)
+        if r.status_code == 401:
+            print(f"error: {args.url} wants an API key: pass --api-key KEY or set OMLX_API_KEY",
+                  file=sys.stderr)
+            return 2
         r.raise_for_status()
     except httpx.HTTPError as e:
         print(f"error: cannot get the status from {args.url}: {e}", file=sys.stderr)
@@ -627,12 +677,15 @@ def _models(args: argparse.Namespace) -> int:
                 console.print(f"no models in {model_store.models_dir()}; `omlx-cluster "
                               "models pull-default` or `models import-gguf FILE` adds one")
                 return 0
-            table = Table("name", "family", "layers", "size", "quantization", "path")
+            table = Table("family", "layers", "size", "quantization")
+            # The name is what --model takes: never cut it; the path folds instead.
+            table.add_column("name", no_wrap=True)
+            table.add_column("path", overflow="fold")
             for m in rows:
                 # A node's shard folder: the layers it received from its coordinator.
                 layers = f"shard: {m.shard}" if m.shard else str(m.num_layers)
-                table.add_row(m.name, m.model_type, layers,
-                              f"{m.size_bytes / 2**20:.0f} MiB", m.quantization, str(m.path))
+                table.add_row(m.model_type, layers, f"{m.size_bytes / 2**20:.0f} MiB",
+                              m.quantization, m.name, str(m.path))
             console.print(table)
         elif args.models_command == "import-gguf":
             path = import_gguf(args.file, args.dest, progress=True)
@@ -646,11 +699,19 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers warns at every import that PyTorch is missing: the tokenizer needs none.
+    # Set before any import of it, and inherited by the node and worker processes.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is noise here
     handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
                "worker": _worker, "plan": _plan, "status": _status,
                "models": _models}[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C: the processes it started stop with it; no traceback
+        print("stopped", file=sys.stderr)
+        return 130
 

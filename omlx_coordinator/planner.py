@@ -584,8 +584,8 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
         else:
             lines.append(f"  {name}: no layers (budget {_b(max(budget, 0))})")
     lines.append(
-        "Add memory or a node, lower --context-tokens / --max-sequences (KV), lower the OS "
-        "reserve, or use a more quantized model."
+        "Add memory or a node, reserve less KV (`omlx-cluster plan --context N --sequences N`), "
+        "lower the OS reserve (--os-reserve), or use a more quantized model."
     )
     return PlanError("\n".join(lines), missing_bytes=missing, missing_by_node=over)
 

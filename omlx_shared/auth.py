@@ -17,6 +17,8 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
+from pathlib import Path
 
 SECRET_ENV = "OMLX_CLUSTER_SECRET"
 SESSION_METADATA = "x-omlx-session"
@@ -31,9 +33,28 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
-def secret_from(value: str | None) -> str | None:
-    """The secret given on the command line, else $OMLX_CLUSTER_SECRET, else None."""
-    return value or os.environ.get(SECRET_ENV) or None
+class SecretError(ValueError):
+    """A secret file that cannot be used; the message says why and how to fix it."""
+
+
+def secret_from(value: str | None, path: Path | None = None) -> str | None:
+    """The secret given on the command line, else read from `path` (--secret-file, which keeps
+    it out of `ps`), else $OMLX_CLUSTER_SECRET, else None."""
+    if value:
+        return value
+    if path is not None:
+        try:
+            mode = path.stat().st_mode
+            secret = path.read_text().strip()
+        except OSError as e:
+            raise SecretError(f"cannot read the secret file {path}: {e.strerror}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecretError(f"the secret file {path} is readable by other users "
+                              f"(mode {stat.S_IMODE(mode):o}): `chmod 600 {path}`")
+        if not secret:
+            raise SecretError(f"the secret file {path} is empty")
+        return secret
+    return os.environ.get(SECRET_ENV) or None
 
 
 def proof(secret: str, role: str, *parts: bytes | str) -> bytes:

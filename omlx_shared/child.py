@@ -2,20 +2,28 @@
 
 The coordinator starts node agents this way in `serve`, and a node agent its shard workers:
 either side must report a child that fails to start with the child's own words, and never wait
-for it without a deadline.
+for it without a deadline. Each child's output goes to its own file under
+$OMLX_CLUSTER_HOME/logs/ (`node-agent-0-<time>-<pid>.log`, `shard-worker-...`), kept after it
+exits so a crash can be read later; the newest LOGS_KEPT files stay, older ones are removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from omlx_shared.model_store import data_home
+
+LOGS_KEPT = 100
 
 
 class ChildError(RuntimeError):
@@ -38,7 +46,7 @@ class ChildProcess:
                  stdin_pipe: bool = False):
         self._dir = tempfile.TemporaryDirectory(prefix="omlx-child-")
         self.ready_file = Path(self._dir.name) / "ready.json"
-        self.log_path = Path(self._dir.name) / "log"
+        self.log_path = _new_log(what)
         self.what = what
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*cmd, "--ready-file", str(self.ready_file)],
@@ -87,6 +95,27 @@ class ChildProcess:
                 self.proc.kill()
                 self.proc.wait(timeout)
         self._dir.cleanup()
+
+
+def logs_dir() -> Path:
+    return data_home() / "logs"
+
+
+def _new_log(what: str) -> Path:
+    folder = logs_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = []
+    for p in folder.glob("*.log"):
+        try:
+            logs.append((p.stat().st_mtime, p))
+        except FileNotFoundError:  # another process pruned it meanwhile
+            pass
+    for _, p in sorted(logs)[:max(0, len(logs) + 1 - LOGS_KEPT)]:
+        p.unlink(missing_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")
+    path = folder / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.log"
+    path.touch()
+    return path
 
 
 def watch_parent(on_exit: Callable[[], None], interval: float = 1.0) -> None:

@@ -28,6 +28,13 @@ SERVER_STOP_TIMEOUT = 20.0  # seconds after SIGTERM before SIGKILL
 CHILD_EXIT_TIMEOUT = 15.0  # seconds the node child may outlive its server
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_home(tmp_path_factory) -> None:
+    """No test writes into the user's real ~/.omlx-cluster: the whole session (and every
+    process it starts) gets a temporary home unless a test sets its own."""
+    os.environ["OMLX_CLUSTER_HOME"] = str(tmp_path_factory.mktemp("omlx-cluster-home"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,136 @@
+"""The rough edges a new user hits at the command line: keys, secrets, ports, Ctrl-C, status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omlx_shared.child import omlx_command
+from tests.conftest import descendants, free_port, start_server
+
+
+def run(*args: str, home: Path, env: dict | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(omlx_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMLX_CLUSTER_HOME": str(home), **(env or {})})
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_is_refused_at_start(tiny_model_path: Path, tmp_path: Path,
+                                              key: str) -> None:
+    r = run("serve", "--model", str(tiny_model_path), "--host", "0.0.0.0", "--port",
+            str(free_port()), "--api-key", key, home=tmp_path)
+    assert r.returncode == 2
+    assert "API key is empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_port_in_use_fails_before_anything_starts(tiny_model_path: Path,
+                                                    tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen(omlx_command("serve", "--model", str(tiny_model_path), "--port",
+                                             str(port)), stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMLX_CLUSTER_HOME": str(tmp_path)})
+        seen: set[int] = set()
+        while proc.poll() is None:
+            seen |= descendants(proc.pid)
+            time.sleep(0.02)
+        err = proc.stderr.read()
+    assert proc.returncode == 2, err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert not seen, f"started {seen} although the port was taken"
+    assert "Traceback" not in err
+
+
+def test_secret_file(tmp_path: Path) -> None:
+    from omlx_shared.auth import SecretError, secret_from
+
+    f = tmp_path / "secret"
+    f.write_text("s3cret\n")
+    f.chmod(0o600)
+    assert secret_from(None, f) == "s3cret"
+    assert secret_from("given", f) == "given"
+    f.chmod(0o644)
+    with pytest.raises(SecretError, match="chmod 600"):
+        secret_from(None, f)
+    with pytest.raises(SecretError, match="cannot read"):
+        secret_from(None, tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    with pytest.raises(SecretError, match="empty"):
+        secret_from(None, empty)
+
+
+def test_join_with_a_secret_file_others_can_read_exits_with_the_fix(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_text("s3cret")
+    f.chmod(0o640)
+    r = run("join", "--secret-file", str(f), "--port", str(free_port()), "--no-announce",
+            "--speed", "1", home=tmp_path, env={"OMLX_CLUSTER_SECRET": ""})
+    assert r.returncode == 2
+    assert f"chmod 600 {f}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_with_an_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
+    with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
+                      keepalive=None) as server:
+        r = run("status", "--url", server.url, home=tmp_path, env={"OMLX_API_KEY": ""})
+        assert r.returncode == 2 and "--api-key" in r.stderr
+        r = run("status", "--url", server.url, "--api-key", "k1", home=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert "ready" in r.stdout or "ok" in r.stdout
+        assert "HTTP Request" not in r.stderr  # no httpx request log lines
+        r = run("status", "--url", server.url, "--json", home=tmp_path,
+                env={"OMLX_API_KEY": "k1"})
+        assert r.returncode == 0 and '"nodes"' in r.stdout
+
+
+def test_ctrl_c_stops_serve_without_a_traceback(tiny_model_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(omlx_command("serve", "--model", str(tiny_model_path), "--port",
+                                         str(port)), stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMLX_CLUSTER_HOME": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in err, err
+    assert "PyTorch was not found" not in err
+    assert "listening on http://127.0.0.1" in err
+
+
+def test_child_logs_live_under_the_home_and_are_bounded(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from omlx_shared import child
+
+    monkeypatch.setenv("OMLX_CLUSTER_HOME", str(tmp_path))
+    monkeypatch.setattr(child, "LOGS_KEPT", 3)
+    procs = [child.ChildProcess(["sh", "-c", f"echo hello {i}", "x"], f"node agent {i}")
+             for i in range(5)]
+    for p in procs:
+        p.proc.wait(10)
+        p.stop()
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert len(logs) == 3
+    assert all(p.name.startswith("node-agent-") for p in logs)
+    assert procs[-1].log_path.read_text().startswith("hello 4")
