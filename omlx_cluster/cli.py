@@ -195,7 +195,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "(default: --secret-file, then $OMLX_CLUSTER_SECRET; "
                                        "none: any coordinator)")
     _add_secret_file_flag(node)
-    node.add_argument("--name", default="", help="this node's id (default: the host name)")
+    node.add_argument("--name", default="",
+                      help="this node's id (default: the host name plus a key kept in "
+                           "$OMLX_CLUSTER_HOME/node-key: unique and stable)")
     _add_engine_flags(node)
 
     worker = sub.add_parser(
@@ -271,7 +273,9 @@ def _build_parser() -> argparse.ArgumentParser:
     join.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
     join.add_argument("--data-port", type=int, default=0,
                       help="mx.distributed (ring) port (default: any free)")
-    join.add_argument("--name", default="", help="this node's id (default: the host name)")
+    join.add_argument("--name", default="",
+                      help="this node's id (default: the host name plus a key kept in "
+                           "$OMLX_CLUSTER_HOME/node-key: unique and stable)")
     join.add_argument("--coordinator", metavar="HOST:PORT",
                       help="also register with the coordinator's HTTP address directly, every "
                            "few seconds (default: Bonjour only)")

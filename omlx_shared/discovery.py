@@ -260,9 +260,12 @@ class Advertiser:
         self._closed = False
         self._zc = _new_zeroconf(interfaces)
         try:
-            # No silent renaming: two agents with one node id is a configuration error the user
-            # must see, not a "node-2" the coordinator cannot map back to its config.
-            self._zc.register_service(self.info, allow_name_change=False)
+            # As Bonjour does, a taken instance name is renamed rather than fatal (two Macs
+            # given one --name); the node id in the TXT record is what the coordinator uses.
+            self._zc.register_service(self.info, allow_name_change=True)
+            if self.info.name != _service_name(announcement.node_id):
+                log.warning("another node announces %r: this one announces itself as %r",
+                            _service_name(announcement.node_id), self.info.name)
         except BaseException:
             self._zc.close()
             raise

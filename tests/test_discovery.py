@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -350,3 +351,26 @@ def test_browser_sees_advertisers_come_and_go(netns: str, children: list[Child])
     assert browser.proc.stdin is not None
     browser.proc.stdin.close()
     assert browser.proc.wait(EXIT_TIMEOUT) == 0, browser.stderr()
+
+
+def test_default_node_ids_are_stable_and_unique_per_mac(tmp_path, monkeypatch) -> None:
+    from omlx_shared.node_identity import default_node_id
+
+    ids = []
+    for mac in ("a", "b"):  # two Macs with one host name, each its own data folder
+        monkeypatch.setenv("OMLX_CLUSTER_HOME", str(tmp_path / mac))
+        first = default_node_id()
+        assert default_node_id() == first  # stable across restarts
+        assert first.startswith(socket.gethostname().split(".")[0] + "-")
+        assert (tmp_path / mac / "node-key").stat().st_mode & 0o077 == 0
+        ids.append(first)
+    assert ids[0] != ids[1]
+
+
+def test_two_nodes_with_one_name_both_announce(netns: str, children: list[Child]) -> None:
+    """Two Macs given the same --name: the second is renamed on the wire, not a traceback."""
+    same = _announcement(node_id="MacBook-Pro", port=50051, data_port=50061)
+    for _ in range(2):
+        child = Child(netns, ADVERTISER, json.dumps(same.__dict__))
+        children.append(child)
+        child.expect_line("READY", READY_TIMEOUT)
