@@ -15,10 +15,11 @@ from concurrent import futures
 
 import grpc
 
-from omlx_shared import __version__, auth, hardware
-from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
+from omlx_shared import __version__, auth, hardware
+from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_shared.node_identity import default_node_id
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -39,7 +40,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                  secret: str | None = None, node_id: str = "", chip: str = "",
                  speed: float = 0.0, standby: bool = True):
         self.secret = secret
-        self.node_id = node_id or socket.gethostname()
+        self.node_id = node_id or default_node_id()
         self.chip = chip or hardware.chip()
         self.speed = speed
         # Read once: the tools take seconds, and a recabled Mac joins again anyway.
