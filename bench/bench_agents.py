@@ -12,9 +12,10 @@
    TTFT = request sent -> first `content_block_delta`. Goal: turn 2 <= 10% of turn 1.
    Each repeat uses a fresh conversation (a distinct first system line), so turn 1 is cold.
 
-The server runs alone (`python -m omlx_cluster serve`). A model whose context is shorter
-than the agent prompt is copied with a longer `max_position_embeddings` (weights linked; the
-timing, not the text, is what counts here).
+The server runs alone (`python -m omlx_cluster serve`) on a copy of the model (weights
+linked) with a context of --agent-prompt tokens and Qwen's tool-calling chat template; the
+random llamas also get a byte-level BPE tokenizer of their vocabulary size (their word-level
+one cannot spell JSON). The timing, not the text, is what counts here.
 
     python bench/bench_agents.py                      # the default model (SmolLM2-135M)
     python bench/bench_agents.py --random-llama 8b    # random Llama-3-8B-shaped model (GPU)
@@ -30,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -75,18 +77,41 @@ def agent_system(tag: str, words: int) -> list[dict]:
             {"type": "text", "text": body, "cache_control": {"type": "ephemeral"}}]
 
 
-def with_context(model: Path, tokens: int, work: Path) -> Path:
-    """`model`, or a copy whose config allows `tokens` of context (weights linked, not copied)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def agent_ready(model: Path, tokens: int, work: Path) -> Path:
+    """A copy of `model` (weights linked, not copied) that an agent can use: a context of
+    `tokens`, Qwen's tool-calling chat template (tests/tiny_models.py: `<tool_call>` JSON
+    markup, so the tools Claude Code sends are rendered and parsed), and a byte-level BPE
+    tokenizer where the model's vocabulary cannot spell JSON (the random llamas' word-level
+    one). Timing, not text, is what counts here."""
+    from tests.tiny_models import QWEN_TEMPLATE, build_tokenizer
+
     config = json.loads((model / "config.json").read_text())
-    if int(config.get("max_position_embeddings") or 0) >= tokens:
-        return model
-    dest = work / f"{model.name}-ctx{tokens}"
+    word_level = json.loads((model / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
+    dest = work / f"{model.name}-agent{tokens}"
     if not dest.exists():
         dest.mkdir(parents=True)
         for f in model.iterdir():
-            if f.name != "config.json":
+            if f.name != "config.json" and not (word_level and f.name in TOKENIZER_FILES):
                 (dest / f.name).symlink_to(f.resolve())
-        config["max_position_embeddings"] = tokens
+        if word_level:
+            stdlib = Path(sysconfig.get_paths()["stdlib"])
+            corpus = [f.read_text(errors="ignore") for f in sorted(stdlib.glob("*.py"))]
+            build_tokenizer(dest, vocab_size=int(config["vocab_size"]), corpus=corpus)
+            config["eos_token_id"] = 2  # <|im_end|>, the template's end of turn
+        # The template as its own file (transformers reads it before tokenizer_config's).
+        tok_config = dest / "tokenizer_config.json"
+        settings = json.loads(tok_config.read_text())
+        settings.pop("chat_template", None)
+        tok_config.unlink()  # links into the model's folder: write copies
+        tok_config.write_text(json.dumps(settings, indent=1))
+        (dest / "chat_template.jinja").unlink(missing_ok=True)
+        (dest / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+        config["max_position_embeddings"] = max(tokens, int(config.get(
+            "max_position_embeddings") or 0))
         (dest / "config.json").write_text(json.dumps(config, indent=1))
     return dest
 
@@ -153,7 +178,7 @@ async def agent_turn(client, base: str, body: dict) -> tuple[float, dict]:
 
 
 async def agent_conversation(client, base: str, tag: str, words: int) -> dict:
-    first = {"model": "bench", "max_tokens": 32000, "stream": True, "temperature": 0.0,
+    first = {"model": "bench", "max_tokens": 8, "stream": True, "temperature": 0.0,
              "system": agent_system(tag, words), "tools": agent_tools(),
              "stop_sequences": ["\n"],  # a short reply: only the first token is timed
              "messages": [{"role": "user", "content": "Where is the main function defined?"}]}
@@ -182,7 +207,7 @@ def measure(model: Path, work: Path, args) -> dict:
         try:
             run(streams_rate(client, server.base, 2, args.warmup_tokens, True))
             run(streams_rate(client, server.base, 2, args.warmup_tokens, False))
-            for n in args.concurrency:
+            for n in (args.concurrency if args.part in ("all", "constrained") else []):
                 rows: dict = {"plain": [], "json_schema": []}
                 for _ in range(args.repeats):
                     for kind, constrained in (("plain", False), ("json_schema", True)):
@@ -190,8 +215,10 @@ def measure(model: Path, work: Path, args) -> dict:
                                                            args.tokens, constrained)))
                 out["constrained"][str(n)] = rows
                 print(f"  {n} streams: {rows}", file=sys.stderr, flush=True)
-            run(agent_conversation(client, server.base, "warm-up", args.agent_words // 10))
-            for r in range(args.repeats):
+            for r in range(args.repeats if args.part in ("all", "agent") else 0):
+                if r == 0:
+                    run(agent_conversation(client, server.base, "warm-up",
+                                           args.agent_words // 10))
                 conv = run(agent_conversation(client, server.base, f"{r}-{time.time()}",
                                               args.agent_words))
                 out["agent"].append(conv)
@@ -210,12 +237,14 @@ def measure(model: Path, work: Path, args) -> dict:
 
 
 def summarize(out: dict) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for n, r in out["constrained"].items():
         plain, cons = median(r["plain"]), median(r["json_schema"])
         rows.append({"metric": f"aggregate tok/s, {n} stream(s)", "a": f"{cons:.1f}",
                      "b": f"{plain:.1f}", "ratio": cons / plain, "goal": ">= 0.9",
                      "a_name": "json_schema", "b_name": "unconstrained"})
+    if not out["agent"]:
+        return rows
     t1 = median([c["ttft_turn1"] for c in out["agent"]])
     t2 = median([c["ttft_turn2"] for c in out["agent"]])
     u1, u2 = out["agent"][-1]["usage_turn1"], out["agent"][-1]["usage_turn2"]
@@ -256,6 +285,8 @@ def main() -> int:
                     help="words of the agent's system prompt (~20k tokens with the tools)")
     ap.add_argument("--agent-prompt", type=int, default=32768,
                     help="context the model must allow (its config is extended if shorter)")
+    ap.add_argument("--part", choices=["all", "constrained", "agent"], default="all",
+                    help="measure both claims, or one")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra flag for `serve` (repeatable)")
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -270,16 +301,17 @@ def main() -> int:
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
                                                                  "OPENBLAS_NUM_THREADS")}
     model, name, desc, _ = select_model(args, work, base_env)
-    model = with_context(model, args.agent_prompt, work)
+    model = agent_ready(model, args.agent_prompt, work)
     print(f"model {model}", file=sys.stderr, flush=True)
     out = measure(model, work, args)
     rows = summarize(out)
-    settings = {k: getattr(args, k) for k in ("repeats", "tokens", "concurrency", "agent_words",
-                                              "agent_prompt", "server_arg")}
+    settings = {k: getattr(args, k) for k in ("part", "repeats", "tokens", "concurrency",
+                                              "agent_words", "agent_prompt", "server_arg")}
     result = {"tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
               "model": f"{name} ({desc})", "settings": settings, "rows": rows, "raw": out,
               "bench_seconds": round(time.monotonic() - t_start, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
+    tag += "" if args.part == "all" else f"_{args.part}"
     (args.out / f"agents_{tag}.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / f"agents_{tag}.md").write_text(markdown(result))
     print(markdown(result))

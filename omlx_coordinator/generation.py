@@ -5,6 +5,14 @@ It owns what every protocol needs the same way: the context budget, stop strings
 detokenising, keep-alives while a stream waits, resuming a request lost with its node on the
 next plan, cancellation (closing the generator cancels the node's sequence) and the metrics.
 Every wait is bounded: a gRPC deadline per request and keep-alives while nothing arrives.
+
+How an attempt ends says whose failure it was. finish_reason "error" is the request's own (its
+sampler, its grammar): an error for the client, never run again. "aborted" is a worker that
+stopped cleanly (a new plan): run again, always. A call that breaks (the worker went down, or
+its pipeline lost a stage: UNAVAILABLE and the like) may be a lost node or a request that brings
+the node down; the first is run again on the next plan, and a request whose attempt breaks a
+second plan, loaded after its first break, is refused with its own error: a "query of death"
+must not take down plan after plan, and every request beside it each time.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass
@@ -92,8 +101,9 @@ def check_servable(cluster: Cluster, model: str) -> None:
 
 def token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
                  settings: GatewaySettings, prompt_param: str = "messages",
-                 limit_param: str = "max_tokens") -> int:
-    """How many tokens the request may generate: its limit, refused past the context's room."""
+                 limit_param: str = "max_tokens", clamp: bool = False) -> int:
+    """How many tokens the request may generate: its limit, refused past the context's room
+    (or cut to the room with `clamp`: Anthropic's max_tokens is a cap, not a demand)."""
     ctx = cluster.max_context
     if ctx and len(prompt) >= ctx:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the model's context is "
@@ -102,11 +112,11 @@ def token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
     room = ctx - len(prompt) if ctx else settings.default_max_tokens
     if limit is None:
         return min(room, settings.default_max_tokens)
-    if limit > room:
+    if limit > room and not clamp:
         raise APIError(400, f"{limit_param} is {limit} but only {room} tokens fit in the model's "
                             f"context of {ctx} after the {len(prompt)}-token prompt",
                        param=limit_param, code="context_length_exceeded")
-    return limit
+    return min(limit, room)
 
 
 # A call that failed this way lost its node, not its request: run it again on the next plan.
@@ -141,16 +151,23 @@ class _Attempt:
         self.task.cancel()
 
 
-def _lost(item) -> str | None:
-    """Why `item` means the node was lost (so the request can run again), else None."""
+@dataclass(frozen=True)
+class _Lost:
+    why: str
+    broke: bool  # the node failed under the attempt (False: its worker stopped cleanly)
+
+
+def _lost(item) -> _Lost | None:
+    """How `item` lost the attempt (so the request can run again), else None."""
     if item is None:
-        return "the stream ended without finishing"
+        return _Lost("the stream ended without finishing", True)
     if isinstance(item, grpc.aio.AioRpcError):
-        return f"{item.code().name}: {item.details()}" if item.code() in RETRIABLE else None
+        return (_Lost(f"{item.code().name}: {item.details()}", True)
+                if item.code() in RETRIABLE else None)
     if isinstance(item, Exception):
-        return str(item)
+        return _Lost(str(item), True)
     if item.finish_reason == "aborted":
-        return item.error or "the worker shut down"
+        return _Lost(item.error or "the worker shut down", False)
     return None
 
 
@@ -163,8 +180,11 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
     generation continues, so the client sees a pause, not an error (and greedy output is the
     same as without the failure)."""
     prompt, max_tokens = req.prompt, req.max_tokens
+    # top_k over the whole vocabulary or more keeps every token: the same as off, and what
+    # OpenAI-compatible servers (vLLM, llama.cpp) do, rather than a k mlx-lm cannot take.
+    top_k = 0 if req.top_k >= cluster.vocab_size else req.top_k
     sampling = pb.SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                 top_k=req.top_k, min_p=req.min_p,
+                                 top_k=top_k, min_p=req.min_p,
                                  presence_penalty=req.presence_penalty,
                                  frequency_penalty=req.frequency_penalty,
                                  repetition_penalty=req.repetition_penalty)
@@ -179,6 +199,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
     first, cached, attempts = True, 0, 0
     attempt: _Attempt | None = None
     lost_epoch = -1  # the plan a failed attempt ran on
+    broke_epoch: int | None = None  # the plan an attempt of it broke, the first time
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
@@ -220,13 +241,21 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
                 yield KeepAlive()
                 continue
             item, getter = getter.result(), None
-            if (why := _lost(item)) is not None:
+            if (lost := _lost(item)) is not None:
                 attempt.close()
+                if lost.broke and broke_epoch is not None and attempt.epoch > broke_epoch:
+                    log.error("a request broke plan %d after plan %d; it is not run again: %s",
+                              attempt.epoch, broke_epoch, lost.why)
+                    raise APIError(500, "the node went down under this request on two plans, "
+                                        "so it is not run again; last: " + lost.why,
+                                   type="server_error", code="request_failed_node")
+                if lost.broke and broke_epoch is None:
+                    broke_epoch = attempt.epoch
                 lost_epoch, attempt = attempt.epoch, None
                 if attempts >= MAX_ATTEMPTS:
-                    raise APIError(503, f"lost the node {attempts} times; last: {why}",
+                    raise APIError(503, f"lost the node {attempts} times; last: {lost.why}",
                                    type="server_error")
-                log.warning("request lost its node (%s); resuming after %d tokens", why,
+                log.warning("request lost its node (%s); resuming after %d tokens", lost.why,
                             len(generated))
                 continue
             if isinstance(item, grpc.aio.AioRpcError):
@@ -252,7 +281,7 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
             if hit:
                 if out or tokens:
                     yield Delta(out, tokens, logprobs)
-                yield Done("stop", len(prompt), len(generated), cached)
+                yield Done("stop", len(prompt), len(generated), cached, stops.matched)
                 return
             if item.finish_reason == "error":
                 raise APIError(500, f"generation failed on the node: {item.error}",

@@ -7,15 +7,17 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # what ended the text: Anthropic reports it
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string was reached)."""
         if not self.stops:
             return delta, False
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits)
+            out, self.pending = self.pending[:at], ""
             return out, True
         hold = 0
         for s in self.stops:

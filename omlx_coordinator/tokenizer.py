@@ -6,10 +6,13 @@ It loads with transformers alone, so a coordinator needs no MLX and no weights.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
+
+from omlx_coordinator.tool_calls import ToolCallFormat
 
 # Tokens of the prompt's tail decoded along with the completion, so the first generated token
 # keeps its leading space (mlx_lm.server drops it) and prompt + completion is the decoded text.
@@ -36,10 +39,26 @@ class ChatTokenizer:
         path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
+        self._token_strings: dict[int, str] = {}
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @cached_property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """The tool-call markup of this model's family (tool_calls.py), None without one."""
+        return ToolCallFormat.infer(self.tokenizer)
+
+    @cached_property
+    def _skipped_ids(self) -> frozenset[int] | None:
+        """The special tokens decoding drops, when that set must spare the tool-call markers
+        (Mistral's [TOOL_CALLS], Kimi's sections... are special tokens); None: the usual set."""
+        fmt = self.tool_call_format
+        special = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()
+                   if t.special}
+        kept = {i for i, c in special.items() if fmt and (c in fmt.start or c in fmt.end)}
+        return frozenset(set(special) - kept) if kept else None
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.has_chat_template:
@@ -56,7 +75,22 @@ class ChatTokenizer:
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        skipped = self._skipped_ids
+        if skipped is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in skipped],
+                                     skip_special_tokens=False)
+
+    def token_string(self, token_id: int) -> str:
+        """A token's own text (OpenAI's logprobs `token`): its vocabulary entry decoded (a
+        piece of a multi-byte character becomes U+FFFD). Cached: logprobs ask for up to 21
+        tokens per generated one."""
+        text = self._token_strings.get(token_id)
+        if text is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            text = self.tokenizer.convert_tokens_to_string([piece]) if piece is not None else ""
+            self._token_strings[token_id] = text
+        return text
 
     def detokenizer(self, prompt: list[int]) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt)

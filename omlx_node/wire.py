@@ -11,9 +11,24 @@ Every pipeline step travels down the ring as up to three messages, in this order
    DECODE steps with rows > 0. A stage receives them lazily: it builds its step's graph as soon
    as the header is in, and the device starts the moment the hidden states land.
 
-The tail stage answers each DECODE step with rows > 0 by sending int32[rows] sampled token ids
-to rank 0 (the ring's wrap-around link), and each LOOKUP step with int32[1]. Nothing else flows
-back, so rank 0 reads the answers in the order it sent those steps.
+The tail stage answers each DECODE step with rows > 0 on the ring's wrap-around link to rank 0:
+
+1. int32[rows + L + 1]: the sampled token ids, then the logprob records of the rows that ask for
+   logprobs, in row order (`omlx_node.sampling.logprob_ints` says L; 0 when no row asks), then
+   F, the number of rows whose sampling failed (their sampler, penalties or grammar mask raised,
+   or their sampler could not be made at admission: `omlx_node.sampling.sample_rows`). A failed
+   row's token and record are placeholders, valid ids the head may feed its next step with;
+2. only when some of the step's rows are constrained (a grammar, which the tail applies):
+   int32[constrained rows], each row's `omlx_node.constraints.Verdict` on its token, in row
+   order, then for each ERROR verdict int32[ERROR_INTS], the matcher's error (UTF-8, zero
+   padded, cut to fit). It leaves after the first: the matchers need the tokens on the host,
+   and the head feeds its next step with the tokens before it reads the verdicts. A failed
+   row's verdict is GO and means nothing;
+3. only when F > 0: int32[F], the failed rows' indices, then for each int32[ERROR_INTS], its
+   error, encoded as a verdict's. Only that row's client sees it.
+
+It answers each LOOKUP step with int32[1]. Nothing else flows back, so rank 0 reads the answers
+in the order it sent those steps; it admitted every row, so it knows every length.
 
 Sends are asynchronous, on a CPU stream of their own: a stage goes on building its next step's
 graph while the device computes the hidden states and the send waits for them, and a send never
@@ -31,10 +46,17 @@ Header fields (int32 each; then the inline payload, zero-padded):
     7 plan         the low 31 bits of the plan hash (every stage checks it)
 
 DECODE payload: [n_keep, keep row indices..., n_admit, admitted records...] where `keep` lists the
-rows of the micro-batch that stay (-1 for n_keep means "all rows stay") and each admitted record is
-ADMIT_INTS ints: sequence id, then the sequence's sampling parameters (the tail samples), floats
-carried as their int32 bit patterns. Admitted sequences join the end of the micro-batch, taking
-over the KV their PREFILL steps left in each stage.
+rows of the micro-batch that stay (-1 for n_keep means "all rows stay"). An admitted record is
+what the tail needs to sample the sequence, floats carried as their int32 bit patterns:
+8 ints [sequence id, temperature, top_p, min_p, top_k, flags, seed (2 ints)], then, in
+this order, only the parts its flags name, so a row that asks for none costs nothing more:
+    PENALIZED  [presence, frequency, repetition penalty, n, the prompt's last n tokens] (what
+               the penalties look at before the first sampled token)
+    LOGPROBS   [top_logprobs]
+    GRAMMAR    [n, the prompt's last n tokens (generated under the grammar before a failover),
+               n_bytes, the grammar's UTF-8 bytes packed 4 per int32, little-endian]
+Admitted sequences join the end of the micro-batch, taking over the KV their PREFILL steps left
+in each stage.
 FREE payload: sequence ids whose prefill KV must be dropped (cancelled while prefilling).
 LOOKUP payload: [held, the sequence's prompt tokens but the last...]: each stage restores the
 longest prefix its prefix cache holds, lowers `held` to it and passes the step on; the tail
@@ -51,6 +73,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from omlx_node.constraints import Verdict
 from omlx_node.sampling import SamplingParams
 
 # The ring backend moves bytes over TCP from host memory: its ops run on CPU streams, and MLX
@@ -63,11 +86,12 @@ def send_stream() -> mx.Stream:
     return mx.new_stream(mx.cpu)
 
 
-MAGIC = 0x6F6D6C31  # "oml1"
+MAGIC = 0x6F6D6C32  # "oml2"
 HEADER_FIELDS = 8
 HEADER_INTS = 64
 INLINE_PAYLOAD = HEADER_INTS - HEADER_FIELDS
-ADMIT_INTS = 8
+SEEDED, PENALIZED, LOGPROBS, GRAMMAR = 1, 2, 4, 8  # an admitted record's flags
+ERROR_INTS = 128
 PREFILL, DECODE, FREE, STOP, LOOKUP, TRIM = 1, 2, 3, 4, 5, 6
 
 
@@ -75,23 +99,81 @@ class WireError(RuntimeError):
     """A peer sent something this stage cannot understand: a bug or a mismatched peer."""
 
 
+def _float_ints(xs: list[float]) -> list[int]:
+    return np.array(xs, dtype=np.float32).view(np.int32).tolist()
+
+
+def _int_floats(xs: list[int]) -> list[float]:
+    return np.array(xs, dtype=np.int32).view(np.float32).tolist()
+
+
+def _pack_bytes(data: bytes) -> list[int]:
+    return np.frombuffer(data + bytes(-len(data) % 4), dtype="<i4").tolist()
+
+
+def _unpack_bytes(ints: list[int], n: int) -> bytes:
+    return np.array(ints, dtype="<i4").tobytes()[:n]
+
+
+class _Reader:
+    """Reads a payload front to back."""
+
+    def __init__(self, ints: list[int]):
+        self.ints, self.at = ints, 0
+
+    def take(self, n: int) -> list[int]:
+        self.at += n
+        return self.ints[self.at - n:self.at]
+
+    def one(self) -> int:
+        return self.take(1)[0]
+
+
 @dataclass
 class Admit:
     seq_id: int
     sampling: SamplingParams
+    context: list[int] = field(default_factory=list)  # penalized: the prompt's last tokens
+    grammar: str = ""
+    resumed: list[int] = field(default_factory=list)  # tokens its grammar's matcher takes first
 
     def encode(self) -> list[int]:
         p = self.sampling
-        floats = np.array([p.temperature, p.top_p, p.min_p], dtype=np.float32).view(np.int32)
-        seed = np.array([p.seed or 0], dtype=np.uint64).view(np.int32)
-        return [self.seq_id, *floats.tolist(), p.top_k, int(p.seed is not None), *seed.tolist()]
+        flags = ((SEEDED if p.seed is not None else 0) | (PENALIZED if p.penalized else 0)
+                 | (LOGPROBS if p.logprobs is not None else 0) | (GRAMMAR if self.grammar else 0))
+        seed = np.array([p.seed or 0], dtype=np.uint64).view(np.int32).tolist()
+        out = [self.seq_id, *_float_ints([p.temperature, p.top_p, p.min_p]), p.top_k, flags,
+               *seed]
+        if flags & PENALIZED:
+            out += [*_float_ints([p.presence_penalty, p.frequency_penalty,
+                                  p.repetition_penalty]), len(self.context), *self.context]
+        if flags & LOGPROBS:
+            out.append(p.logprobs)
+        if flags & GRAMMAR:
+            data = self.grammar.encode()
+            out += [len(self.resumed), *self.resumed, len(data), *_pack_bytes(data)]
+        return out
 
     @classmethod
-    def decode(cls, ints: list[int]) -> "Admit":
-        temperature, top_p, min_p = np.array(ints[1:4], dtype=np.int32).view(np.float32).tolist()
-        seed = int(np.array(ints[6:8], dtype=np.int32).view(np.uint64)[0]) if ints[5] else None
-        return cls(ints[0], SamplingParams(temperature=temperature, top_p=top_p, top_k=ints[4],
-                                           min_p=min_p, seed=seed))
+    def read(cls, r: _Reader) -> Admit:
+        seq_id = r.one()
+        temperature, top_p, min_p = _int_floats(r.take(3))
+        top_k, flags = r.take(2)
+        seed = int(np.array(r.take(2), dtype=np.int32).view(np.uint64)[0])
+        params = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                  "seed": seed if flags & SEEDED else None}
+        context, grammar, resumed = [], "", []
+        if flags & PENALIZED:
+            params.update(zip(("presence_penalty", "frequency_penalty", "repetition_penalty"),
+                              _int_floats(r.take(3))))
+            context = r.take(r.one())
+        if flags & LOGPROBS:
+            params["logprobs"] = r.one()
+        if flags & GRAMMAR:
+            resumed = r.take(r.one())
+            n = r.one()
+            grammar = _unpack_bytes(r.take(-(-n // 4)), n).decode()
+        return cls(seq_id, SamplingParams(**params), context, grammar, resumed)
 
 
 @dataclass
@@ -118,6 +200,21 @@ class Step:
         if self.op == TRIM:
             return [self.held]
         return []
+
+    def load(self, payload: list[int]) -> None:
+        """Sets the fields `payload()` carries for this step's op."""
+        if self.op == DECODE:
+            r = _Reader(payload)
+            n_keep = r.one()
+            if n_keep >= 0:
+                self.keep = r.take(n_keep)
+            self.admits = [Admit.read(r) for _ in range(r.one())]
+        elif self.op == FREE:
+            self.freed = payload
+        elif self.op == LOOKUP:
+            self.held, self.prompt = payload[0], payload[1:]
+        elif self.op == TRIM:
+            self.held = payload[0]
 
 
 def send_step(step: Step, hidden: mx.array | None, plan: int, dst: int, group) -> None:
@@ -157,19 +254,7 @@ def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
     else:
         payload = _recv((payload_len,), mx.int32, src, group).tolist()
     step = Step(op, step_no, target, rows, tokens)
-    if op == DECODE:
-        n_keep, rest = payload[0], payload[1:]
-        if n_keep >= 0:
-            step.keep, rest = rest[:n_keep], rest[n_keep:]
-        n_admit, rest = rest[0], rest[1:]
-        step.admits = [Admit.decode(rest[i * ADMIT_INTS:(i + 1) * ADMIT_INTS])
-                       for i in range(n_admit)]
-    elif op == FREE:
-        step.freed = payload
-    elif op == LOOKUP:
-        step.held, step.prompt = payload[0], payload[1:]
-    elif op == TRIM:
-        step.held = payload[0]
+    step.load(payload)
     hidden = None
     if op in (PREFILL, DECODE) and rows > 0:
         hidden = _recv((rows, tokens, hidden_size), dtype, src, group)
@@ -181,14 +266,59 @@ def _recv(shape: tuple[int, ...], dtype: mx.Dtype, src: int, group) -> mx.array:
 
 
 def send_tokens(tokens: mx.array, dst: int, group) -> None:
+    """The tail's answer to a LOOKUP."""
     _send(tokens.astype(mx.int32), dst, group)
 
 
-def recv_token_array(rows: int, src: int, group) -> mx.array:
-    """The tail's answer, lazily: evaluate it (or a graph that uses it) before the next receive
-    is posted, or the two would swap."""
-    return _recv((rows,), mx.int32, src, group)
+def send_answer(tokens: mx.array, records: mx.array | None, failed: int, dst: int,
+                group) -> None:
+    """The tail's answer to a DECODE step: token ids, the logprob records of the rows that ask,
+    and how many rows failed."""
+    parts = [tokens.astype(mx.int32), mx.array([failed], dtype=mx.int32)]
+    if records is not None:
+        parts.insert(1, records)
+    _send(mx.concatenate(parts), dst, group)
 
 
 def recv_tokens(rows: int, src: int, group) -> list[int]:
-    return recv_token_array(rows, src, group).tolist()
+    return _recv((rows,), mx.int32, src, group).tolist()
+
+
+def recv_answer(rows: int, records: int, src: int, group) -> mx.array:
+    """`send_answer`'s message (`records`: the ints of its logprob records), lazily: evaluate it
+    (or a graph that uses it) before the next receive is posted, or the two would swap."""
+    return _recv((rows + records + 1,), mx.int32, src, group)
+
+
+def _send_error(error: str, dst: int, group) -> None:
+    data = _pack_bytes(error.encode()[:ERROR_INTS * 4])
+    _send(mx.array(data + [0] * (ERROR_INTS - len(data)), dtype=mx.int32), dst, group)
+
+
+def _recv_error(src: int, group) -> str:
+    data = _unpack_bytes(_recv((ERROR_INTS,), mx.int32, src, group).tolist(), ERROR_INTS * 4)
+    return data.rstrip(b"\0").decode(errors="ignore")  # a cut may split a character
+
+
+def send_verdicts(verdicts: list[tuple[Verdict, str]], dst: int, group) -> None:
+    """The grammar verdicts of a DECODE step's constrained rows, with their errors."""
+    _send(mx.array([int(v) for v, _ in verdicts], dtype=mx.int32), dst, group)
+    for verdict, error in verdicts:
+        if verdict == Verdict.ERROR:
+            _send_error(error, dst, group)
+
+
+def recv_verdicts(n: int, src: int, group) -> list[tuple[Verdict, str]]:
+    return [(Verdict(v), _recv_error(src, group) if v == Verdict.ERROR else "")
+            for v in _recv((n,), mx.int32, src, group).tolist()]
+
+
+def send_failures(failed: dict[int, str], dst: int, group) -> None:
+    """The rows of a DECODE step that failed (by index in the step) and their errors."""
+    _send(mx.array(list(failed), dtype=mx.int32), dst, group)
+    for error in failed.values():
+        _send_error(error, dst, group)
+
+
+def recv_failures(n: int, src: int, group) -> dict[int, str]:
+    return {i: _recv_error(src, group) for i in _recv((n,), mx.int32, src, group).tolist()}

@@ -65,6 +65,12 @@ CASES = {
                              ["max_tokens", "integer"], "max_tokens"),
     "max_tokens is fractional": ("completions", _cmpl(max_tokens=1.5), 400,
                                  ["max_tokens", "integer"], "max_tokens"),
+    "stream is a word": ("chat/completions", _chat(stream="yes"), 400, ["stream", "boolean"],
+                         "stream"),
+    "max_tokens is a boolean": ("completions", _cmpl(max_tokens=True), 400,
+                                ["max_tokens", "integer"], "max_tokens"),
+    "temperature is a numeric string": ("chat/completions", _chat(temperature="0.5"), 400,
+                                        ["temperature", "number"], "temperature"),
     "temperature is a word": ("chat/completions", _chat(temperature="hot"), 400,
                               ["temperature", "number"], "temperature"),
     "messages is a string": ("chat/completions", {"model": MODEL, "messages": "hi"}, 400,
@@ -113,9 +119,9 @@ CASES = {
     "max_completion_tokens beyond the context": (
         "chat/completions", _chat(max_completion_tokens=5000), 400,
         ["max_completion_tokens", "5000", "context"], "max_completion_tokens"),
-    "n=2": ("chat/completions", _chat(n=2), 400, ["'n'", "1"], "n"),
+    "n=9": ("chat/completions", _chat(n=9), 400, ["'n'", "8"], "n"),
     "n=0": ("completions", _cmpl(n=0), 400, ["'n'"], "n"),
-    "n=2 streamed": ("completions", _cmpl(n=2, stream=True), 400, ["'n'"], "n"),
+    "n=9 streamed": ("completions", _cmpl(n=9, stream=True), 400, ["'n'"], "n"),
     "token id beyond the vocabulary": ("completions", _cmpl(prompt=[1, 2, 99999]), 400,
                                        ["99999", "vocabulary"], "prompt"),
     "negative token id": ("completions", _cmpl(prompt=[-1, 5]), 400, ["-1", "vocabulary"],
@@ -143,8 +149,14 @@ CASES = {
     "seed beyond 2**63": ("completions", _cmpl(seed=2**64), 400, ["seed"], "seed"),
     "too many stop strings": ("completions", _cmpl(stop=[str(i) for i in range(17)]), 400,
                               ["stop", "16"], "stop"),
-    "logprobs": ("completions", _cmpl(logprobs=5), 400, ["logprobs", "not supported"],
-                 "logprobs"),
+    "logprobs above 5": ("completions", _cmpl(logprobs=6), 400, ["logprobs", "5"], "logprobs"),
+    "tools on a model without a tool-call format": (
+        "chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+        ["cannot call tools"], "tools"),
+    "unknown field": ("chat/completions", _chat(temprature=0), 400, ["temprature"],
+                      "temprature"),
+    "logit_bias": ("completions", _cmpl(logit_bias={"5": 1}), 400, ["not supported"],
+                   "logit_bias"),
     "empty prompt": ("completions", _cmpl(prompt=""), 400, ["prompt"], "prompt"),
     "empty token list": ("completions", _cmpl(prompt=[]), 400, ["prompt"], "prompt"),
     "prompt list holding an empty string": ("completions", _cmpl(prompt=[""]), 400,
@@ -233,7 +245,7 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     assert "gpt-4o" in e.value.message
 
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MSGS, n=2)
+        client.chat.completions.create(model=MODEL, messages=MSGS, n=9)
     assert e.value.param == "n"
 
     with pytest.raises(openai.BadRequestError) as e:

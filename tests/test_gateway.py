@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator.cluster import node_env
+from omlx_shared.blas import blas_env
 from tests.conftest import Server, parse_metrics, start_server
 from tests.tiny_models import build_model
 
@@ -57,7 +59,7 @@ def mlx_lm_greedy(model_path: Path, prompts: list[list[int]], n: int) -> list[li
     """mlx-lm's own greedy generation (generate_step, argmax sampler) of n tokens per prompt."""
     r = subprocess.run([sys.executable, "-c", _REFERENCE_SCRIPT, str(model_path), str(n)],
                        input=json.dumps(prompts), capture_output=True, text=True, timeout=180,
-                       env=node_env())
+                       env=blas_env())
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("REFERENCE "))
     return json.loads(line[len("REFERENCE "):])
@@ -114,8 +116,8 @@ def _wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 def _idle(server: Server) -> bool:
     m = server.metrics()
     n = server.node_metrics()
-    return (m["omlx:requests_processing"] == 0 and m["omlx:requests_deferred"] == 0
-            and n["omlx_node:requests_processing"] == 0 and n["omlx_node:requests_deferred"] == 0)
+    return (m["omlx_requests_processing"] == 0 and m["omlx_requests_deferred"] == 0
+            and n["omlx_node_requests_processing"] == 0 and n["omlx_node_requests_deferred"] == 0)
 
 
 def _sse_events(lines) -> list[dict]:
@@ -322,7 +324,7 @@ def test_sixteen_concurrent_streams_equal_solo_runs(server: Server) -> None:
             async with httpx.AsyncClient(timeout=10) as h:
                 while not done.is_set():
                     m = parse_metrics((await h.get(server.url + "/metrics")).text)
-                    peak = max(peak, m["omlx:requests_processing"] + m["omlx:requests_deferred"])
+                    peak = max(peak, m["omlx_requests_processing"] + m["omlx_requests_deferred"])
                     await asyncio.sleep(0.02)
 
         watcher = asyncio.create_task(watch())
@@ -448,9 +450,9 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI, server: Server)
 
 def _cancel_counters(server: Server, endpoint: str) -> tuple[float, float, float]:
     m, n = server.metrics(), server.node_metrics()
-    return (m.get(f'omlx:requests_total{{endpoint="{endpoint}",outcome="disconnected"}}', 0.0),
-            n.get('omlx_node:requests_finished_total{reason="cancelled"}', 0.0),
-            n["omlx_node:tokens_predicted_total"])
+    return (m.get(f'omlx_requests_total{{endpoint="{endpoint}",outcome="disconnected"}}', 0.0),
+            n.get('omlx_node_requests_finished_total{reason="cancelled"}', 0.0),
+            n["omlx_node_tokens_predicted_total"])
 
 
 def _assert_generation_stopped(server: Server, endpoint: str, before: tuple, limit: int) -> None:
@@ -458,7 +460,7 @@ def _assert_generation_stopped(server: Server, endpoint: str, before: tuple, lim
     before it could have generated `limit` tokens, and generates nothing more."""
     disc0, canc0, tok0 = before
     _wait_for(lambda: _cancel_counters(server, endpoint)[0] >= disc0 + 1, 15,
-              f"omlx:requests_total{{endpoint={endpoint},outcome=disconnected}} to move")
+              f"omlx_requests_total{{endpoint={endpoint},outcome=disconnected}} to move")
     _wait_for(lambda: _cancel_counters(server, endpoint)[1] >= canc0 + 1, 15,
               "the node to cancel the sequence")
     _wait_for(lambda: _idle(server), 15, "the gateway and the node to become idle")
@@ -541,35 +543,41 @@ def test_non_streaming_client_timeout_cancels_generation(server: Server,
 
 
 @pytest.fixture(scope="module")
-def slow_prefill_server(tmp_path_factory):
-    """A bigger model with an 8-token prefill chunk: a ~700-token prompt takes seconds."""
-    path = build_model(tmp_path_factory.mktemp("models") / "slow-llama", "llama", num_layers=8,
-                       hidden_size=512, seed=1)
-    with start_server(path, "--prefill-chunk", "8", home=tmp_path_factory.mktemp("home"),
-                      keepalive=0.5) as s:
+def pausable_server(tmp_path_factory):
+    """A server of its own: the keep-alive test pauses its head worker."""
+    path = build_model(tmp_path_factory.mktemp("models") / "pause-llama", "llama", num_layers=2,
+                       hidden_size=64, seed=1)
+    with start_server(path, home=tmp_path_factory.mktemp("home"), keepalive=0.5) as s:
         yield s
 
 
-def test_keepalive_comments_while_prefilling(slow_prefill_server: Server) -> None:
-    server = slow_prefill_server
+def test_keepalive_comments_while_the_node_has_not_answered(pausable_server: Server) -> None:
+    """The head worker is paused (SIGSTOP) from before the request until two keep-alives have
+    come: the wait is the test's, on a machine of any speed."""
+    server = pausable_server
+    worker = httpx.get(server.url + "/health", timeout=10).json()["nodes"][0]["worker_pid"]
     prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 50
     body = {"model": server.model_id, "prompt": prompt, "max_tokens": 4, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     lines, first_data_at = [], None
-    t0 = time.monotonic()
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", server.base_url + "/completions", json=body) as resp:
-            assert resp.status_code == 200
-            assert resp.headers["content-type"].startswith("text/event-stream")
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and first_data_at is None:
-                    first_data_at = time.monotonic() - t0
-                lines.append(line)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", server.base_url + "/completions", json=body) as resp:
+                assert resp.status_code == 200
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and first_data_at is None:
+                        first_data_at = time.monotonic() - t0
+                    lines.append(line)
+                    if lines.count(": keep-alive") == 2:
+                        os.kill(worker, signal.SIGCONT)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     first = next(i for i, x in enumerate(lines) if x.startswith("data: "))
     keepalives = [x for x in lines[:first] if x == ": keep-alive"]
-    assert first_data_at is not None and first_data_at > 1.0, (
-        f"prefill took only {first_data_at:.2f}s: the keep-alive test needs a slower model")
-    assert len(keepalives) >= 1, lines[:first + 1]
+    assert len(keepalives) >= 2, lines[:first + 1]
     assert len(keepalives) <= first_data_at / 0.5 + 1  # one per interval, not a flood
     assert all(x == "" or x == ": keep-alive" for x in lines[:first])
     assert lines[-1] == "data: [DONE]" or lines[-2:] == ["data: [DONE]", ""]
@@ -591,14 +599,14 @@ def test_keepalive_comments_while_prefilling(slow_prefill_server: Server) -> Non
 def test_metrics_names_and_counters(server: Server, client: openai.OpenAI, tok) -> None:
     _wait_for(lambda: _idle(server), 15, "an idle server")
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ("omlx:prompt_tokens_total", "omlx:tokens_predicted_total",
-                 "omlx:time_to_first_token_seconds_bucket",
-                 "omlx:inter_token_latency_seconds_bucket",
-                 "omlx:requests_processing", "omlx:requests_deferred",
-                 "omlx:request_duration_seconds_count"):
+    for name in ("omlx_prompt_tokens_total", "omlx_tokens_predicted_total",
+                 "omlx_time_to_first_token_seconds_bucket",
+                 "omlx_inter_token_latency_seconds_bucket",
+                 "omlx_requests_processing", "omlx_requests_deferred",
+                 "omlx_request_duration_seconds_count"):
         assert name in text, name
-    assert "# TYPE omlx:time_to_first_token_seconds histogram" in text
-    assert "# TYPE omlx:requests_processing gauge" in text
+    assert "# TYPE omlx_time_to_first_token_seconds histogram" in text
+    assert "# TYPE omlx_requests_processing gauge" in text
 
     before = server.metrics()
     r = client.chat.completions.create(model=server.model_id, temperature=0, max_tokens=12,
@@ -612,13 +620,13 @@ def test_metrics_names_and_counters(server: Server, client: openai.OpenAI, tok) 
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     hello = len(tok("Hello")["input_ids"])
-    assert delta("omlx:prompt_tokens_total") == r.usage.prompt_tokens + hello
-    assert delta("omlx:tokens_predicted_total") == 12 + 5
-    assert delta("omlx:time_to_first_token_seconds_count") == 2
-    assert delta("omlx:inter_token_latency_seconds_count") >= 1
-    assert delta("omlx:request_duration_seconds_count") == 2
-    assert delta('omlx:requests_total{endpoint="chat",outcome="ok"}') == 1
-    assert delta('omlx:requests_total{endpoint="completions",outcome="ok"}') == 1
-    assert after["omlx:requests_processing"] == 0 and after["omlx:requests_deferred"] == 0
-    assert after['omlx:time_to_first_token_seconds_bucket{le="+Inf"}'] == \
-        after["omlx:time_to_first_token_seconds_count"]
+    assert delta("omlx_prompt_tokens_total") == r.usage.prompt_tokens + hello
+    assert delta("omlx_tokens_predicted_total") == 12 + 5
+    assert delta("omlx_time_to_first_token_seconds_count") == 2
+    assert delta("omlx_inter_token_latency_seconds_count") >= 1
+    assert delta("omlx_request_duration_seconds_count") == 2
+    assert delta('omlx_requests_total{endpoint="chat",outcome="ok"}') == 1
+    assert delta('omlx_requests_total{endpoint="completions",outcome="ok"}') == 1
+    assert after["omlx_requests_processing"] == 0 and after["omlx_requests_deferred"] == 0
+    assert after['omlx_time_to_first_token_seconds_bucket{le="+Inf"}'] == \
+        after["omlx_time_to_first_token_seconds_count"]

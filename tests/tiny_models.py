@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
+from transformers import AddedToken, AutoTokenizer
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -31,8 +32,8 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on CORPUS."""
+def train_tokenizer(vocab_size: int = 384, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on `corpus` (CORPUS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -44,15 +45,16 @@ def train_tokenizer(vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.train_from_iterator(corpus or CORPUS * 20, trainer)
     return tok
 
 
-def build_tokenizer(dest: Path, vocab_size: int = 384) -> int:
-    """Train and save a tokenizer with a ChatML template; returns its vocabulary size."""
+def build_tokenizer(dest: Path, vocab_size: int = 384, corpus: list[str] | None = None,
+                    chat_template: str = CHATML) -> int:
+    """Train and save a tokenizer with a chat template; returns its vocabulary size."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size, corpus)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
@@ -60,16 +62,49 @@ def build_tokenizer(dest: Path, vocab_size: int = 384) -> int:
         unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     fast.save_pretrained(dest)
     return len(fast)
 
+
+# Small MoE: 4 experts, 2 per token, expert FFN 32 wide; the first layer dense where the family
+# allows it, so layers differ in size as in the real models.
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+_DEEPSEEK_MOE = dict(_MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 FAMILY_CONFIGS = {
     "llama": dict(tie_word_embeddings=False),
     "mistral": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(tie_word_embeddings=True, head_dim=16),
+    # MoE, sliding-window, MLA and hybrid families; windows of 8 tokens so that short tests
+    # run past them. tie_word_embeddings is stated as their real configs state it (a config
+    # that says nothing ties the head, as Hugging Face's convention has it).
+    "qwen3_moe": dict(_MOE, tie_word_embeddings=False, head_dim=16, num_experts=4,
+                      decoder_sparse_step=1, mlp_only_layers=[0]),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                    intermediate_size=32, tie_word_embeddings=False),
+    "glm4_moe": dict(_DEEPSEEK_MOE, tie_word_embeddings=False, head_dim=16, use_qk_norm=True,
+                     attention_bias=False, partial_rotary_factor=0.5, rope_scaling=None),
+    "deepseek_v3": dict(_DEEPSEEK_MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        tie_word_embeddings=False),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        sliding_window_pattern=2, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen3_next": dict(_MOE, head_dim=16, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[],
+                       shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, full_attention_interval=2,
+                       partial_rotary_factor=0.5, tie_word_embeddings=False),
+    "phi3": dict(tie_word_embeddings=False),
+    "olmo2": dict(tie_word_embeddings=False),
+    "granite": dict(tie_word_embeddings=True, logits_scaling=4.0, attention_multiplier=0.25,
+                    embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False,
+                    mlp_bias=False),
+    "cohere2": dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, logit_scale=0.5,
+                    layer_norm_eps=1e-5, tie_word_embeddings=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
 
 
@@ -81,10 +116,14 @@ def build_model(
     seed: int = 0,
     quantize_bits: int | None = None,
     extra_config: dict | None = None,
+    vocab_size: int = 384,
+    corpus: list[str] | None = None,
+    chat_template: str = CHATML,
 ) -> Path:
-    """Write a random `family` model folder at `dest` and return it."""
+    """Write a random `family` model folder at `dest` and return it (its tokenizer trained on
+    `corpus`, CORPUS by default)."""
     dest.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(dest)
+    vocab = build_tokenizer(dest, vocab_size, corpus, chat_template)
     config = {
         "model_type": family,
         "hidden_size": hidden_size,
@@ -110,4 +149,75 @@ def build_model(
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+# Qwen 2.5's chat template (its tool parts verbatim; a shorter default system prompt).
+QWEN_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def qwen_tokenizer(dest: Path) -> Path:
+    """The tiny models' tokenizer with Qwen's markup tokens and tool-calling template."""
+    build_tokenizer(dest)
+    tok = AutoTokenizer.from_pretrained(str(dest))
+    # As in Qwen's tokenizer.json: added tokens, not special ones (they stay in decoded text).
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t in ("<tool_call>", "</tool_call>")])
+    tok.chat_template = QWEN_TEMPLATE
+    tok.save_pretrained(str(dest))
     return dest

@@ -44,10 +44,7 @@ async def collect_unless_gone(request: Request, collect: Callable[[], Awaitable[
                 task.cancel()
                 metrics.requests.labels(endpoint, "disconnected").inc()
                 return Response(status_code=499)
-        result = task.result()
-    except APIError:
-        metrics.requests.labels(endpoint, "error").inc()
-        raise
+        result = task.result()  # an APIError goes on to the gateway's handler, which counts it
     finally:
         if not task.done():
             task.cancel()

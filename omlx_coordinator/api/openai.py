@@ -1,6 +1,14 @@
 """The OpenAI API: /v1/models, /v1/chat/completions and /v1/completions over the generation
-core. Requests become token ids and a GenerationRequest; core events become OpenAI objects
-and chunks."""
+core. Requests become token ids and GenerationRequests (one per choice); core events become
+OpenAI objects and chunks: text, tool calls (tool_calls.py), logprobs.
+
+Tools: the chat template gets the request's tools, except with tool_choice "none", where it
+gets none (so the model is not prompted to call them; such a turn's prompt differs from the
+turns with tools, and the prefix cache serves less of it) and the output is not parsed.
+tool_choice "required" forces one or more calls (one with parallel_tool_calls false), a named
+function exactly one call of it, through a grammar (constraints.py); "auto" parses whatever
+calls the model writes. parallel_tool_calls false ends the generation after the first call.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from omlx_coordinator import constraints
 from omlx_coordinator.api.common import check_text, collect_unless_gone, sse
 from omlx_coordinator.api.openai_schema import (
     ChatCompletionRequest,
@@ -33,18 +43,146 @@ from omlx_coordinator.generation import (
     token_budget,
 )
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-def _usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+def _usage(dones: list[Done]) -> dict:
+    """The prompt counts once (choice 0's, whose prefill the others share), completions add."""
+    prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
+
+
+@dataclass
+class _Output:
+    """How a request's output is read back: tool calls, logprobs."""
+
+    tool_format: ToolCallFormat | None = None  # parse tool calls in this markup
+    tools: list[dict] | None = None
+    # parallel_tool_calls false: the call's end marker is a stop string (the parser takes the
+    # call without it), and whatever follows a first call is dropped (Mistral has no end)
+    single_call: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class _Choice:
+    """One choice's output, from core events to OpenAI's pieces: it keeps the whole (for a
+    non-streamed reply) and returns each event's stream deltas."""
+
+    def __init__(self, index: int, chat: bool, tok: ChatTokenizer, out: _Output):
+        self.index, self.chat, self.tok, self.out = index, chat, tok, out
+        self.tools = ToolCallStream(out.tool_format, out.tools) if out.tool_format else None
+        self.texts: list[str] = []
+        # With tools, whitespace waits for more text: what a model writes around its calls
+        # ("\n" between two) is no message, streamed or not.
+        self.blank = ""
+        self.calls: list[ToolCall] = []
+        self.chat_logprobs: list[dict] = []
+        self.text_logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [],
+                                               "top_logprobs": [], "text_offset": []}
+        self.offset = 0  # completions' text_offset: characters so far
+        self.done: Done | None = None
+
+    def delta(self, ev: Delta) -> list[dict]:
+        pieces = self.tools.feed(ev.text) if self.tools else ([ev.text] if ev.text else [])
+        return self._pieces(pieces, self._logprobs(ev))
+
+    def finish(self, done: Done) -> list[dict]:
+        deltas = self._pieces(self.tools.flush() if self.tools else [], None)
+        if self.blank and not self.calls:
+            blank, self.blank = self.blank, ""
+            deltas += self._pieces([blank], None, final=True)
+        reason = done.finish_reason
+        self.done = replace(done, finish_reason="tool_calls" if self.calls and reason == "stop"
+                            else reason)
+        return deltas
+
+    def _pieces(self, pieces: list[str | ToolCall], logprobs: dict | None,
+                final: bool = False) -> list[dict]:
+        deltas: list[dict] = []
+        for piece in pieces:
+            if self.out.single_call and self.calls:
+                break  # parallel_tool_calls false: nothing after the first call
+            if isinstance(piece, str):
+                if self.tools and not final and not piece.strip():
+                    self.blank += piece
+                    continue
+                piece, self.blank = self.blank + piece, ""
+                self.texts.append(piece)
+                deltas.append({"content": piece} if self.chat else {"text": piece})
+            else:
+                k = len(self.calls)
+                self.calls.append(piece)
+                deltas.append({"tool_calls": [{"index": k, "id": piece.id, "type": "function",
+                                               "function": {"name": piece.name,
+                                                            "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": k,
+                                               "function": {"arguments": piece.arguments}}]})
+        if logprobs is not None:
+            if not deltas:  # tokens whose text is held back still bring their logprobs
+                deltas.append({} if self.chat else {"text": ""})
+            deltas[0]["logprobs"] = logprobs
+        return deltas
+
+    def _logprobs(self, ev: Delta) -> dict | None:
+        if not self.out.logprobs or not ev.tokens:
+            return None
+        if self.chat:
+            content = [self._chat_entry(t, lp) for t, lp in zip(ev.tokens, ev.logprobs)]
+            self.chat_logprobs += content
+            return {"content": content, "refusal": None}
+        part: dict[str, list] = {k: [] for k in self.text_logprobs}
+        for t, lp in zip(ev.tokens, ev.logprobs):
+            token = self.tok.token_string(t)
+            top = {self.tok.token_string(i): l
+                   for i, l in zip(lp.top_ids[: self.out.top_logprobs], lp.top_logprobs)}
+            top.setdefault(token, lp.logprob)  # OpenAI: the sampled token is always there
+            part["tokens"].append(token)
+            part["token_logprobs"].append(lp.logprob)
+            part["top_logprobs"].append(top)
+            part["text_offset"].append(self.offset)
+            self.offset += len(token)
+        for key, values in part.items():
+            self.text_logprobs[key] += values
+        return part
+
+    def _chat_entry(self, token_id: int, lp: pb.TokenLogprob) -> dict:
+        top = [self._token(i, l) for i, l in zip(lp.top_ids[: self.out.top_logprobs],
+                                                  lp.top_logprobs)]
+        return {**self._token(token_id, lp.logprob), "top_logprobs": top}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.tok.token_string(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def full(self, echo: str) -> dict:
+        """The choice of a non-streamed reply."""
+        assert self.done is not None
+        text = "".join(self.texts)
+        if self.chat:
+            message: dict = {"role": "assistant", "content": (text or None) if self.calls else text}
+            if self.calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name,
+                                                       "arguments": c.arguments}}
+                                         for c in self.calls]
+            logprobs = ({"content": self.chat_logprobs, "refusal": None}
+                        if self.out.logprobs else None)
+            return {"index": self.index, "message": message,
+                    "finish_reason": self.done.finish_reason, "logprobs": logprobs}
+        return {"index": self.index, "text": echo + text,
+                "finish_reason": self.done.finish_reason,
+                "logprobs": self.text_logprobs if self.out.logprobs else None}
 
 
 class _Shape:
-    """Builds chat or text completion objects and chunks."""
+    """Chat or text completion objects and chunks around the choices."""
 
     def __init__(self, chat: bool, model: str):
         self.chat = chat
@@ -55,60 +193,135 @@ class _Shape:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, done: Done) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": done.finish_reason, "logprobs": None}
-            return {**self._base("chat.completion"), "choices": [choice], "usage": _usage(done)}
-        choice = {"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}
-        return {**self._base("text_completion"), "choices": [choice], "usage": _usage(done)}
+    def full(self, choices: list[dict], dones: list[Done]) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": choices, "usage": _usage(dones)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, index: int, delta: dict, finish_reason: str | None = None) -> dict:
+        logprobs = delta.pop("logprobs", None)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else (
-                {"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": logprobs}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": delta.get("text", ""), "finish_reason": finish_reason,
+                  "logprobs": logprobs}
         return {**self._base("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, done: Done) -> dict:
+    def usage_chunk(self, dones: list[Done]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": _usage(done)}
+        return {**self._base(obj), "choices": [], "usage": _usage(dones)}
+
+
+class _Choices:
+    """The n generations of one request, their events merged as (choice index, event).
+
+    Choice 0 starts first and the others once it has its first token: by then the node's
+    prefix cache holds the prompt, so they share its prefill instead of computing it n times."""
+
+    def __init__(self, make: Callable[[int], AsyncIterator], n: int):
+        self.gens = [make(i) for i in range(n)]  # not started until pumped
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: dict[int, asyncio.Task] = {}
+
+    def _start(self, i: int) -> None:
+        self.tasks[i] = asyncio.create_task(self._pump(i))
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for ev in self.gens[i]:
+                self.queue.put_nowait((i, ev))
+        except Exception as e:  # handed to the consumer, which raises it
+            self.queue.put_nowait((i, e))
+            return
+        self.queue.put_nowait((i, None))
+
+    async def merged(self) -> AsyncIterator[tuple[int, Delta | KeepAlive | Done]]:
+        self._start(0)
+        live, waiting = set(range(len(self.gens))), len(self.gens) > 1
+        while live:
+            i, ev = await self.queue.get()
+            if isinstance(ev, Exception):
+                raise ev
+            if waiting and (ev is None or isinstance(ev, Done) or
+                            (isinstance(ev, Delta) and ev.tokens)):
+                waiting = False
+                for k in range(1, len(self.gens)):
+                    self._start(k)
+            if ev is None or isinstance(ev, Done):
+                live.discard(i)
+            if ev is not None:
+                yield i, ev
+
+    async def aclose(self) -> None:
+        """Ends every generation still running (their node sequences are cancelled)."""
+        running = {t for t in self.tasks.values() if not t.done()}
+        # All cancelled before the first await: a caller that is itself being cancelled (a
+        # client gone mid-stream) may not get past it.
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=5.0)
+        for i, gen in enumerate(self.gens):
+            task = self.tasks.get(i)
+            if task is None or task.done():  # closing a generator a task runs raises
+                await gen.aclose()
 
 
 async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
                    settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
-                   endpoint: str, echo: str = "") -> Response:
+                   endpoint: str, output: _Output, grammar: str = "",
+                   echo: str = "") -> Response:
     limit_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
                    else "max_tokens")
     max_tokens = token_budget(cluster, prompt, body.token_limit, settings,
                               "messages" if chat else "prompt", limit_param)
     shape = _Shape(chat, cluster.model_id)
-    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=body.temperature,
-                            top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                            seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
-    events = generate(cluster, metrics, settings, req)
+    stop = body.stop
+    if output.single_call and output.tool_format and output.tool_format.end:
+        stop = stop + [output.tool_format.end]
+    base = GenerationRequest(
+        prompt=prompt, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
+        ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        grammar=grammar, logprobs=output.logprobs, top_logprobs=output.top_logprobs)
+
+    def start(i: int) -> AsyncIterator:
+        # Seeded choices differ from one another yet are each reproducible.
+        seed = None if body.seed is None else body.seed + i
+        return generate(cluster, metrics, settings, replace(base, seed=seed))
+
+    events = _Choices(start, body.n)
+    choices = [_Choice(i, chat, cluster.tokenizer, output) for i in range(body.n)]
+
+    async def chunks() -> AsyncIterator[tuple[int, dict, str | None] | None]:
+        """(choice index, delta, finish_reason) per stream chunk; None for a keep-alive."""
+        async for i, ev in events.merged():
+            choice = choices[i]
+            if isinstance(ev, KeepAlive):
+                yield None
+            elif isinstance(ev, Delta):
+                for d in choice.delta(ev):
+                    yield i, d, None
+            else:
+                for d in choice.finish(ev):
+                    yield i, d, None
+                yield i, {}, choice.done.finish_reason
 
     if body.stream:
         async def stream() -> AsyncIterator[str]:
             outcome = "error"
             try:
-                if chat:
-                    yield sse(shape.chunk(None, role=True))
-                elif echo:
-                    yield sse(shape.chunk(echo))
-                async for ev in events:
-                    if isinstance(ev, KeepAlive):
-                        yield ": keep-alive\n\n"
-                    elif isinstance(ev, Delta):
-                        if ev.text:
-                            yield sse(shape.chunk(ev.text))
-                    else:
-                        yield sse(shape.chunk(None if chat else "", ev.finish_reason))
-                        if body.include_usage:
-                            yield sse(shape.usage_chunk(ev))
-                        outcome = "ok"
+                for i in range(body.n):
+                    if chat:
+                        yield sse(shape.chunk(i, {"role": "assistant", "content": ""}))
+                    elif echo:
+                        yield sse(shape.chunk(i, {"text": echo}))
+                async for item in chunks():
+                    yield ": keep-alive\n\n" if item is None else sse(shape.chunk(*item))
+                if body.include_usage:
+                    yield sse(shape.usage_chunk([c.done for c in choices]))
+                outcome = "ok"
             except APIError as e:
                 # Headers are sent already: the error travels as an SSE event, as OpenAI does.
                 yield sse(e.body())
@@ -127,39 +340,88 @@ async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def collect() -> JSONResponse:
-        parts = [echo]
-        async for ev in events:
-            if isinstance(ev, Delta):
-                parts.append(ev.text)
-            elif isinstance(ev, Done):
-                return JSONResponse(shape.full("".join(parts), ev))
-        raise APIError(502, "the generation ended without a result", type="server_error")
+        async for _ in chunks():
+            pass
+        if any(c.done is None for c in choices):
+            raise APIError(502, "the generation ended without a result", type="server_error")
+        return JSONResponse(shape.full([c.full(echo) for c in choices],
+                                       [c.done for c in choices]))
 
     return await collect_unless_gone(request, collect, events, metrics, endpoint)
 
 
+def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
+                ) -> tuple[list[dict] | None, _Output, str]:
+    """(the tools for the chat template, how to read the output, the grammar)."""
+    mode, tools = body.tool_mode, body.tool_dicts
+    output = _Output(logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+    if mode in ("required", "named") and not tools:
+        raise APIError(400, f"tool_choice {mode!r} needs tools", param="tool_choice")
+    fmt = tok.tool_call_format
+    if tools and mode != "none":
+        if fmt is None:
+            raise APIError(400, "this model cannot call tools: its chat template shows no "
+                                "tool-call format mlx-lm knows", param="tools")
+        output.tool_format, output.tools = fmt, tools
+        output.single_call = not body.parallel_tool_calls
+    if mode in ("required", "named"):
+        assert fmt is not None
+        name = body.tool_choice.function.name if mode == "named" else None
+        # A named function is called once; "required" may call several when parallel.
+        grammar = constraints.grammar_for_tool_call(
+            fmt, tools, name, parallel=mode == "required" and body.parallel_tool_calls)
+        constraints.validate(grammar, "tool_choice")
+        return tools, output, grammar
+    return (tools if mode != "none" else None), output, _response_grammar(body)
+
+
+def _response_grammar(body: ChatCompletionRequest) -> str:
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return ""
+    if rf.type == "json_object":
+        return constraints.grammar_for_json_object()
+    assert rf.json_schema is not None
+    schema = rf.json_schema.schema_
+    grammar = constraints.grammar_for_json_schema(True if schema is None else schema)
+    constraints.validate(grammar, "response_format.json_schema.schema",
+                         f"the response_format schema {rf.json_schema.name!r}")
+    return grammar
+
+
 def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
                settings: GatewaySettings, keyed: list[Depends]) -> None:
+    def model_card() -> dict:
+        return {"id": cluster.model_id, "object": "model", "created": 0,
+                "owned_by": "omlx-cluster"}
+
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": cluster.model_id, "object": "model",
-                                            "created": 0, "owned_by": "omlx-cluster"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    async def model(model_id: str) -> dict:
+        if model_id != cluster.model_id:
+            raise APIError(404, f"model {model_id!r} is not served here; available: "
+                                f"{cluster.model_id!r}", param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_servable(cluster, body.model)
-        messages = [m.for_template() for m in body.messages]
+        messages = body.template_messages()
         for i, m in enumerate(messages):
-            if isinstance(m.get("content"), str):
-                check_text(m["content"], f"messages.{i}.content")
+            check_text(m["content"], f"messages.{i}.content")
+        tools, output, grammar = await asyncio.to_thread(_tool_setup, body, cluster.tokenizer)
         try:
-            prompt = await asyncio.to_thread(cluster.tokenizer.encode_chat, messages, body.tools)
+            prompt = await asyncio.to_thread(cluster.tokenizer.encode_chat, messages, tools)
         except APIError:
             raise
         except Exception as e:  # a template that rejects these messages (roles, order...)
             raise APIError(400, f"the chat template rejected the messages: {e}",
                            param="messages") from e
-        return await _respond(request, cluster, metrics, settings, prompt, body, True, "chat")
+        return await _respond(request, cluster, metrics, settings, prompt, body, True, "chat",
+                              output, grammar)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -178,5 +440,6 @@ def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
         echo = ""
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else cluster.tokenizer.decode(prompt)
+        output = _Output(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
         return await _respond(request, cluster, metrics, settings, prompt, body, False,
-                              "completions", echo=echo)
+                              "completions", output, echo=echo)

@@ -1,0 +1,221 @@
+"""The Anthropic Messages API request bodies the gateway accepts (POST /v1/messages and
+/v1/messages/count_tokens), as Claude Code and the `anthropic` SDK send them.
+
+Unlike the OpenAI bodies, unknown fields are refused (a 400 naming the field), as Anthropic's
+own API does: a field we silently ignored (a server-side feature) would change the answer
+without the client knowing. Hints that change nothing here are accepted and documented where
+they are declared. Content blocks we do not render are parsed as `OtherBlock`; the adapter
+(api/anthropic.py) decides whether one is refused (images, documents) or dropped (thinking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from omlx_coordinator.api.openai_schema import MAX_STOP_STRINGS
+
+# Starts the tags of the discriminated unions below; error messages leave them out of the field
+# path (gateway.py), so a missing tool_use id reads 'messages.0.content.1.id'.
+TAG_PREFIX = "kind="
+
+
+def _tag(kind: str) -> Tag:
+    return Tag(TAG_PREFIX + kind)
+
+
+class _Strict(BaseModel):
+    # Unknown fields are refused, and so are values of the wrong JSON type ("stream": "yes",
+    # "max_tokens": true): no coercion (an integer still passes where a number is wanted).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CacheControl(_Strict):
+    """Accepted on any block: the prefix cache here is automatic, so breakpoints are hints."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class OtherBlock(BaseModel):
+    """A block type we do not render (image, document, thinking, server_tool_use...)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _type(v: Any) -> Any:
+    return v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+
+
+def _block_kind(known: tuple[str, ...]) -> Callable[[Any], str]:
+    def kind(v: Any) -> str:
+        t = _type(v)
+        return TAG_PREFIX + (t if t in known else "other")
+    return kind
+
+
+ResultPart = Annotated[Annotated[TextBlock, _tag("text")] | Annotated[OtherBlock, _tag("other")],
+                       Discriminator(_block_kind(("text",)))]
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[ResultPart] = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[Annotated[TextBlock, _tag("text")] | Annotated[ToolUseBlock, _tag("tool_use")]
+                  | Annotated[ToolResultBlock, _tag("tool_result")]
+                  | Annotated[OtherBlock, _tag("other")],
+                  Discriminator(_block_kind(("text", "tool_use", "tool_result")))]
+
+
+class Message(_Strict):
+    # "system" mid-conversation: Claude Code's mid-conversation-system beta sends one.
+    role: Literal["user", "assistant", "system"]
+    content: list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_is_one_text_block(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of content blocks")
+        return v
+
+
+class Tool(_Strict):
+    """A client tool. Server tools (a `type` such as web_search_20250305) parse as ServerTool
+    and are refused by the adapter: they run on Anthropic's servers, and dropping one would
+    answer without the tool ever running."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # The shape the chat templates and the grammar builder rely on; the grammar compiler
+        # checks the rest when a tool is forced.
+        if v.get("type") != "object":
+            raise ValueError("must be a JSON schema with \"type\": \"object\"")
+        props = v.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
+            raise ValueError("'properties' must map each property name to a JSON schema object")
+        required = v.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("'required' must be a list of property names")
+        return v
+
+
+class ServerTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    name: str | None = None
+
+
+def _tool_kind(v: Any) -> str:
+    return TAG_PREFIX + ("custom" if _type(v) in (None, "custom") else "server")
+
+
+ToolDef = Annotated[Annotated[Tool, _tag("custom")] | Annotated[ServerTool, _tag("server")],
+                    Discriminator(_tool_kind)]
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    # One tool call at most: generation stops after the first (api/anthropic.py).
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' is given with type 'tool', and only then")
+        return self
+
+
+class Thinking(_Strict):
+    """Accepted: the model's own reasoning, if it writes any, arrives as text; no thinking
+    blocks are produced."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+class ContextEdit(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ContextManagement(_Strict):
+    """Claude Code sends `clear_thinking_*` edits: a no-op here, where no thinking blocks exist;
+    other edits (clearing tool results) would need the server to rewrite the conversation and
+    are refused by the adapter."""
+
+    edits: list[ContextEdit] = []
+
+
+class OutputConfig(_Strict):
+    # Claude Code sends an effort level: a hint for reasoning models, nothing to apply here.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+class PromptBody(_Strict):
+    """What is templated into the prompt: shared by /v1/messages and count_tokens."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # the whole prompt's breakpoint: a hint too
+
+
+class MessagesRequest(PromptBody):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] = Field(default=[], max_length=MAX_STOP_STRINGS)
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)
+    stream: bool = False
+    metadata: Metadata | None = None  # accepted: nothing here is per user
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted: one tier here

@@ -1,0 +1,104 @@
+"""The llguidance grammars a request's output must follow (GenerationRequest.grammar), built
+with llguidance's own compilers and checked here, at the gateway, so a schema the node's engine
+cannot compile is a 400 that says which part, never a failed generation.
+
+- `grammar_for_json_object()`: any JSON object (OpenAI's `response_format: json_object`).
+- `grammar_for_json_schema(schema)`: JSON that follows `schema` (`json_schema` formats; OpenAI's
+  `strict: false` is enforced all the same: the engine can only constrain fully).
+  JSON is laid out as json.dumps writes it (see _JSON_LAYOUT).
+- `grammar_for_tool_call(fmt, tools, name)`: the model's own tool-call markup, `fmt.start` +
+  the call JSON its family's parser reads + `fmt.end`, with the arguments constrained by the
+  tool's `parameters` schema (tool_choice `required` or a named function). Only families whose
+  call is a JSON object between plain-text markers can be forced: mlx-lm's `json_tools`
+  (Qwen 2.5/3, Hermes and the like: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+  </tool_call>`). Every other family is a 400 naming it: qwen3_coder, glm47, minimax_m2,
+  minicpm5, longcat, muse_spark, kimi_k3 write XML-like parameters, pythonic and gemma4 /
+  function_gemma call syntax, and mistral and kimi_k2 open their calls with a special token
+  that a text grammar does not produce.
+- `validate(grammar, param)`: compiles a grammar as the engine will (without its vocabulary).
+
+Grammars come out in llguidance's JSON TopLevelGrammar form, which the node's LLMatcher reads.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher
+
+from omlx_coordinator.errors import APIError
+from omlx_coordinator.tool_calls import ToolCallFormat
+
+# The families whose calls `grammar_for_tool_call` can force (see the module docstring).
+FORCEABLE_FAMILIES = frozenset({"json_tools"})
+# Qwen's templates render a call as start + "\n" + JSON + "\n" + end; the forced call matches
+# what the model was trained to write.
+_CALL_PADDING = "\n"
+# JSON as json.dumps and the templates' `tojson` write it: one space after "," and ":", none
+# elsewhere. llguidance's default allows any whitespace between tokens, which lets a model pad
+# its output with blank lines until max_tokens instead of closing the object.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_for_json_object() -> str:
+    return grammar_for_json_schema({"type": "object"})
+
+
+def grammar_for_json_schema(schema: dict[str, Any] | bool) -> str:
+    """JSON that follows `schema` (a JSON Schema; `true` or `{}` is any JSON value)."""
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_LAYOUT)
+
+
+def grammar_for_tool_call(fmt: ToolCallFormat, tools: list[dict], name: str | None,
+                          parallel: bool = False,
+                          schema_param: str = "tools.{i}.function.parameters") -> str:
+    """One call (several when `parallel`) in `fmt`'s markup of the tool named `name`, or of any
+    of `tools` (OpenAI's shape: {"type": "function", "function": {"name", "parameters"}}).
+    `schema_param` names tool i's schema in the client's own API, for errors.
+
+    Raises APIError 400 for a family that cannot be forced, a name not among the tools, or a
+    tool whose parameters the engine cannot compile (naming the tool)."""
+    if fmt.family not in FORCEABLE_FAMILIES:
+        raise APIError(400, f"this model's tool calls ({fmt.family} format) cannot be forced: "
+                            "its call markup is not a JSON object between plain-text markers; "
+                            "use tool_choice \"auto\"", param="tool_choice")
+    calls = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters")
+        if parameters is None:  # OpenAI: no parameters is an empty parameter list
+            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+        validate(grammar_for_json_schema(parameters), schema_param.format(i=i),
+                 f"the parameters of tool {function['name']!r}")
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": function["name"]},
+                                     "arguments": parameters},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    if not calls:
+        names = [t["function"]["name"] for t in tools]
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
+                            f"tools {names}", param="tool_choice")
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_LAYOUT}
+    call = " ".join([_marker(fmt.start, fmt.start_id), json.dumps(_CALL_PADDING), "%json",
+                     json.dumps(schema), json.dumps(_CALL_PADDING), _marker(fmt.end, fmt.end_id)])
+    # Qwen's templates put a newline between two calls.
+    lark = f"start: call ({json.dumps(chr(10))} call)*\n" if parallel else "start: call\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark + f"call: {call}\n"}]})
+
+
+def _marker(text: str, token_id: int | None) -> str:
+    # llguidance treats every added token as special: a text literal never produces it, so a
+    # marker that is a token of its own is written as that token (`<[id]>`).
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
+def validate(grammar: str, param: str, what: str | None = None) -> None:
+    """Raises APIError 400 naming `param` (and `what` it is) unless the engine can compile
+    `grammar`."""
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise APIError(400, f"{what or repr(param)} cannot be compiled into a grammar for "
+                            f"constrained decoding: {messages[0].strip()}", param=param)
