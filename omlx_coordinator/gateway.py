@@ -10,15 +10,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.api import openai
+from omlx_coordinator.api import anthropic, openai
+from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.cluster import Cluster
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
-from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.metrics import GatewayMetrics, prometheus_targets
+from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
+from omlx_shared import auth
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ def _split_loc(loc: tuple) -> tuple[str | None, str | None, str]:
     field: list[str] = []
     tag, rest = None, []
     for i, p in enumerate(loc):
-        if i == 0 and p == "body":
+        if (i == 0 and p == "body") or (isinstance(p, str) and p.startswith(TAG_PREFIX)):
             continue
         if tag is None and isinstance(p, str) and ("[" in p or p in ("str", "int", "float",
                                                                      "bool", "none")):
@@ -45,7 +49,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     e = errors[0]
     if e.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
-    msg = e.get("msg", "invalid value")
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+    if e.get("type") == "extra_forbidden":
+        msg = "this field is not supported here"
     field, tag, _ = _split_loc(tuple(e.get("loc", ())))
     if field is None:
         if e.get("type") == "missing":
@@ -65,11 +71,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
                start_cluster: bool = True,
-               on_start_failure: Callable[[str], None] | None = None) -> FastAPI:
-    """The gateway app; its lifespan starts `cluster` and calls `on_start_failure(reason)` if
-    the model cannot be served at all."""
+               on_start_failure: Callable[[str], None] | None = None,
+               rebalance: RebalanceSettings | None = None) -> FastAPI:
+    """The gateway app; its lifespan starts `cluster` (and its rebalancer, `rebalance`: off by
+    default) and calls `on_start_failure(reason)` if the model cannot be served at all."""
     settings = settings or GatewaySettings()
-    metrics = GatewayMetrics(cluster.weight_counters)
+    metrics = GatewayMetrics(cluster.weight_counters, cluster.model_id)
+    rebalancer = Rebalancer(cluster, metrics, rebalance or RebalanceSettings(mode="off"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,11 +90,13 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         if start_cluster:
             task = asyncio.create_task(cluster.start())
             task.add_done_callback(started)
+        rebalancer.start()
         try:
             yield
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            await rebalancer.stop()
             await cluster.stop()
 
     app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan)
@@ -95,63 +105,98 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
     # disconnects from the endpoint, and a client that goes away must cancel its generation.
-    # /health and /metrics stay open (load balancers, Prometheus); /cluster/register too: it
-    # only makes the coordinator challenge that address with the cluster secret.
-    async def require_api_key(request: Request) -> None:
+    # /health (ready or not, details only with a key) and /metrics stay open (load balancers,
+    # Prometheus); /cluster/register is signed with the cluster secret instead. Anthropic's
+    # clients send the key as x-api-key.
+    def has_key(request: Request) -> bool:
         if not settings.api_keys:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in settings.api_keys:
+            return True
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        keys = {request.headers.get("x-api-key", "").strip(),
+                bearer.strip() if scheme.lower() == "bearer" else ""}
+        return bool(keys & settings.api_keys)
+
+    async def require_api_key(request: Request) -> None:
+        if not has_key(request):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                "with a key this server was started with",
+                                "or 'x-api-key: <key>' with a key this server was started with",
                            code="invalid_api_key")
 
     keyed = [Depends(require_api_key)]
 
+    # The generation routes, as `omlx_requests_total{endpoint}` names them.
+    endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                 anthropic.PATH: anthropic.ENDPOINT}
+
+    def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
+        """The error in the shape of the API the path belongs to; a generation request's
+        counted by outcome (rejected: the client's fault; error: ours)."""
+        if (endpoint := endpoints.get(request.url.path)) is not None:
+            outcome = "rejected" if exc.status < 500 else "error"
+            metrics.requests.labels(endpoint, outcome).inc()
+        body = (anthropic.error_body(exc.status, exc.message)
+                if anthropic.owns(request.url.path) else exc.body())
+        return JSONResponse(body, status_code=exc.status, headers=headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        return error(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no such endpoint: {request.method} {request.url.path} (the API is "
-                        "under /v1: /v1/models, /v1/chat/completions, /v1/completions)",
+                        "under /v1: /v1/models, /v1/chat/completions, /v1/completions, "
+                        "/v1/messages)",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
-        return JSONResponse(APIError(exc.status_code, message).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error(request, APIError(exc.status_code, message),
+                     headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
-        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        return error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                       type="server_error"))
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        body = {"status": "ok" if cluster.ready else cluster.status, "model": cluster.model_id,
-                "nodes": cluster.nodes}
+    async def health(request: Request) -> JSONResponse:
+        """Open to load balancers; the nodes' addresses, pids and memory only with a key."""
+        body: dict = {"status": "ok" if cluster.ready else "not ready"}
+        if has_key(request):
+            body = {"status": "ok" if cluster.ready else cluster.status,
+                    "model": cluster.model_id, "nodes": cluster.nodes}
         return JSONResponse(body, status_code=200 if cluster.ready else 503)
 
     @app.post("/cluster/register")
     async def register(request: Request) -> JSONResponse:
-        """A node that cannot use Bonjour (`join --coordinator`) announces its address."""
+        """A node that cannot use Bonjour (`join --coordinator`) announces its address and id,
+        signed with the cluster secret (omlx_shared/auth.py `registration`): an unsigned,
+        forged or replayed one is refused, so nobody else can point the coordinator anywhere."""
         try:
-            address = str((await request.json())["address"])
+            body = await request.json()
+            address = str(body["address"])
             host, _, port = address.rpartition(":")
             if not host or not 0 < int(port) < 65536:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            raise APIError(400, "send {\"address\": \"HOST:PORT\"} of the node agent",
+            raise APIError(400, "send {\"address\": \"HOST:PORT\", ...} of the node agent, "
+                                "signed as `omlx-cluster join --coordinator` does",
                            param="address")
-        if any(n["address"] == address and n["alive"] for n in cluster.nodes):
+        try:
+            address, node_id = cluster.registrations.verify(body)
+        except auth.RegistrationError as e:
+            log.warning("refused a registration of %s from %s: %s", address,
+                        request.client.host if request.client else "?", e)
+            raise APIError(401, f"registration refused: {e}", code="invalid_registration")
+        if any(n["id"] == node_id and n["address"] == address and n["alive"]
+               for n in cluster.nodes):
             return JSONResponse({"status": "member"})
-        task = asyncio.create_task(cluster.add_remote(address))
+        task = asyncio.create_task(cluster.add_remote(address, node_id))
         app.state.register_tasks.add(task)
         task.add_done_callback(app.state.register_tasks.discard)
         return JSONResponse({"status": "admitting"}, status_code=202)
@@ -164,11 +209,60 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
                 "plan": plan.to_dict() if plan else None,
                 "backend": ({"name": cluster.backend.backend, "reason": cluster.backend.reason}
                             if cluster.backend else None),
-                "last_recovery": cluster.last_recovery, "nodes": cluster.nodes}
+                "last_recovery": cluster.last_recovery,
+                "nodes": [{**n, **rebalancer.measured(n["id"])} for n in cluster.nodes]}
 
-    @app.get("/metrics")
+    @app.get("/cluster/rebalance", dependencies=keyed)
+    async def rebalance_advice() -> dict:
+        """The measured speeds, the current and the best split, the predicted gain."""
+        return await rebalancer.rebalance_now(dry_run=True)
+
+    @app.post("/cluster/rebalance", dependencies=keyed)
+    async def rebalance_now() -> dict:
+        """Moves to the best split for the measured speeds now (past the threshold, the window
+        and the cooldown); the answer says whether it moved."""
+        if rebalancer.settings.mode == "off":
+            raise APIError(409, "rebalancing is off (--rebalance off)")
+        return await rebalancer.rebalance_now(dry_run=False)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/cluster/prometheus-targets", dependencies=keyed)
+    async def prometheus_sd() -> list[dict]:
+        """Prometheus's HTTP service discovery (`http_sd_configs`, deploy/prometheus): every
+        stage's metrics endpoint, so a Mac that joins is scraped without editing prometheus.yml.
+        Keyed like /cluster/status: it names every node's address."""
+        return prometheus_targets(cluster.nodes, cluster.model_id, cluster.plan)
 
     openai.add_routes(app, cluster, metrics, settings, keyed)
+    anthropic.add_routes(app, cluster, metrics, settings, keyed)
+    app.openapi = lambda: _openapi(app, keyed)
     return app
+
+
+# What the error handlers above really answer, for the OpenAPI schema (FastAPI's default
+# documents a 422 that this gateway never sends).
+_ERRORS = {"400": "the request is invalid: the error object says what and names the field",
+           "404": "no such model (the error lists the served ones) or endpoint",
+           "503": "the model cannot be served now (loading, or no node can hold it)"}
+
+
+def _openapi(app: FastAPI, keyed: list) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        keyed_paths = {r.path for r in app.routes
+                       if any(d.dependency is keyed[0].dependency
+                              for d in getattr(r, "dependencies", []))}
+        for path, ops in schema.get("paths", {}).items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.update({k: {"description": v} for k, v in _ERRORS.items()})
+                if path in keyed_paths:
+                    responses["401"] = {"description": "missing or wrong API key"}
+        schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+        schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,8 +1,10 @@
 """How remote nodes reach the coordinator: Bonjour announcements and explicit registration.
 
-Either way the coordinator only learns an address: the `admit` callback (`Cluster.add_remote`)
-admits the node only after it proves the cluster secret (omlx_shared/auth.py). Liveness comes
-from the coordinator's heartbeats, never from mDNS (a crashed Mac sends no goodbye).
+Either way the coordinator only learns an address and the node id to expect there: the `admit`
+callback (`Cluster.add_remote`) admits the node only if the TLS server there holds a certificate
+for that id and proves the cluster secret (omlx_shared/auth.py, omlx_shared/cluster_tls.py).
+Liveness comes from the coordinator's heartbeats, never from mDNS (a crashed Mac sends no
+goodbye).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ log = logging.getLogger(__name__)
 class DiscoveryBridge:
     """Admits the node agents that Bonjour announces (`_omlx-node._tcp.local.`)."""
 
-    def __init__(self, admit: Callable[[str], Awaitable[object]], interfaces: list[str] | None):
+    def __init__(self, admit: Callable[[str, str], Awaitable[object]],
+                 interfaces: list[str] | None):
         self.admit = admit
         self.interfaces = interfaces
         self.browser = None
@@ -34,13 +37,13 @@ class DiscoveryBridge:
 
     def _added(self, announcement) -> None:  # on zeroconf's thread
         address = f"{announcement.host}:{announcement.port}"
-        self._loop.call_soon_threadsafe(self._admit, address)
+        self._loop.call_soon_threadsafe(self._admit, address, announcement.node_id)
 
     def _removed(self, node_id: str) -> None:  # on zeroconf's thread
         log.info("node %s stopped announcing itself", node_id)
 
-    def _admit(self, address: str) -> None:
-        task = asyncio.ensure_future(self.admit(address))
+    def _admit(self, address: str, node_id: str) -> None:
+        task = asyncio.ensure_future(self.admit(address, node_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

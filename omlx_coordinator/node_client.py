@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from omlx_shared import __version__, auth
+from omlx_shared import __version__, auth, cluster_tls
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -21,9 +21,14 @@ class AdmissionError(RuntimeError):
 
 
 class AgentClient:
-    def __init__(self, address: str):
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+    """The coordinator's connection to one node agent, named by its node id: with a secret the
+    channel is mutual TLS (omlx_shared/cluster_tls.py) with a key pair of its own, and only a
+    server holding a certificate for that node id answers on it."""
+
+    def __init__(self, address: str, node_id: str, secret: str | None):
+        self.address, self.node_id, self.secret = address, node_id, secret
+        self.tls = cluster_tls.issue(secret, cluster_tls.COORDINATOR) if secret else None
+        self.channel = cluster_tls.channel(address, self.tls, cluster_tls.node_identity(node_id))
         self.stub = pb_grpc.NodeAgentStub(self.channel)
         self.session = ""  # from `admit`; every later call carries it
 
@@ -31,9 +36,10 @@ class AgentClient:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((auth.SESSION_METADATA, self.session),)
 
-    async def admit(self, secret: str | None, timeout: float = 5.0) -> pb.HandshakeReply:
-        """The two-way proof of the cluster secret (omlx_shared/auth.py); raises
-        AdmissionError with the reason, logged on both sides."""
+    async def admit(self, timeout: float = 5.0) -> pb.HandshakeReply:
+        """The two-way proof of the cluster secret over this channel (omlx_shared/auth.py);
+        raises AdmissionError with the reason, logged on both sides."""
+        who = f"node {self.node_id} ({self.address})"
         c_nonce = auth.new_nonce()
         try:
             hello = await self.stub.Handshake(
@@ -41,29 +47,42 @@ class AgentClient:
                 timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise AdmissionError(f"node {self.address}: {e.details()}") from None
+                raise AdmissionError(f"{who}: {e.details()}") from None
+            if refusal := cluster_tls.tls_refusal(e):
+                raise AdmissionError(f"{who} does not hold this cluster's secret or is another "
+                                     f"node: the TLS handshake failed ({refusal})") from None
             raise
         if not auth.compatible(hello.version, __version__):
-            raise AdmissionError(f"node {hello.node_id} ({self.address}) runs omlx-cluster "
-                                 f"{hello.version}, this coordinator {__version__}")
-        if secret is not None and not auth.check(
-                auth.proof(secret, "node", c_nonce, hello.node_id), hello.proof):
+            raise AdmissionError(f"{who} runs omlx-cluster {hello.version}, this coordinator "
+                                 f"{__version__}")
+        if hello.node_id != self.node_id:
+            raise AdmissionError(f"{who} answers as node {hello.node_id!r}")
+        transcript = auth.Transcript(c_nonce, hello.node_nonce, self.node_id,
+                                     self.tls.fingerprint if self.tls else "")
+        if self.secret is not None and not auth.check(transcript.proof(self.secret, "node"),
+                                                      hello.proof):
             try:  # an empty proof: the node logs the refusal on its side too
                 await self.stub.Admit(pb.AdmitRequest(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 pass
-            raise AdmissionError(f"node {hello.node_id} ({self.address}) does not hold this "
-                                 "cluster's secret")
-        admit_proof = auth.proof(secret, "coordinator", hello.node_nonce, c_nonce) if secret else b""
+            raise AdmissionError(f"{who}: its proof does not cover this connection (a relay "
+                                 "or a replayed answer)")
         try:
-            await self.stub.Admit(pb.AdmitRequest(proof=admit_proof), timeout=timeout)
+            await self.stub.Admit(pb.AdmitRequest(
+                proof=transcript.proof(self.secret, "coordinator") if self.secret else b""),
+                timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                raise AdmissionError(f"node {hello.node_id} ({self.address}) refused this "
-                                     f"coordinator: {e.details()}") from None
+                raise AdmissionError(f"{who} refused this coordinator: {e.details()}") from None
             raise
-        self.session = auth.session_token(secret, c_nonce, hello.node_nonce) if secret else ""
+        self.session = transcript.session_token(self.secret) if self.secret else ""
         return hello
+
+    def worker(self, address: str) -> WorkerClient:
+        """The head worker this agent started: it serves with the agent's certificate and takes
+        this admission's session, from this client's certificate only."""
+        return WorkerClient(address, cluster_tls.channel(
+            address, self.tls, cluster_tls.node_identity(self.node_id)), self.session)
 
     async def load_shard(self, request: pb.LoadShardRequest) -> pb.LoadShardReply:
         return await self.stub.LoadShard(request, timeout=LOAD_TIMEOUT_SECONDS,
@@ -89,9 +108,9 @@ class AgentClient:
 class WorkerClient:
     """The head worker of a plan: where sequences go."""
 
-    def __init__(self, address: str, session: str = ""):
+    def __init__(self, address: str, channel: grpc.aio.Channel, session: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = channel
         self.stub = pb_grpc.ShardWorkerStub(self.channel)
         self.metadata = ((auth.SESSION_METADATA, session),)
 

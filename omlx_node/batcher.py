@@ -12,6 +12,18 @@ token, is prefilled into its own KV cache, merged into the batch's left-padded `
 and its last prompt token becomes its first decode input, exactly as mlx-lm's BatchGenerator
 does, so greedy outputs match mlx-lm's single-sequence generation.
 
+A constrained row (a grammar, omlx_node.constraints) cannot have its next token scheduled before
+its last one is on the host: its matcher must take that token and fill the mask the next one is
+sampled under. So while any row of the batch is constrained, a decode step starts the device on
+its logits first and does that CPU work meanwhile; the other rows' tokens stay bit-identical.
+
+A failure is isolated where it can be: one that a sequence explains (its sampler, penalties,
+grammar matcher or parameters raise) ends that sequence alone, with its own error, while the
+other rows' tokens stay what they would have been. A step that fails for a reason no sequence
+explains fails every sequence once, with a message that names none of them (one client's
+parameters never reach another), and the engine starts again from a clean state: no KV, and
+mx.random's key as it was before the step (see omlx_node.sampling).
+
 All MLX work happens on the engine thread (the one calling `run` or `step`); other threads talk
 to it only through `submit`, `cancel` and `stop`, which put messages on a queue.
 """
@@ -29,9 +41,22 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from omlx_node.kv_tiers import PrefixCache
-from omlx_node.metrics import NodeMetrics
-from omlx_node.sampling import RowSampler, SamplingParams, sample_batch
+from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
+from omlx_node.kv_cache import PrefixCache
+from omlx_node.metrics import NodeMetrics, StageProfile
+from omlx_node.sampling import (
+    MAX_TOP_LOGPROBS,
+    PENALTY_CONTEXT,
+    Logprob,
+    RowSampler,
+    SamplingParams,
+    make_sampler,
+    random_key,
+    restore_random_key,
+    sample_batch,
+    sample_rows,
+    unpack_logprobs,
+)
 from omlx_node.stage import StageRunner
 
 log = logging.getLogger(__name__)
@@ -44,26 +69,56 @@ class SeqRequest:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()
+    grammar: str = ""  # an llguidance grammar (omlx_node.constraints); "": unconstrained
+    resumed_tokens: int = 0  # the prompt's last ones were generated under `grammar` already
+
+    @property
+    def resumed(self) -> list[int]:
+        """The tokens a grammar's matcher takes before the first sampled one."""
+        return self.prompt[len(self.prompt) - self.resumed_tokens:] if self.grammar else []
+
+    @property
+    def penalty_context(self) -> list[int]:
+        """What a penalized sequence's penalties look at before its first token."""
+        return self.prompt[-PENALTY_CONTEXT:] if self.sampling.penalized else []
 
 
 @dataclass
 class Finish:
-    """The last event of a sequence's stream."""
+    """The last event of a sequence's stream. `reason`: "stop", "length", "cancelled",
+    "error" (this sequence failed: `error` is its own), "aborted" (the engine stopped, as for a
+    new plan: safe to run again) or "lost" (the node failed under it, e.g. a stage of its
+    pipeline was lost: the worker goes down, and the coordinator may run it again elsewhere)."""
 
-    reason: str  # "stop", "length", "cancelled", "error" or "aborted" (the node went away)
+    reason: str
     error: str = ""
+
+
+def advance_each(rows: list[tuple[GrammarMatcher, int]]) -> list[tuple[Verdict, str]]:
+    """`advance_rows`, with a matcher that raises failing its own row only (an ERROR verdict)."""
+    out = []
+    for matcher, token in rows:
+        try:
+            out += advance_rows([(matcher, token)])
+        except Exception as e:  # llguidance's or the matcher's: this row's grammar alone
+            out.append((Verdict.ERROR, f"the grammar's matcher failed: {type(e).__name__}: {e}"))
+    return out
 
 
 _seq_ids = itertools.count(1)
 
 
 class Sequence:
-    """One request inside the engine. `events` yields ints (tokens) and then one Finish."""
+    """One request inside the engine. `events` yields ints (tokens) and then one Finish; when
+    the request asked for logprobs, each token's is in `logprobs` before the token is in
+    `events`."""
 
-    def __init__(self, req: SeqRequest):
+    def __init__(self, req: SeqRequest, matcher: GrammarMatcher | None = None):
         self.req = req
         self.sid = next(_seq_ids) & 0x7FFFFFFF  # int32 on the wire
         self.events: queue.Queue[int | Finish] = queue.Queue()
+        self.logprobs: deque[Logprob] = deque()
+        self.matcher = matcher  # its grammar's, compiled at submit (a pipeline's tail has its own)
         self.prefilled = 0
         self.cached = 0  # prompt tokens restored from the prefix cache
         self.looked_up = False  # the prefix cache was asked (and answered)
@@ -73,6 +128,8 @@ class Sequence:
         self.cancelled = False
         self.finished = False  # its Finish is out; a pipeline drops its row at the next step
         self.submitted = time.perf_counter()
+        self.prefill_started = 0.0  # 0: still queued
+        self.first_token_time = 0.0
         self.last_token_time = 0.0
 
     @property
@@ -90,8 +147,14 @@ class StageState:
     Every stage of a pipeline applies the same operations in the same order, so the rows of a
     micro-batch line up across stages without ever being named on the wire after admission."""
 
-    def __init__(self, stage: StageRunner, prefix_cache: PrefixCache | None = None):
+    def __init__(self, stage: StageRunner, profile: StageProfile,
+                 prefix_cache: PrefixCache | None = None):
+        """`profile` times (some of) the steps this stage's layers run."""
         self.stage = stage
+        self.profile = profile
+        if prefix_cache is not None and stage.prefix_cache_off:
+            log.info("prefix cache off: %s", stage.prefix_cache_off)
+            prefix_cache = None
         self.prefix_cache = prefix_cache
         self.prefilling: dict[int, list[KVCache]] = {}
         self.caches: dict[int, list[BatchKVCache]] = {}
@@ -103,7 +166,8 @@ class StageState:
         if self.prefix_cache is None:
             return 0
         self.tokens[seq_id] = tokens
-        kv = self.prefix_cache.restore(tokens, self.prefix_cache.lookup(tokens))
+        kv = self.stage.from_blocks(
+            self.prefix_cache.restore(tokens, self.prefix_cache.lookup(tokens)))
         held = kv[0].offset
         if held:
             self.prefilling[seq_id] = kv
@@ -121,10 +185,14 @@ class StageState:
             c.trim(c.offset - n)
 
     def prefill(self, seq_id: int, x: mx.array) -> mx.array:
-        """Runs a prompt chunk of one sequence; returns this stage's output (lazy)."""
+        """Runs a prompt chunk of one sequence; returns this stage's output (lazy). The prefix
+        cache keeps the blocks the chunk completed right away: a sliding-window layer still
+        holds them now, not at admission."""
         cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
-        out = self.stage(x, cache, last_only=True)
+        out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True))
         mx.eval([c.state for c in cache])
+        if self.prefix_cache is not None and seq_id in self.tokens:
+            self.prefix_cache.store(self.tokens[seq_id], cache)
         return out
 
     def free(self, seq_ids: list[int]) -> None:
@@ -136,14 +204,17 @@ class StageState:
         """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences.
 
         A micro-batch of one row keeps plain `KVCache`s: decoding through a one-row
-        `BatchKVCache` (mask array, per-row offsets) measured ~30% slower on a GPU."""
+        `BatchKVCache` (mask array, per-row offsets) measured ~30% slower on a GPU. So a
+        micro-batch holds batch caches exactly when it has several rows. Each layer's cache is
+        merged into the batch type mlx-lm pairs with its type (`merge`: BatchKVCache for
+        KVCache, BatchRotatingKVCache for RotatingKVCache, ArraysCache for itself)."""
         rows = self.rows.get(mb, [])
         caches = self.caches.get(mb)
         if keep is not None and len(keep) < len(rows):
             rows = [rows[i] for i in keep]
             if not rows:
                 caches = None
-            elif len(rows) == 1 and isinstance(caches[0], BatchKVCache):
+            elif len(rows) == 1:
                 caches = [c.extract(keep[0]) for c in caches]
             else:
                 idx = mx.array(keep)
@@ -152,18 +223,16 @@ class StageState:
         if admit:
             # A one-token prompt has nothing to prefill: its cache starts empty here.
             new = [self.prefilling.pop(s, None) or self.stage.make_cache() for s in admit]
-            if self.prefix_cache is not None:
-                for sid, kv in zip(admit, new):
-                    if sid in self.tokens:
-                        self.prefix_cache.store(self.tokens.pop(sid), kv)
+            for sid in admit:
+                self.tokens.pop(sid, None)  # its blocks were stored as its prefill went
             if not rows and len(new) == 1:
                 caches = new[0]
-            elif rows and isinstance(caches[0], BatchKVCache):
-                for c, m in zip(caches, (BatchKVCache.merge(list(l)) for l in zip(*new))):
+            elif len(rows) > 1:
+                for c, m in zip(caches, (l[0].merge(list(l)) for l in zip(*new))):
                     c.extend(m)
             else:
                 parts = [caches, *new] if rows else new
-                caches = [BatchKVCache.merge(list(layer)) for layer in zip(*parts)]
+                caches = [layer[0].merge(list(layer)) for layer in zip(*parts)]
             rows = rows + list(admit)
         if rows:
             self.caches[mb], self.rows[mb] = caches, rows
@@ -172,22 +241,32 @@ class StageState:
             self.rows.pop(mb, None)
 
     def forward(self, mb: int, x: mx.array) -> mx.array:
-        return self.stage(x, self.caches[mb])
+        return self.profile.run("decode", x, lambda: self.stage(x, self.caches[mb]))
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV this stage holds, for every micro-batch and prefilling sequence."""
+        return sum(c.nbytes for caches in (*self.caches.values(), *self.prefilling.values())
+                   for c in caches)
 
 
 class Engine:
     """What every pipeline head does: requests in, prompt chunks scheduled, tokens out."""
 
-    failure_reason = "error"  # how sequences end when a step fails
+    failure_reason = "error"  # how sequences end when a step fails for no sequence's fault
+    failure_message = ("the node failed a step for a reason no request explains (logged on the "
+                       "node); it was restarted clean")
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int,
-                 max_batch: int, vocab_size: int, prefix_cache: PrefixCache | None = None):
+                 max_batch: int, vocab_size: int, prefix_cache: PrefixCache | None = None,
+                 grammars: Grammars | None = None):
+        """`grammars`: compiles the grammars of constrained requests (None: refuses them)."""
         self.stage = stage
+        self.grammars = grammars
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.vocab_size = vocab_size
-        self.state = StageState(stage, prefix_cache)
+        self.state = StageState(stage, metrics.profile, prefix_cache)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._stop = threading.Event()
@@ -195,6 +274,8 @@ class Engine:
         self.prompt_total = 0
         self.requests_total = 0
         self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
+        # What the worker's Health says: False from a failed step until the engine is clean.
+        self.ready, self.status = True, "ready"
 
     # ---- API for other threads -------------------------------------------------------------
 
@@ -220,10 +301,29 @@ class Engine:
                 f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.max_tokens}) exceeds "
                 f"the model's context of {limit} tokens"
             )
+        k = req.sampling.logprobs
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")
+        if req.sampling.repetition_penalty < 0:
+            raise ValueError("repetition_penalty must not be negative, got "
+                             f"{req.sampling.repetition_penalty}")
+        if req.grammar and not 0 <= req.resumed_tokens < len(req.prompt):
+            raise ValueError(f"resumed_tokens ({req.resumed_tokens}) must be less than the "
+                             f"prompt's {len(req.prompt)} tokens")
+        if req.grammar and self.grammars is None:
+            raise ValueError("this node does not apply grammars")
 
     def submit(self, req: SeqRequest) -> Sequence:
+        """Queues a request (from any thread); raises ValueError if it cannot run."""
         self.validate(req)
-        seq = Sequence(req)
+        matcher = None
+        if req.grammar:
+            # Compiled on the caller's thread (llguidance drops the GIL): a bad grammar is
+            # refused before it queues, and the engine thread never waits for a compile.
+            matcher = self.grammars.matcher(req.grammar, req.resumed)
+            if matcher.error:
+                raise ValueError(f"the grammar cannot be used: {matcher.error}")
+        seq = Sequence(req, matcher)
         self._inbox.put(("submit", seq))
         return seq
 
@@ -257,20 +357,26 @@ class Engine:
         while not self._stop.is_set():
             self.step(block=True)
         # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
-        self._fail_all("the node is shutting down", reason="aborted")
+        self._finish_all(Finish("aborted", "the node is shutting down"))
         mx.synchronize()
 
     def step(self, block: bool = False) -> None:
         """One iteration: new requests and cancellations, then the subclass's work. `block`
         waits (bounded) for work when there is none."""
         self._drain_inbox(block=block and self.idle)
+        key = random_key()
         try:
             self._work()
-        except Exception as e:  # a failed step must not take the node down
+        except Exception:  # a failed step must not take the node down
             log.exception("engine step failed")
-            self._fail_all(f"{type(e).__name__}: {e}", reason=self.failure_reason)
+            self.ready, self.status = False, "recovering from a failed step"
+            restore_random_key(key)
+            # The exception's text may quote one request's parameters: it stays in the log.
+            self._finish_all(Finish(self.failure_reason, self.failure_message))
+            self._recover()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
+        self.metrics.iteration_done(self.state)
 
     def _work(self) -> None:
         raise NotImplementedError
@@ -278,8 +384,9 @@ class Engine:
     def running_seqs(self) -> list[Sequence]:
         raise NotImplementedError
 
-    def _reset(self) -> None:
-        """Forgets every running sequence and its KV (after a failure)."""
+    def _recover(self) -> None:
+        """After a failed step, whose sequences are finished: gets to a clean state and sets
+        `ready` again, or stops the engine (the worker then exits) if it cannot."""
         raise NotImplementedError
 
     def _drain_inbox(self, block: bool) -> None:
@@ -322,8 +429,18 @@ class Engine:
         for seq in self._waiting:
             if budget <= 0 or len(plan) >= room or not self._looked_up(seq):
                 break
-            n = min(budget, len(seq.to_prefill) - seq.prefilled)
+            left = len(seq.to_prefill) - seq.prefilled
+            n = min(budget, left)
+            cache = self.state.prefix_cache
+            if cache is not None and self.stage.has_windows and n < left:
+                # Ends on a block boundary where it can: a sliding-window layer holds a block
+                # whole only right after the chunk that completes it (see StageState.prefill).
+                aligned = n - (seq.prefilled + n) % cache.block_size
+                n = aligned if aligned > 0 else n
             plan.append((seq, seq.prefilled, n))
+            if not seq.prefill_started:
+                seq.prefill_started = time.perf_counter()
+                self.metrics.queue_seconds.observe(seq.prefill_started - seq.submitted)
             budget -= max(n, 1)
         return plan
 
@@ -334,52 +451,83 @@ class Engine:
             seq.looked_up = True
         return True
 
-    def _emit(self, seq: Sequence, tok: int, now: float) -> str | None:
-        """Streams one sampled token; returns a finish reason if the sequence is done."""
-        if tok in seq.req.stop_token_ids:
-            return "stop"
+    def _emit(self, seq: Sequence, tok: int, now: float, logprob: Logprob | None,
+              verdict: tuple[Verdict, str]) -> Finish | None:
+        """Streams one sampled token; returns the sequence's Finish if it is done. `verdict`:
+        what the token did to the sequence's grammar, and the matcher's error."""
+        grammar, error = verdict
+        if grammar == Verdict.ERROR:
+            return Finish("error", f"grammar: {error}")
+        if grammar == Verdict.END or tok in seq.req.stop_token_ids:
+            return Finish("stop")
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         seq.events.put(tok)
         if seq.generated == 0:
+            seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.submitted)
+            self.metrics.prefill_seconds.observe(now - seq.prefill_started)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         seq.generated += 1
-        return "length" if seq.generated >= seq.req.max_tokens else None
+        if grammar == Verdict.LAST:
+            return Finish("stop")
+        return Finish("length") if seq.generated >= seq.req.max_tokens else None
 
-    def _emit_step(self, seqs: list[Sequence], tokens: list[int]) -> list[int]:
-        """Hands out one decode step's tokens; returns the indices of the rows that go on."""
+    def _emit_step(self, seqs: list[Sequence], tokens: list[int],
+                   logprobs: dict[Sequence, Logprob] | None = None,
+                   verdicts: dict[Sequence, tuple[Verdict, str]] | None = None,
+                   failed: dict[Sequence, str] | None = None) -> list[int]:
+        """Hands out one decode step's tokens, with the logprobs and grammar verdicts of the
+        rows that have them; a row in `failed` could not sample its token and ends with that
+        error instead. Returns the indices of the rows that go on."""
         now = time.perf_counter()
         keep, emitted = [], 0
+        logprobs, verdicts, failed = logprobs or {}, verdicts or {}, failed or {}
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             if seq.cancelled:
                 self._finish(seq, Finish("cancelled"))
+                continue
+            if seq in failed:
+                log.warning("request %s failed alone: %s", seq.request_id, failed[seq])
+                self._finish(seq, Finish("error", failed[seq]))
                 continue
             if seq.input_is_prompt:
                 seq.input_is_prompt = False
                 keep.append(i)
                 continue
-            reason = self._emit(seq, tok, now)
+            finish = self._emit(seq, tok, now, logprobs.get(seq),
+                                verdicts.get(seq, (Verdict.GO, "")))
             emitted += 1
-            if reason:
-                self._finish(seq, Finish(reason))
+            if finish:
+                self._finish(seq, finish)
             else:
                 keep.append(i)
         self._rate.append((now, emitted))
         self.generated_total += emitted
-        self.metrics.generated_tokens.inc(emitted)
+        self.metrics.tokens_generated(emitted)
         return keep
+
+    @staticmethod
+    def _logprobs(rows: list[Sequence], ints: list[int]) -> dict[Sequence, Logprob]:
+        """A step's logprob records (sampling.sample_batch) by sequence: `rows` are the rows
+        the step sampled, in order; only those that asked have a record."""
+        asking = [s for s in rows if s.req.sampling.logprobs is not None]
+        return dict(zip(asking, unpack_logprobs(ints, [s.req.sampling.logprobs for s in asking])))
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         seq.finished = True
         seq.events.put(finish)
         self.metrics.finished.labels(reason=finish.reason).inc()
+        if seq.generated:
+            self.metrics.decode_seconds.observe(time.perf_counter() - seq.first_token_time)
 
-    def _fail_all(self, error: str, reason: str = "error") -> None:
+    def _finish_all(self, finish: Finish) -> None:
+        """Ends every sequence, waiting or running, the same way."""
         for seq in list(self._waiting) + self.running_seqs():
-            self._finish(seq, Finish(reason, error))
+            self._finish(seq, finish)
         self._waiting.clear()
-        self._reset()
 
 
 class Batcher(Engine):
@@ -391,21 +539,36 @@ class Batcher(Engine):
     MB = 0  # its single micro-batch
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int = 512,
-                 max_batch: int = 64, prefix_cache: PrefixCache | None = None):
+                 max_batch: int = 64, prefix_cache: PrefixCache | None = None,
+                 grammars: Grammars | None = None):
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
-                         stage.embed_tokens.weight.shape[0], prefix_cache)
+                         stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
         self._batch: list[Sequence] = []
         self._samplers: list[RowSampler] = []
         self._y: mx.array | None = None  # next decode input of every row
+        # The logprob records sampled with _y, and the rows they were sampled for.
+        self._records: tuple[mx.array, list[Sequence]] | None = None
+        # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
+        self._failed: dict[Sequence, str] = {}
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
 
-    def _reset(self) -> None:
-        self._batch, self._samplers, self._y = [], [], None
-        self.state = StageState(self.stage, self.state.prefix_cache)
+    def _recover(self) -> None:
+        self._batch, self._samplers, self._y, self._records, self._failed = [], [], None, None, {}
+        self.state = StageState(self.stage, self.state.profile, self.state.prefix_cache)
+        try:
+            # What every step does, on a throwaway cache: proof that the engine computes again.
+            logits = self.stage(mx.array([[0]]), self.stage.make_cache())[:, -1, :]
+            mx.eval(sample_batch(logits, [RowSampler(SamplingParams(temperature=1.0))])[0])
+        except Exception:
+            log.exception("the engine cannot compute after a failed step: stopping")
+            self.status = "failed: the engine cannot compute after a failed step"
+            self.stop()
+            return
+        self.ready, self.status = True, "ready"
 
     def _work(self) -> None:
         if self._batch:
@@ -426,14 +589,32 @@ class Batcher(Engine):
             last = mx.array([s.req.prompt[-1] for s in ready])
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
-            self._samplers.extend(RowSampler(s.req.sampling) for s in ready)
+            for s in ready:
+                # One whose sampler cannot be made rides a stand-in's until its error is out.
+                sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)
+                self._samplers.append(sampler)
+                if error:
+                    self._failed[s] = f"sampling cannot start: {error}"
 
     def _decode_step(self) -> None:
-        y = self._y
+        y, records, failed = self._y, self._records, self._failed
         logits = self.state.forward(self.MB, y[:, None])[:, -1, :]
-        self._y = sample_batch(logits, self._samplers)
-        mx.async_eval(self._y)
-        keep = self._emit_step(self._batch, y.tolist())
+        constrained = [(seq, s.grammar) for seq, s in zip(self._batch, self._samplers)
+                       if s.grammar is not None and not seq.input_is_prompt]
+        verdicts = None
+        if constrained:
+            # The device computes this step while the matchers take the last step's tokens and
+            # (in sample_batch) fill the masks this step's tokens are sampled under.
+            mx.async_eval(logits)
+            last = dict(zip(self._batch, y.tolist()))
+            verdicts = dict(zip((seq for seq, _ in constrained),
+                                advance_each([(g, last[seq]) for seq, g in constrained])))
+        self._y, new_records, errors = sample_rows(logits, self._samplers)
+        self._failed = {self._batch[i]: f"sampling failed: {e}" for i, e in errors.items()}
+        mx.async_eval(self._y, *([] if new_records is None else [new_records]))
+        self._records = None if new_records is None else (new_records, list(self._batch))
+        logprobs = self._logprobs(records[1], records[0].tolist()) if records else None
+        keep = self._emit_step(self._batch, y.tolist(), logprobs, verdicts, failed)
         if len(keep) < len(self._batch):
             self.state.update(self.MB, keep, [])
             self._batch = [self._batch[i] for i in keep]

@@ -20,6 +20,12 @@ step as soon as its tokens are due, with those tokens still in flight (a lazy re
 embedding), and streams them out afterwards, as mlx-lm's generate_step overlaps its next step;
 a row whose sequence turned out finished rides along one step more and is dropped at the next.
 Every other stage receives the hidden states lazily, so its graph is built before they land.
+
+A row whose sampling fails on the tail (`omlx_node.sampling.sample_rows`) is reported in the
+tail's answer and ends alone, with its own error. Anything else that fails a step leaves the
+stages disagreeing on their state: the head ends its sequences as "lost" and its worker exits,
+for the coordinator to re-plan. A clean stop (SIGTERM) drains the answers owed and sends STOP, and
+every stage exits 0; a stage ignores its own SIGTERM and waits for that STOP (worker.py).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from omlx_node import wire
-from omlx_node.batcher import Engine, Finish, Sequence, StageState
-from omlx_node.kv_tiers import PrefixCache
+from omlx_node.batcher import Engine, Finish, Sequence, StageState, advance_each
+from omlx_node.constraints import Grammars, Verdict
+from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
-from omlx_node.sampling import RowSampler, sample_batch
+from omlx_node.sampling import RowSampler, logprob_ints, make_sampler, sample_rows
 from omlx_node.stage import StageRunner
 
 log = logging.getLogger(__name__)
@@ -83,17 +90,20 @@ class MicroBatch:
 class PipelineHead(Engine):
     """The engine of rank 0 when the pipeline has more than one stage."""
 
-    # A failed step here means a lost peer: the sequences are fine and can run on a new plan.
-    failure_reason = "aborted"
+    # A failed step here means a lost peer, or stages that no longer agree: the sequences may
+    # run again on a new plan, which the coordinator makes once this worker has exited.
+    failure_reason = "lost"
+    failure_message = "the pipeline failed a step (a stage was lost); this worker stops"
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
                  micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64,
                  prefix_cache: PrefixCache | None = None,
-                 row_costs: dict[int, float] | None = None):
+                 row_costs: dict[int, float] | None = None, grammars: Grammars | None = None):
         """Up to `micro_batches` in flight; with `row_costs` (the measured cost of a step by
-        rows) only as many as pay off for the rows in flight, else always all of them."""
+        rows) only as many as pay off for the rows in flight, else always all of them.
+        `grammars` checks constrained requests at submit; the tail applies them."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
-                         stage.embed_tokens.weight.shape[0], prefix_cache)
+                         stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
         self.group, self.plan = group, plan
         self.tail = group.size() - 1
         self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
@@ -107,9 +117,10 @@ class PipelineHead(Engine):
     def running_seqs(self) -> list[Sequence]:
         return [s for m in self.mbs for s in (*m.seqs, *m.pending) if not s.finished]
 
-    def _reset(self) -> None:
+    def _recover(self) -> None:
         # After a failed step the stages may disagree on their state: this plan cannot go on.
         self.broken = True
+        self.status = "failed: the pipeline lost a stage; this worker stops"
         self.stop()
 
     def _send(self, step: wire.Step, hidden: mx.array | None) -> None:
@@ -199,7 +210,8 @@ class PipelineHead(Engine):
             inputs.append(mx.array([s.req.prompt[-1] for s in admits]))
         m.seqs = [m.seqs[i] for i in live] + admits
         step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=keep,
-                         admits=[wire.Admit(s.sid, s.req.sampling) for s in admits])
+                         admits=[wire.Admit(s.sid, s.req.sampling, s.req.penalty_context,
+                                            s.req.grammar, s.req.resumed) for s in admits])
         hidden = (self.state.forward(m.mb, mx.concatenate(inputs)[:, None]) if m.seqs
                   else None)
         self._send(step, hidden)
@@ -211,12 +223,31 @@ class PipelineHead(Engine):
         """Micro-batch m's tokens are due from the tail: its next step goes out first, fed by
         them while they are still in flight, then they are streamed out."""
         rows = m.seqs
-        tokens = wire.recv_token_array(len(rows), self.tail, self.group)
-        self._launch(m, tokens)
+        reply = self._recv_reply(rows)
+        self._launch(m, reply[:len(rows)])
         # Always read: the receive must complete even when no row needed it.
-        values = tokens.tolist()
+        values = reply.tolist()
+        verdicts, failed = self._recv_rest(rows, values[-1])
+        logprobs = self._logprobs(rows, values[len(rows):-1])
         live = [i for i, s in enumerate(rows) if not s.finished]
-        self._emit_step([rows[i] for i in live], [values[i] for i in live])
+        self._emit_step([rows[i] for i in live], [values[i] for i in live], logprobs, verdicts,
+                        failed)
+
+    def _recv_reply(self, rows: list[Sequence]) -> mx.array:
+        """The tail's answer to a step of `rows` (lazy): tokens, logprob records, failures."""
+        ks = [s.req.sampling.logprobs for s in rows if s.req.sampling.logprobs is not None]
+        return wire.recv_answer(len(rows), logprob_ints(ks), self.tail, self.group)
+
+    def _recv_rest(self, rows: list[Sequence], n_failed: int
+                   ) -> tuple[dict[Sequence, tuple[Verdict, str]], dict[Sequence, str]]:
+        """What follows the tail's answer: the grammar verdicts on its tokens when rows are
+        constrained, then the errors of the `n_failed` rows whose sampling failed."""
+        constrained = [s for s in rows if s.req.grammar]
+        verdicts = (dict(zip(constrained, wire.recv_verdicts(len(constrained), self.tail,
+                                                             self.group)))
+                    if constrained else {})
+        failed = wire.recv_failures(n_failed, self.tail, self.group) if n_failed else {}
+        return verdicts, {rows[i]: f"sampling failed: {e}" for i, e in failed.items()}
 
     def shutdown_pipeline(self) -> None:
         """Tells every other stage to exit (after the engine loop ended)."""
@@ -224,8 +255,10 @@ class PipelineHead(Engine):
             return
         while self._replies:
             r = self._replies.popleft()
-            wire.recv_tokens(len(r.seqs) if isinstance(r, MicroBatch) else 1, self.tail,
-                             self.group)
+            if isinstance(r, MicroBatch):
+                self._recv_rest(r.seqs, self._recv_reply(r.seqs).tolist()[-1])
+            else:
+                wire.recv_tokens(1, self.tail, self.group)
         self._send(wire.Step(wire.STOP), None)
         wire.flush()
 
@@ -233,15 +266,20 @@ class PipelineHead(Engine):
 class StageLoop:
     """Every stage after the head: apply each step to this stage's KV state, compute, pass on."""
 
-    def __init__(self, stage: StageRunner, group, plan: int,
-                 prefix_cache: PrefixCache | None = None):
-        self.state = StageState(stage, prefix_cache)
+    def __init__(self, stage: StageRunner, group, plan: int, prefix_cache: PrefixCache | None,
+                 grammars: Grammars, metrics: NodeMetrics):
+        """`grammars`: the tail compiles every constrained sequence's grammar with it."""
+        self.state = StageState(stage, metrics.profile, prefix_cache)
+        self.metrics = metrics
+        self.grammars = grammars
         self.group, self.plan = group, plan
         self.rank, size = group.rank(), group.size()
         self.is_tail = self.rank == size - 1
         self.hidden_size = stage.hidden_size
         self.dtype = hidden_dtype(stage)
         self.samplers: dict[int, RowSampler] = {}
+        self.constrained: set[int] = set()  # sequences admitted with a grammar: they get verdicts
+        self.unstarted: dict[int, str] = {}  # sequences whose sampler could not be made, and why
 
     def run(self) -> None:
         while True:
@@ -253,13 +291,14 @@ class StageLoop:
                     wire.send_tokens(out, 0, self.group)
             else:
                 wire.send_step(step, out, self.plan, self.rank + 1, self.group)
+            self.metrics.iteration_done(self.state)  # after the send: off the next stage's path
             if step.op == wire.STOP:
                 wire.flush()
                 return
 
     def apply(self, step: wire.Step, hidden: mx.array | None) -> mx.array | None:
-        """This stage's part of a step: hidden states for the next stage, token ids on the
-        tail (for decode steps), or None."""
+        """This stage's part of a step: hidden states for the next stage, the answer to a
+        LOOKUP on the tail, or None (the tail answers a DECODE step itself)."""
         if step.op == wire.FREE:
             self.state.free(step.freed)
             return None
@@ -278,13 +317,50 @@ class StageLoop:
         self.state.update(step.target, step.keep, [a.seq_id for a in step.admits])
         if self.is_tail:
             for a in step.admits:
-                self.samplers[a.seq_id] = RowSampler(a.sampling)
+                self._admit(a)
             for sid in set(before) - set(self.state.rows.get(step.target, [])):
                 self.samplers.pop(sid, None)
+                self.constrained.discard(sid)
+                self.unstarted.pop(sid, None)
         if hidden is None:
             return None
         out = self.state.forward(step.target, hidden)
         if not self.is_tail:
             return out
-        rows = self.state.rows[step.target]
-        return sample_batch(out[:, -1, :], [self.samplers[s] for s in rows])
+        self._answer(step.target, out[:, -1, :])
+        return None
+
+    def _admit(self, a: wire.Admit) -> None:
+        """The tail's sampler for an admitted sequence; one that cannot be made is reported
+        with the sequence's first answer (a stand-in holds its row until then)."""
+        grammar = None
+        if a.grammar:
+            self.constrained.add(a.seq_id)
+            grammar = self.grammars.matcher(a.grammar, a.resumed)  # its failure is its verdict
+        self.samplers[a.seq_id], error = make_sampler(a.sampling, a.context, grammar)
+        if error:
+            self.unstarted[a.seq_id] = error
+
+    def _answer(self, mb: int, logits: mx.array) -> None:
+        """The tail's answer to a DECODE step (the wire module's reply): tokens, logprob records
+        and the number of rows that failed as soon as they are computed, then the grammar
+        verdicts, which need the tokens on the host, then the failed rows' errors. The matchers'
+        masks for the next step are filled when it comes, while the device computes it."""
+        rows = self.state.rows[mb]
+        samplers = [self.samplers[s] for s in rows]
+        tokens, records, errors = sample_rows(logits, samplers)
+        failed = {i: self.unstarted.pop(sid) for i, sid in enumerate(rows)
+                  if sid in self.unstarted}
+        for i, error in errors.items():
+            self.samplers[rows[i]] = samplers[i]  # its stand-in, until the head drops the row
+            failed[i] = error
+        wire.send_answer(tokens, records, len(failed), 0, self.group)
+        constrained = [i for i, sid in enumerate(rows) if sid in self.constrained]
+        if constrained:
+            values = tokens.tolist()
+            matchers = [(samplers[i].grammar, values[i]) for i in constrained]
+            # A row riding a stand-in has no matcher left: the head reads its verdict as nothing.
+            wire.send_verdicts([advance_each([(g, v)])[0] if g is not None else (Verdict.GO, "")
+                                for g, v in matchers], 0, self.group)
+        if failed:
+            wire.send_failures(failed, 0, self.group)

@@ -5,6 +5,11 @@ layers, and runs the engine on its main thread: rank 0 the head's (`Batcher` alo
 `PipelineHead` in a pipeline) behind the ShardWorker gRPC service, every other rank a
 `StageLoop`. It writes its ready file only once it can serve, and exits when its agent (its
 parent) does.
+
+SIGTERM stops it cleanly: the head finishes its sequences as "aborted", drains the answers it is
+owed and sends STOP down the pipeline; every other stage ignores SIGTERM (its agent sends one at
+the same moment) and exits on that STOP. Each rank exits 0 after a clean stop, 1 after a failure,
+and logs which as its last line.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from pathlib import Path
 
 import grpc
 
-from omlx_shared import __version__, auth
+from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
-from omlx_node.kv_tiers import PrefixCache
-from omlx_node.metrics import NodeMetrics
+from omlx_node.constraints import Grammars
+from omlx_node.kv_cache import PrefixCache
+from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
 from proto import omlx_pb2 as pb
@@ -56,7 +62,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     prefill_chunk: int = 512
     max_batch: int = 64
-    metrics_port: int | None = None
+    metrics_port: int = 0  # 0: any free port
+    node_id: str = ""  # the agent's, a label on every metric
     init_timeout: float = 60.0
     cache_block_size: int = 256
     hot_cache_bytes: int = 0  # 0: no prefix cache at all
@@ -92,8 +99,14 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
             max_tokens=request.max_tokens,
             sampling=SamplingParams(temperature=s.temperature,
                                     top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
-                                    min_p=s.min_p, seed=s.seed if s.has_seed else None),
+                                    min_p=s.min_p, seed=s.seed if s.has_seed else None,
+                                    presence_penalty=s.presence_penalty,
+                                    frequency_penalty=s.frequency_penalty,
+                                    repetition_penalty=s.repetition_penalty,
+                                    logprobs=request.top_logprobs if request.logprobs else None),
             stop_token_ids=frozenset(request.stop_token_ids),
+            grammar=request.grammar,
+            resumed_tokens=request.resumed_tokens,
         )
         try:
             seq = self.engine.submit(req)
@@ -117,10 +130,22 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                 except queue.Empty:
                     event = None
             chunk = pb.TokenChunk(tokens=tokens)
+            if request.logprobs:
+                # The engine puts a token's logprob before the token itself.
+                chunk.logprobs.extend(
+                    pb.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids,
+                                    top_logprobs=lp.top_logprobs)
+                    for lp in (seq.logprobs.popleft() for _ in tokens))
             if first:
                 chunk.prompt_tokens = len(req.prompt)
                 chunk.cached_tokens = seq.cached
                 first = False
+            if isinstance(event, Finish) and event.reason == "lost":
+                # The node failed under the sequence: answered as a worker that went away is,
+                # so the coordinator tells it from a clean stop ("aborted").
+                if tokens:
+                    yield chunk
+                context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
             if isinstance(event, Finish):
                 chunk.finish_reason = event.reason
                 chunk.error = event.error
@@ -135,9 +160,9 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)
-        info = self.engine.stage.info
-        c = self.config
-        return pb.HealthReply(ready=True, model_id=c.model_id, status="ready", version=__version__,
+        e, info, c = self.engine, self.engine.stage.info, self.config
+        return pb.HealthReply(ready=e.ready, model_id=c.model_id, status=e.status,
+                              version=__version__,
                               layer_start=info.layer_start, layer_end=info.layer_end,
                               num_layers=info.num_layers, metrics_port=self.metrics_port,
                               pid=os.getpid(), worker_pid=os.getpid(), rank=c.rank,
@@ -254,19 +279,35 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
 
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
+    """The worker process's life; returns its exit code (a rank of a pipeline exits itself)."""
+    grammars = Grammars(config.model_path)
+    if config.rank in (0, config.world_size - 1):
+        # The head checks grammars at submit, the tail applies them: their tokenizer is built
+        # while the group forms and the weights load.
+        grammars.warm()
     group = join_group(config) if config.world_size > 1 else None
     stage = StageRunner(config.model_path, config.layer_start, config.layer_end)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics)
     try:
-        return _serve(config, ready_file, group, stage, metrics, prefix_cache)
+        code = _serve(config, ready_file, group, stage, metrics, prefix_cache, grammars)
     finally:
         if prefix_cache is not None:
             prefix_cache.close()
+    log.info("rank %d of %d exits with code %d", config.rank, config.world_size, code)
+    if group is not None:
+        # MLX's ring backend takes about a second to tear down at interpreter exit (mlx 0.32,
+        # even once the group is dropped): longer than an agent waits for a worker it stops,
+        # which then kills it. Everything is flushed and closed by now: end here.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRunner,
-           metrics: NodeMetrics, prefix_cache: PrefixCache | None) -> int:
+           metrics: NodeMetrics, prefix_cache: PrefixCache | None, grammars: Grammars) -> int:
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
 
@@ -280,40 +321,50 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRun
              "layer_start": info.layer_start, "layer_end": info.layer_end,
              "num_layers": info.num_layers, "port": 0}
     plan = plan_int(config.plan_hash)
+    # Every stage exports, labelled with which one it is: a pipeline's slowest stage shows.
+    if group is not None:
+        metrics.profile.peer_inputs = frozenset({"decode"} if config.rank == 0 else KINDS)
+    ready["metrics_port"] = metrics.serve(config.host, config.metrics_port, {
+        "node": config.node_id, "model": config.model_id, "plan": config.plan_hash,
+        "stage": str(config.rank), "layers": f"{info.layer_start}:{info.layer_end}"})
 
     if config.rank > 0:
+        # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
+        # kill it before that STOP lands, and rank 0 would fail sending it. An agent that cannot
+        # wait kills it instead.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         if ready_file:
             write_ready(ready_file, ready)
-        StageLoop(stage, group, plan, prefix_cache).run()
+        StageLoop(stage, group, plan, prefix_cache, grammars, metrics).run()
         return 0
 
     if group is None:
         engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch,
-                                 prefix_cache)
+                                 prefix_cache, grammars)
     else:
         costs = None
         if not config.micro_batches:
-            costs = row_costs(stage.layers[0].mlp, stage.hidden_size, info.dtype)
+            costs = row_costs(stage.feed_forward(), stage.hidden_size, info.dtype)
             log.info("decode step cost by rows (one layer's MLP, us): %s; micro-batches pay "
                      "off from %s rows", {r: round(c * 1e6) for r, c in costs.items()},
                      next((r for r in (2 ** i for i in range(1, 12))
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan,
                               config.micro_batches or config.world_size, config.prefill_chunk,
-                              config.max_batch, prefix_cache, costs)
-    metrics_port = (metrics.serve(config.host, config.metrics_port)
-                    if config.metrics_port is not None else 0)
+                              config.max_batch, prefix_cache, costs, grammars)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
                          maximum_concurrent_rpcs=MAX_STREAMS)
-    pb_grpc.add_ShardWorkerServicer_to_server(WorkerService(engine, config, metrics_port), server)
-    port = server.add_insecure_port(f"{config.host}:0")
+    service = WorkerService(engine, config, ready["metrics_port"])
+    pb_grpc.add_ShardWorkerServicer_to_server(service, server)
+    port = cluster_tls.add_port(server, f"{config.host}:0", cluster_tls.Credentials.from_env())
     server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop())
     if ready_file:
-        write_ready(ready_file, {**ready, "port": port, "metrics_port": metrics_port})
+        write_ready(ready_file, {**ready, "port": port})
     engine.run()
     if isinstance(engine, PipelineHead):
         engine.shutdown_pipeline()
     server.stop(grace=2).wait(5)
-    return 1 if getattr(engine, "broken", False) else 0
+    return 0 if engine.ready else 1

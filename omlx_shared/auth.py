@@ -1,14 +1,28 @@
-"""The cluster secret, proven without ever crossing the wire.
+"""The cluster secret, proven without ever crossing the wire, over a channel bound to both ends.
 
-Admission is a challenge-response both ways (NodeAgent.Handshake then NodeAgent.Admit):
+Every control-plane channel is mutual TLS with certificates of the cluster CA, which every holder
+of the secret derives from it (omlx_shared/cluster_tls.py): a process without the secret cannot
+complete a TLS handshake, and one in the TCP path between two holders sees only ciphertext.
+Admission then runs inside that channel, a challenge-response both ways (NodeAgent.Handshake
+then NodeAgent.Admit) over the transcript
+
+    T = (c_nonce, n_nonce, node_id, fingerprint of the coordinator's TLS certificate)
 
     coordinator -> node   Handshake(c_nonce, version)
-    node -> coordinator   node_id, n_nonce, HMAC(secret, "node", c_nonce, node_id)
-    coordinator -> node   Admit(HMAC(secret, "coordinator", n_nonce, c_nonce))
+    node -> coordinator   node_id, n_nonce, HMAC(secret, "node", T)
+    coordinator -> node   Admit(HMAC(secret, "coordinator", T))
 
-Each side checks the other's proof with its own copy of the secret. Both then derive the session
-token HMAC(secret, "session", c_nonce, n_nonce), which the coordinator sends as call metadata on
-every later call to the node and to its shard worker; a new admission replaces it.
+The node reads the fingerprint from the TLS session it is called over, the coordinator knows its
+own: a relay that terminates TLS presents another certificate (if it can present one at all),
+and both proofs fail. The node's id is the one its certificate names, which the coordinator
+dialled. Nonces are single use: the node refuses a coordinator nonce it has seen, and an Admit
+consumes its handshake. Both sides then derive the session token HMAC(secret, "session", T),
+which the coordinator sends on every later call to the node and its shard worker; they accept it
+only over a TLS session with that same coordinator certificate (`bind`, `presented`), so a token
+copied out of one connection is useless from any other. A new admission replaces it.
+
+`join --coordinator` registrations are signed too (`registration`, `Registrations`): an HMAC over
+the address, the node id, a timestamp and a nonce, each accepted once.
 """
 
 from __future__ import annotations
@@ -18,15 +32,20 @@ import hmac
 import os
 import secrets
 import stat
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from omlx_shared import cluster_tls
 
 SECRET_ENV = "OMLX_CLUSTER_SECRET"
 SESSION_METADATA = "x-omlx-session"
 SESSION_ENV = "OMLX_SESSION_TOKEN"  # how an agent hands the session to its shard worker
+NONCE_BYTES = 32
 
 
 def new_nonce() -> bytes:
-    return secrets.token_bytes(32)
+    return secrets.token_bytes(NONCE_BYTES)
 
 
 def new_secret() -> str:
@@ -69,8 +88,21 @@ def check(expected: bytes, given: bytes) -> bool:
     return hmac.compare_digest(expected, given)
 
 
-def session_token(secret: str, c_nonce: bytes, n_nonce: bytes) -> str:
-    return proof(secret, "session", c_nonce, n_nonce).hex()
+@dataclass(frozen=True)
+class Transcript:
+    """What both admission proofs and the session token cover."""
+
+    coordinator_nonce: bytes
+    node_nonce: bytes
+    node_id: str
+    coordinator_cert: str  # the fingerprint of the coordinator's TLS certificate
+
+    def proof(self, secret: str, role: str) -> bytes:
+        return proof(secret, role, self.coordinator_nonce, self.node_nonce, self.node_id,
+                     self.coordinator_cert)
+
+    def session_token(self, secret: str) -> str:
+        return self.proof(secret, "session").hex()
 
 
 def compatible(a: str, b: str) -> bool:
@@ -79,6 +111,69 @@ def compatible(a: str, b: str) -> bool:
     return a.split(".")[:2] == b.split(".")[:2]
 
 
+def bind(cert_fingerprint: str, token: str) -> str:
+    """A session as a server keeps it: the token and the client certificate it belongs to."""
+    return f"{cert_fingerprint}/{token}"
+
+
 def presented(context) -> str:
-    """The session token a gRPC caller sent (empty if none)."""
-    return dict(context.invocation_metadata()).get(SESSION_METADATA, "")
+    """The session a gRPC caller presents: the token it sent (empty if none) bound to the
+    certificate of the TLS session it came over. Equal to the server's `bind(...)` only for the
+    admitted coordinator's own connection."""
+    token = dict(context.invocation_metadata()).get(SESSION_METADATA, "")
+    return bind(cluster_tls.peer_fingerprint(context), token)
+
+
+REGISTRATION_WINDOW_SECONDS = 120.0  # how far a node's clock may be from the coordinator's
+
+
+class RegistrationError(ValueError):
+    """A registration the coordinator refuses; the message says why."""
+
+
+def _registration_proof(secret: str, address: str, node_id: str, timestamp: int,
+                        nonce: str) -> str:
+    return proof(secret, "register", address, node_id, str(timestamp), nonce).hex()
+
+
+def registration(secret: str, address: str, node_id: str) -> dict:
+    """The body of a `join --coordinator` registration, signed with the secret."""
+    timestamp, nonce = int(time.time()), secrets.token_hex(16)
+    return {"address": address, "node_id": node_id, "timestamp": timestamp, "nonce": nonce,
+            "proof": _registration_proof(secret, address, node_id, timestamp, nonce)}
+
+
+class Registrations:
+    """Checks signed registrations; each nonce is accepted once (a captured registration
+    replayed later is refused; its timestamp bounds how long a nonce must be remembered)."""
+
+    def __init__(self, secret: str | None):
+        self.secret = secret
+        self._seen: dict[str, float] = {}  # nonce -> when it may be forgotten
+
+    def verify(self, body: dict) -> tuple[str, str]:
+        """(address, node id) of a valid registration; raises RegistrationError."""
+        if self.secret is None:
+            raise RegistrationError("this coordinator has no cluster secret: nodes cannot "
+                                    "register with it")
+        address, node_id = body.get("address"), body.get("node_id")
+        timestamp, nonce, given = body.get("timestamp"), body.get("nonce"), body.get("proof")
+        if not (isinstance(address, str) and isinstance(node_id, str) and node_id
+                and isinstance(timestamp, int) and isinstance(nonce, str) and nonce
+                and isinstance(given, str)):
+            raise RegistrationError("the registration is not signed: send address, node_id, "
+                                    "timestamp, nonce and proof (`omlx-cluster join` does)")
+        expected = _registration_proof(self.secret, address, node_id, timestamp, nonce)
+        if not check(expected.encode(), given.encode()):
+            raise RegistrationError("the registration's proof does not match: the node does "
+                                    "not hold this cluster's secret")
+        now = time.time()
+        if abs(now - timestamp) > REGISTRATION_WINDOW_SECONDS:
+            raise RegistrationError(
+                f"the registration is {now - timestamp:+.0f}s old (more than "
+                f"{REGISTRATION_WINDOW_SECONDS:.0f}s: replayed, or the node's clock is off)")
+        self._seen = {n: t for n, t in self._seen.items() if t > now}
+        if nonce in self._seen:
+            raise RegistrationError("the registration was replayed (its nonce was used before)")
+        self._seen[nonce] = timestamp + REGISTRATION_WINDOW_SECONDS
+        return address, node_id

@@ -1,4 +1,5 @@
-"""Only a coordinator that holds the cluster secret may drive a node, and versions must match."""
+"""Only a coordinator that holds the cluster secret may drive a node, and versions must match.
+(Relays, replays and stolen sessions: tests/test_admission_tls.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import os
 import grpc
 import pytest
 
-from omlx_coordinator.node_client import AdmissionError, AgentClient, WorkerClient
-from omlx_shared import __version__, auth
+from omlx_coordinator.node_client import AdmissionError, AgentClient
+from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -31,24 +32,36 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def coordinator_channel(address: str, secret: str = SECRET) -> grpc.aio.Channel:
+    """A channel as a coordinator holding `secret` opens it, for hand-made calls."""
+    return cluster_tls.channel(address, cluster_tls.issue(secret, cluster_tls.COORDINATOR),
+                               cluster_tls.node_identity("mac-a"))
+
+
 def test_wrong_secret_is_refused_both_ways(node):
     address, proc = node
 
-    async def attempt(secret):
-        client = AgentClient(address)
+    async def attempt(secret, node_id="mac-a"):
+        client = AgentClient(address, node_id, secret)
         try:
-            return await client.admit(secret)
+            return await client.admit()
         finally:
             await client.close()
 
-    with pytest.raises(AdmissionError, match="does not hold this cluster's secret"):
+    # The secrets' CAs differ: the TLS handshake fails before any admission message.
+    with pytest.raises(AdmissionError, match="does not hold this cluster's secret.*CA"):
         run(attempt("wrong"))
-    with pytest.raises(AdmissionError, match="refused this coordinator: wrong cluster secret"):
-        run(attempt(None))  # a coordinator without the secret cannot prove itself
+    # The right CA, but the server's certificate is mac-a's, not mac-b's.
+    with pytest.raises(AdmissionError, match="names another identity"):
+        run(attempt(SECRET, "mac-b"))
+    # A coordinator without the secret cannot even speak to the node: it listens only on TLS.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(attempt(None))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     # A coordinator that skips the node check still cannot prove itself to the node.
     async def forged():
-        channel = grpc.aio.insecure_channel(address)
+        channel = coordinator_channel(address)
         stub = pb_grpc.NodeAgentStub(channel)
         await stub.Handshake(pb.HandshakeRequest(coordinator_nonce=auth.new_nonce(),
                                                  version=__version__), timeout=5)
@@ -60,7 +73,7 @@ def test_wrong_secret_is_refused_both_ways(node):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(forged())
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "wrong cluster secret" in err.value.details()
+    assert "admission refused" in err.value.details()
     assert "refused coordinator" in proc.log_tail()
 
 
@@ -68,7 +81,7 @@ def test_version_mismatch_is_refused(node):
     address, proc = node
 
     async def old_coordinator():
-        channel = grpc.aio.insecure_channel(address)
+        channel = coordinator_channel(address)
         try:
             await pb_grpc.NodeAgentStub(channel).Handshake(
                 pb.HandshakeRequest(coordinator_nonce=auth.new_nonce(), version="0.0.1"),
@@ -88,14 +101,14 @@ def test_calls_need_the_session_and_the_secret_never_travels(node, tmp_path):
     model = build_model(tmp_path / "m", "llama", num_layers=2)
 
     async def scenario():
-        intruder = AgentClient(address)  # never admitted
+        intruder = AgentClient(address, "mac-a", SECRET)  # never admitted
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await intruder.health()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         await intruder.close()
 
-        client = AgentClient(address)
-        hello = await client.admit(SECRET)
+        client = AgentClient(address, "mac-a", SECRET)
+        hello = await client.admit()
         assert hello.node_id == "mac-a" and hello.memory_bytes > 0
         assert SECRET.encode() not in hello.SerializeToString()
         reply = await client.load_shard(pb.LoadShardRequest(model_path=str(model),
@@ -103,16 +116,16 @@ def test_calls_need_the_session_and_the_secret_never_travels(node, tmp_path):
         assert (await client.health()).ready
 
         # The shard worker takes the same session, and nothing else.
-        stranger = WorkerClient(reply.worker_address, "not-the-session")
+        stranger = intruder.worker(reply.worker_address)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stranger.stats()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        worker = WorkerClient(reply.worker_address, client.session)
+        worker = client.worker(reply.worker_address)
         assert (await worker.stats()).running == 0
 
         # A second admission (a restarted coordinator) replaces the session.
-        again = AgentClient(address)
-        await again.admit(SECRET)
+        again = AgentClient(address, "mac-a", SECRET)
+        await again.admit()
         with pytest.raises(grpc.aio.AioRpcError):
             await client.health()
         assert (await again.health()).ready

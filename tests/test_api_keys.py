@@ -39,3 +39,49 @@ def test_network_facing_gateway_needs_a_key(tiny_model_path, command):
                        env={**os.environ, "OMLX_API_KEY": ""})
     assert r.returncode == 2
     assert "without an API key" in r.stderr and "--api-key" in r.stderr
+
+
+def test_health_without_a_key_says_only_ready(tiny_model_path, tmp_path):
+    """With keys configured, an unauthenticated /health tells a load balancer ready or not,
+    never the nodes' addresses, pids, memory or chip."""
+    with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
+                      keepalive=None) as server:
+        r = httpx.get(server.url + "/health", timeout=5)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        full = httpx.get(server.url + "/health", headers={"authorization": "Bearer k1"},
+                         timeout=5).json()
+        assert full["status"] == "ok" and full["nodes"][0]["address"]
+
+
+def test_rejected_requests_are_counted_by_outcome(tiny_model_path, tmp_path):
+    with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
+                      keepalive=None) as server:
+        url = server.url + "/v1/chat/completions"
+        auth = {"authorization": "Bearer k1"}
+        msgs = [{"role": "user", "content": "hi"}]
+        assert httpx.post(url, json={"model": server.model_id, "messages": msgs},
+                          timeout=5).status_code == 401
+        assert httpx.post(url, json={"model": "nope", "messages": msgs}, headers=auth,
+                          timeout=5).status_code == 404
+        assert httpx.post(url, json={"model": server.model_id, "messages": msgs,
+                                     "max_tokens": "x"}, headers=auth, timeout=5).status_code == 400
+        assert httpx.post(url, json={"model": server.model_id, "messages": msgs,
+                                     "max_tokens": 2}, headers=auth, timeout=60).status_code == 200
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        counts = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("omlx_requests_total{")}
+        rejected = [v for k, v in counts.items() if 'endpoint="chat"' in k
+                    and 'outcome="rejected"' in k]
+        ok = [v for k, v in counts.items() if 'endpoint="chat"' in k and 'outcome="ok"' in k]
+        assert rejected == [3.0] and ok == [1.0], counts
+
+
+def test_openapi_documents_what_the_server_answers(tiny_model_path, tmp_path):
+    with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
+                      keepalive=None) as server:
+        schema = httpx.get(server.url + "/openapi.json", timeout=5).json()
+        chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+        assert "422" not in chat and {"400", "401", "404"} <= set(chat)
+        metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+        assert list(metrics) == ["text/plain"]
+        assert "HTTPValidationError" not in str(schema)

@@ -50,8 +50,10 @@ def references(model) -> dict[str, list[int]]:
 
 
 @contextmanager
-def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60):
-    """Starts one `omlx-cluster worker` per stage; yields the head's ShardWorker stub."""
+def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
+             extra: tuple[str, ...] = ()):
+    """Starts one `omlx-cluster worker` per stage (with `extra` flags); yields the head's
+    ShardWorker stub."""
     peers = ",".join(f"127.0.0.1:{free_port()}" for _ in split)
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
     workers = [
@@ -59,7 +61,7 @@ def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout
             "worker", "--model", str(model), "--model-id", "m", "--rank", str(r),
             "--layers", f"{bounds[r]}:{bounds[r + 1]}", "--peers", peers,
             "--plan-hash", "0123456789abcdef", "--micro-batches", str(micro_batches),
-            "--prefill-chunk", "8", "--init-timeout", str(init_timeout)), f"rank {r}")
+            "--prefill-chunk", "8", "--init-timeout", str(init_timeout), *extra), f"rank {r}")
         for r in range(len(split))]
     try:
         infos = [w.wait_ready(120) for w in workers]
@@ -141,13 +143,25 @@ def test_pipeline_concurrency_with_cancellation(model, references):
 
 
 def test_group_that_cannot_form_names_host_port_backend(model):
-    """A rank that dies before joining: the others give up in time, saying who was missing."""
-    with pytest.raises(ChildError) as err:
-        with pipeline(model, [2, 9], init_timeout=3):  # rank 1's range is not in the model
-            pass
+    """A rank that dies before joining (a --layers it cannot read): rank 0 gives up after its
+    init timeout, naming the backend, its own host and port and every peer's."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    workers = [ChildProcess(omlx_command(
+        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", layers,
+        "--peers", ",".join(peers), "--init-timeout", "3"), f"rank {r}")
+        for r, layers in enumerate(["0:2", "two:four"])]
+    try:
+        assert workers[1].proc.wait(60) == 1 and "two" in workers[1].log_tail()
+        with pytest.raises(ChildError) as err:
+            workers[0].wait_ready(60)
+    finally:
+        for w in workers:
+            w.stop()
     text = str(err.value)
-    assert "rank 0" in text or "rank 1" in text
-    assert "exited with code" in text
+    assert "rank 0 exited with code -9" in text  # the watchdog's kill
+    assert ("error: could not form the ring group within 3s: rank 0 of 2, listening on "
+            f"{peers[0]}, peers {peers[0]}, {peers[1]}. Is every node of the plan up and "
+            "reachable?") in text
 
 
 def test_rank_zero_alone_times_out_naming_peers(model):

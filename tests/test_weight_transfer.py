@@ -66,9 +66,9 @@ def agent_process(home: Path, name: str = "mac", cmd_prefix: tuple[str, ...] = (
         proc.stop()
 
 
-async def admitted(address: str) -> AgentClient:
-    agent = AgentClient(address)
-    await agent.admit(SECRET)
+async def admitted(address: str, name: str = "mac") -> AgentClient:
+    agent = AgentClient(address, name, SECRET)
+    await agent.admit()
     return agent
 
 
@@ -196,9 +196,9 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
                                                                os_reserve_bytes=0))
             await cluster.start()
             try:
-                await cluster.add_remote(a)  # mac-a alone: it receives the whole model
+                await cluster.add_remote(a, "mac-a")  # mac-a alone: it receives the whole model
                 whole = cluster.weight_counters.bytes_sent
-                await cluster.add_remote(b)  # the split: mac-b receives only its range
+                await cluster.add_remote(b, "mac-b")  # the split: mac-b receives only its range
                 assert cluster.ready, cluster.status
                 layers = {m.name: m.layers for m in cluster.members}
                 call = cluster.node.generate(pb.GenerateRequest(
@@ -213,7 +213,7 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     assert tokens == reference
     assert whole == sum(f.size for f in source.files_for(0, 4))
     exported = parse_metrics(generate_latest(GatewayMetrics(counters).registry).decode())
-    assert exported["omlx:weight_bytes_sent_total"] == whole + second
+    assert exported["omlx_weight_bytes_sent_total"] == whole + second
     lower, upper = sorted([layers["mac-a"], layers["mac-b"]])  # two stages tile the model
     assert lower[0] == 0 and lower[1] == upper[0] and upper[1] == 4
     start, end = layers["mac-b"]
