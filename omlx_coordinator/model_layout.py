@@ -1,8 +1,16 @@
 """What a model costs, layer by layer, read from its safetensors headers (never its weights).
 
-The planner needs per-layer weight bytes, the embedding/head/norm bytes and the KV bytes per
-token. Guessing them from the parameter count is wrong for quantized models (scales and biases)
-and for uneven layers (some families mix layer shapes), so we read the real tensor sizes.
+The planner needs per-layer weight bytes, the embedding/head/norm bytes and what each layer's
+cache costs. Guessing them from the parameter count is wrong for quantized models (scales and
+biases) and for uneven layers (MoE families mix dense and expert layers), so we read the real
+tensor sizes. A decode step streams all of a dense layer but only the experts its tokens are
+routed to: `layer_stream_bytes` counts a layer's routed experts at their active share
+(num_experts_per_tok of the experts), shared experts and everything else in full.
+
+What a layer's cache costs depends on its kind, as mlx-lm's `make_cache` of the family builds
+it: full attention keeps keys and values of every token (MLA keeps one latent and one RoPE key
+instead), a sliding-window layer at most its window of tokens, a linear-attention layer a state
+of constant size. `layer_kv` mirrors those rules per family from config.json alone.
 
 Only the safetensors headers are read (omlx_shared/safetensors_header.py): a few kilobytes even
 for a 100 GB model, which is what lets the coordinator (which has no MLX and no weights in
@@ -16,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from omlx_shared.model_families import refusal
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
@@ -24,8 +33,29 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.")
 _NORM_RE = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
 _HEAD_RE = re.compile(r"(?:^|\.)lm_head\.")
-# Tensors mlx-lm's loaders drop (sanitize) and never hold in memory.
-_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# Tensors mlx-lm's loaders drop (sanitize) and never hold in memory: rotary tables, the
+# multi-token-prediction heads (Qwen3-Next's `mtp.`; DeepSeek's and GLM's extra layers past
+# num_hidden_layers are dropped in read_layout), and a multimodal checkpoint's vision parts.
+_IGNORED_RE = re.compile(
+    r"rotary_emb\.inv_freq$|^mtp\.|^(?:vision_tower|visual|multi_modal_projector)\.")
+# Routed experts: stacked (switch_mlp, gpt-oss's experts.gate_up_proj) or one per expert.
+_ROUTED_RE = re.compile(r"\.(?:switch_mlp|experts)\.")
+# Families whose sanitize drops the layers past num_hidden_layers (their MTP layers).
+_MTP_LAYER_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache for one sequence: `bytes_per_token` for each of at most `window` tokens
+    (None: every token), plus `state_bytes` whatever the length (a recurrent state)."""
+
+    bytes_per_token: int
+    window: int | None = None
+    state_bytes: int = 0
+
+    def bytes_for(self, tokens: int) -> int:
+        kept = tokens if self.window is None else min(tokens, self.window)
+        return self.bytes_per_token * kept + self.state_bytes
 
 
 @dataclass(frozen=True)
@@ -35,7 +65,11 @@ class ModelLayout:
     layer_bytes[i] counts every tensor of layer i (weights and, when quantized, scales/biases).
     head_bytes is 0 when tied_embeddings is True: the embedding matrix then serves as the head,
     so the last stage must hold it too (see planner). kv_bytes_per_token_per_layer is keys plus
-    values for one token in one layer at the KV dtype read_layout was given.
+    values for one token in one full-attention layer at the KV dtype read_layout was given.
+    layer_kv, when given, says per layer what its cache costs (sliding-window, linear-attention
+    and MLA layers differ); empty, every layer is full attention. layer_stream_bytes, when
+    given, is what a decode step streams of each layer (MoE: the active experts' share); empty,
+    all of layer_bytes.
     """
 
     model_id: str
@@ -46,12 +80,18 @@ class ModelLayout:
     norm_bytes: int
     tied_embeddings: bool
     kv_bytes_per_token_per_layer: int
+    layer_kv: tuple[LayerKV, ...] = ()
+    layer_stream_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layer_bytes):
             raise ValueError(
                 f"num_layers={self.num_layers} but {len(self.layer_bytes)} layer sizes given"
             )
+        for name, given in (("layer caches", self.layer_kv),
+                            ("layer stream sizes", self.layer_stream_bytes)):
+            if given and len(given) != self.num_layers:
+                raise ValueError(f"num_layers={self.num_layers} but {len(given)} {name} given")
         if self.num_layers < 1:
             raise ValueError("a model needs at least one layer")
         if min(self.layer_bytes) < 0 or min(
@@ -63,6 +103,16 @@ class ModelLayout:
     def total_weight_bytes(self) -> int:
         """Every tensor mlx-lm keeps of the checkpoint, each counted once."""
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
+
+    def kv_bytes(self, layer: int, tokens: int) -> int:
+        """What layer `layer`'s cache holds for one sequence of `tokens` tokens."""
+        if self.layer_kv:
+            return self.layer_kv[layer].bytes_for(tokens)
+        return self.kv_bytes_per_token_per_layer * tokens
+
+    def stream_bytes(self, layer: int) -> int:
+        """What a decode step streams of layer `layer`'s weights."""
+        return (self.layer_stream_bytes or self.layer_bytes)[layer]
 
 
 def tensor_part(name: str) -> int | str | None:
@@ -113,11 +163,16 @@ def read_layout(
         value = config.get(key)
         return text.get(key, default) if value is None else value
 
+    if why := refusal(config):
+        raise ValueError(f"{model_path}: {why}")
     num_layers = int(setting("num_hidden_layers", 0))
     if num_layers < 1:
         raise ValueError(f"{model_path / 'config.json'} has no num_hidden_layers")
+    model_type = str(setting("model_type", ""))
+    active = _active_expert_share(setting)
 
     layer_bytes = [0] * num_layers
+    stream_bytes = [0] * num_layers
     seen_layers: set[int] = set()
     embed = head = norm = 0
     has_head = False
@@ -134,11 +189,14 @@ def read_layout(
             size = _tensor_bytes(name, info, path)
             if isinstance(part, int):
                 if part >= num_layers:
+                    if model_type in _MTP_LAYER_FAMILIES:
+                        continue  # its multi-token-prediction layer: mlx-lm drops it
                     raise ValueError(
                         f"tensor {name!r} is for layer {part}, but config.json says "
                         f"{num_layers} layers"
                     )
                 layer_bytes[part] += size
+                stream_bytes[part] += round(size * active) if _ROUTED_RE.search(name) else size
                 seen_layers.add(part)
             elif part == "embed":
                 embed += size
@@ -175,6 +233,7 @@ def read_layout(
             raise ValueError(f"{model_path / 'config.json'}: cannot derive head_dim")
         head_dim = hidden // heads
     kv = 2 * kv_heads * int(head_dim) * kv_dtype_bytes  # keys + values
+    layer_kv = layer_caches(model_type, setting, num_layers, kv, kv_dtype_bytes)
 
     return ModelLayout(
         model_id=model_id or model_path.name,
@@ -185,4 +244,45 @@ def read_layout(
         norm_bytes=norm,
         tied_embeddings=tied,
         kv_bytes_per_token_per_layer=kv,
+        layer_kv=layer_kv if any(c != LayerKV(kv) for c in layer_kv) else (),
+        layer_stream_bytes=tuple(stream_bytes) if stream_bytes != layer_bytes else (),
     )
+
+
+def _active_expert_share(setting) -> float:
+    """The share of a MoE layer's routed experts one token runs (1.0 for a dense model)."""
+    experts = next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if (v := setting(k))), 0)
+    active = int(setting("num_experts_per_tok", 0) or 0)
+    return min(1.0, active / experts) if experts and active else 1.0
+
+
+def layer_caches(model_type: str, setting, num_layers: int, kv: int,
+                 kv_dtype_bytes: int) -> tuple[LayerKV, ...]:
+    """Each layer's cache as the family's mlx-lm `make_cache` builds it (see the module
+    docstring); `kv` is a full-attention layer's bytes per token. `setting(key, default)`
+    reads config.json (text_config included)."""
+    window = setting("sliding_window")
+    full, sliding = LayerKV(kv), LayerKV(kv, int(window) if window else None)
+    if model_type in ("gemma3", "gemma3_text", "cohere2"):
+        # Every sliding_window_pattern-th layer is global, the others slide (mlx-lm's defaults).
+        p = int(setting("sliding_window_pattern", 4 if model_type == "cohere2" else 6))
+        return tuple(full if i % p == p - 1 else sliding for i in range(num_layers))
+    if model_type in ("deepseek_v3", "kimi_k2"):
+        # MLA caches one compressed latent and one RoPE key per token, shared by all heads.
+        rank, rope = int(setting("kv_lora_rank", 512)), int(setting("qk_rope_head_dim", 64))
+        return (LayerKV((rank + rope) * kv_dtype_bytes),) * num_layers
+    if model_type == "qwen3_next":
+        # Gated DeltaNet layers keep a conv window and a float32 recurrent state per head.
+        nk, nv = int(setting("linear_num_key_heads")), int(setting("linear_num_value_heads"))
+        dk, dv = int(setting("linear_key_head_dim")), int(setting("linear_value_head_dim"))
+        conv = (int(setting("linear_conv_kernel_dim")) - 1) * (2 * nk * dk + nv * dv)
+        linear = LayerKV(0, state_bytes=conv * kv_dtype_bytes + nv * dv * dk * 4)
+        every = int(setting("full_attention_interval", 4))
+        return tuple(full if (i + 1) % every == 0 else linear for i in range(num_layers))
+    types = setting("layer_types") or (
+        ["sliding_attention", "full_attention"] * (num_layers // 2)
+        if model_type == "gpt_oss" else [])
+    if types and model_type in ("gpt_oss", "llama", "mistral"):
+        return tuple(sliding if t == "sliding_attention" else full for t in types)
+    return (full,) * num_layers

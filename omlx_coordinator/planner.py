@@ -13,9 +13,10 @@ matrix-vector products. So a stage's time is
 - `NodeSpec.speed` is the node's weight-streaming throughput in **GB/s** (1e9 bytes/s), as
   `omlx_node.calibrate.measure_speed() / 1e9` measures it. Left at the default 1.0 everywhere,
   the times are only relative (the explanation says so).
-- compute_bytes = the stage's layer bytes, plus norm + head on the last stage (the head matmul
-  streams the whole lm_head, or the whole embedding when tied). The first stage's embedding is a
-  row gather (a few rows per token), so it costs memory but no streaming time.
+- compute_bytes = the bytes the stage's layers stream per step (a MoE layer's routed experts at
+  their active share, `ModelLayout.stream_bytes`), plus norm + head on the last stage (the head
+  matmul streams the whole lm_head, or the whole embedding when tied). The first stage's
+  embedding is a row gather (a few rows per token), so it costs memory but no streaming time.
 - `link_ms` is the one-way latency from that node to the next stage. Every stage of a multi-stage
   plan pays it (the last stage sends sampled tokens back to the head, the ring's wrap-around);
   a single-stage plan sends nothing and pays none.
@@ -24,7 +25,9 @@ Memory (what a stage must hold, which must fit in memory_bytes - os_reserve_byte
 - its layers' weights, + the embedding on the first stage, + norm and head on the last stage.
   With tied embeddings the head *is* the embedding matrix, so a last stage that is not also the
   first holds a second copy of it; a single stage holds it once.
-- KV cache for its layers: context_tokens * max_sequences tokens at kv_bytes_per_token_per_layer.
+- KV cache for its layers: max_sequences sequences of context_tokens tokens, each layer at what
+  its kind of cache holds (`ModelLayout.kv_bytes`: a full-attention layer every token, a
+  sliding-window layer at most its window, a linear-attention layer a constant state).
 - Activations and scratch buffers are small next to these and are covered by the OS reserve.
 
 Objective: minimise the bottleneck (slowest stage's est_ms), which bounds the pipeline's step
@@ -201,9 +204,13 @@ class _Costs:
         self.layout = layout
         self.nodes = list(nodes)
         self.L = layout.num_layers
-        self.prefix = [0]
-        for b in layout.layer_bytes:
+        self.prefix, self.stream_prefix, self.kv_prefix = [0], [0], [0]
+        for i, b in enumerate(layout.layer_bytes):
             self.prefix.append(self.prefix[-1] + b)
+            self.stream_prefix.append(self.stream_prefix[-1] + layout.stream_bytes(i))
+            self.kv_prefix.append(
+                self.kv_prefix[-1] + layout.kv_bytes(i, context_tokens) * max_sequences)
+        # What one full-attention layer reserves, for the explanation.
         self.kv_layer = layout.kv_bytes_per_token_per_layer * context_tokens * max_sequences
         self.budgets = [n.memory_bytes - os_reserve_bytes for n in nodes]
         self.limits = [math.inf if unlimited_memory else b for b in self.budgets]
@@ -224,7 +231,7 @@ class _Costs:
         return w
 
     def kv(self, i: int, k: int) -> int:
-        return (k - i) * self.kv_layer
+        return self.kv_prefix[k] - self.kv_prefix[i]
 
     def mem(self, i: int, k: int) -> int:
         return self.weights(i, k) + self.kv(i, k)
@@ -234,7 +241,7 @@ class _Costs:
 
     def compute_bytes(self, i: int, k: int) -> int:
         """Bytes a decode step streams: layers, and norm + head on the last stage."""
-        b = self.prefix[k] - self.prefix[i]
+        b = self.stream_prefix[k] - self.stream_prefix[i]
         if k == self.L:
             b += self.layout.norm_bytes + self.head_compute
         return b
@@ -606,8 +613,16 @@ def _explain(
         f"Model {lay.model_id}: {lay.num_layers} layers, {_b(lay.total_weight_bytes)} of weights "
         f"(embedding {_b(lay.embed_bytes)}, head "
         f"{'tied to the embedding' if lay.tied_embeddings else _b(lay.head_bytes)}); KV reserved "
-        f"for {context_tokens} tokens x {max_sequences} sequences = {_b(c.kv_layer)} per layer."
+        f"for {context_tokens} tokens x {max_sequences} sequences = {_b(c.kv(0, c.L))} ("
+        + (f"{_b(c.kv_layer)} per layer)." if not lay.layer_kv else
+           f"{_b(c.kv_layer)} per full-attention layer; sliding-window and linear-attention "
+           f"layers hold less).")
     ]
+    if lay.layer_stream_bytes:
+        out.append(
+            f"Mixture of experts: a decode step streams {_b(c.compute_bytes(0, c.L))} of "
+            f"{_b(lay.total_weight_bytes)} (the routed experts at their active share), so stage "
+            f"times follow the active bytes while memory holds every expert.")
     if split is not None:
         out.append(f"Split given by the user: {_split_str(split)}.")
     elif order == "search":

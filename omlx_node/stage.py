@@ -1,30 +1,42 @@
 """Stage runner: layers [start, end) of an mlx-lm model, and nothing else.
 
 The first stage embeds token ids, the last applies the final norm and the LM head (tied or not);
-single-Mac mode is the one stage that is both. The model classes, loader and KV caches are
-mlx-lm's own: a stage only keeps a slice of `model.layers`, so a node never reads the weights of
-layers it does not run (mx.load is lazy, and dropped layers are never evaluated).
+single-Mac mode is the one stage that is both. The model classes, loader and caches are mlx-lm's
+own, for any family that has the common shape (omlx_node/families.py): a stage keeps a slice of
+the model's own layer list, the caches its `make_cache` gives those layers, and makes each
+layer's mask from its cache as the family does (full, sliding-window, linear-attention state).
+The embedding and the head run the family's own code, so its embedding scaling, logit scaling
+or soft-capping need nothing here. A node never reads the weights of layers it does not run
+(mx.load is lazy, and the modules of dropped layers leave the model before anything is read).
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import dequantize_model, load_config, load_model
 
+from omlx_node.families import (
+    FamilyError,
+    check_shape,
+    embedding_view,
+    find_anatomy,
+    head_view,
+    layer_mask,
+    mask_kind,
+)
+from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
-
-# Families whose mlx-lm classes share the layout a stage relies on:
-# model.embed_tokens, model.layers[i](h, mask, cache), model.norm, lm_head or tied embeddings.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class StageError(ValueError):
@@ -55,41 +67,42 @@ def compute_dtype(model_dtype: mx.Dtype) -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else model_dtype
 
 
-def _check_family(config: dict, path: Path) -> None:
-    model_type = config.get("model_type", "")
-    if model_type not in SUPPORTED_FAMILIES:
-        raise StageError(
-            f"model family {model_type!r} ({path}) is not supported; "
-            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise StageError(
-            f"{path}: sliding-window attention layers are not supported yet "
-            f"(layer_types={sorted(set(layer_types))})"
-        )
+def _setting(config: dict, key: str, default=None):
+    """A config value; multimodal configs keep the language model's under text_config."""
+    value = config.get(key)
+    return (config.get("text_config") or {}).get(key, default) if value is None else value
 
 
-def _check_loaded(model: nn.Module, path: Path, start: int, end: int, num_layers: int) -> None:
-    """Raises StageError unless the folder's files held every parameter layers [start, end)
-    and this stage's embedding/norm/head need."""
+def _weights_dtype(module: nn.Module) -> mx.Dtype:
+    """The floating dtype holding most of a module's bytes (quantized weights are integers;
+    their scales tell the dtype they compute in)."""
+    sizes: Counter = Counter()
+    for _, v in tree_flatten(module.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            sizes[v.dtype] += v.nbytes
+    return sizes.most_common(1)[0][0] if sizes else mx.float32
+
+
+def _per_token(cache) -> bool:
+    """Whether a layer cache is its tokens' keys and values, in order (what blocks hold)."""
+    return type(cache) is KVCache or (type(cache) is RotatingKVCache and cache.keep == 0)
+
+
+def _check_loaded(model: nn.Module, path: Path, kept: list[str],
+                  stage_range: tuple[int, int]) -> None:
+    """Raises StageError unless the folder's files held every parameter under the `kept`
+    prefixes (this stage's layers, embedding, norm and head)."""
     present: set[str] = set()
     for f in path.glob("model*.safetensors"):
         present.update(read_header(f).tensors)
-    tied = bool(getattr(model.args, "tie_word_embeddings", False))
-    first, last = start == 0, end == num_layers
-    kept = [f"model.layers.{i}." for i in range(start, end)]
-    if first or (last and tied):
-        kept.append("model.embed_tokens.")
-    if last:
-        kept += ["model.norm."] + ([] if tied else ["lm_head."])
     missing = [name for name, _ in tree_flatten(model.parameters())
                if name.startswith(tuple(kept)) and name not in present]
     if missing:
-        layers = sorted({int(n.split(".")[2]) for n in missing if n.startswith("model.layers.")})
-        parts = sorted({n.split(".")[-2] for n in missing if not n.startswith("model.layers.")})
+        layers = sorted({int(n.split("layers.")[1].split(".")[0]) for n in missing
+                         if ".layers." in n or n.startswith("layers.")})
+        parts = sorted({n.split(".")[-2] for n in missing if "layers." not in n})
         raise StageError(
-            f"{path} lacks weights of layers [{start}, {end}): "
+            f"{path} lacks weights of layers [{stage_range[0]}, {stage_range[1]}): "
             f"{len(missing)} tensors missing (layers {layers or 'none'}"
             f"{', ' + ', '.join(parts) if parts else ''}; e.g. {missing[0]}). The coordinator "
             f"sends a node its layers before loading them; this folder holds "
@@ -111,46 +124,84 @@ class StageRunner:
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
-        _check_family(config, path)
-        num_layers = int(config["num_hidden_layers"])
+        if why := refusal(config):
+            raise StageError(f"{path}: {why}")
+        num_layers = int(_setting(config, "num_hidden_layers", 0))
         end = num_layers if layer_end is None else layer_end
         if not 0 <= layer_start < end <= num_layers:
             raise StageError(
                 f"layer range [{layer_start}, {end}) is not inside the model's "
                 f"{num_layers} layers"
             )
+        is_first, is_last = layer_start == 0, end == num_layers
 
         # A shard folder (omlx_node/weight_store.py) holds only some layers' tensors: the others
         # keep their random initialisation, which _check_loaded makes sure this stage never runs.
         shard = (path / SHARD_RECORD).is_file()
-        model, _ = load_model(path, lazy=True, strict=not shard)
-        if shard:
-            _check_loaded(model, path, layer_start, end, num_layers)
-        inner = model.model
-        self.layers = inner.layers[layer_start:end]
-        is_first, is_last = layer_start == 0, end == num_layers
-        tied = bool(getattr(model.args, "tie_word_embeddings", False))
-        # Only the modules this stage runs stay referenced, so only they are ever read from disk.
-        self.embed_tokens = inner.embed_tokens if is_first or (is_last and tied) else None
-        self.norm = inner.norm if is_last else None
-        self.lm_head = getattr(model, "lm_head", None) if is_last and not tied else None
-        self._tied = tied
-        inner.layers = self.layers
+        try:
+            model, _ = load_model(path, lazy=True, strict=not shard)
+        except (ValueError, TypeError, KeyError) as e:  # an unknown family, a config it rejects
+            raise StageError(f"{path}: mlx-lm cannot load this {config.get('model_type')!r} "
+                             f"model: {e}") from e
+        try:
+            anatomy = find_anatomy(model)
+            # The family's own caches, made while the model still has all its layers (some
+            # families build the list from their layer types, others from their layers).
+            every = make_prompt_cache(model)
+            caches = every[layer_start:end]
+            inner = anatomy.inner
+            inner.layers = inner.layers[layer_start:end]
+            check_shape(anatomy, caches)
+        except FamilyError as e:
+            raise StageError(f"{path}: {e}") from e
+        # Decided from every layer of the model, so all stages of a pipeline agree. Blocks hold
+        # per-token keys and values: full-attention (MLA too) and sliding-window layers have
+        # them; a recurrent state (linear attention, SSM) is not a sum of its tokens' parts.
+        others = sorted({type(c).__name__ for c in every if not _per_token(c)})
+        self.prefix_cache_off = (
+            f"{anatomy.family} has {', '.join(others)} layers, whose state the prefix cache "
+            f"does not cut into blocks" if others else "")
+        # Its sliding-window layers drop old tokens: the prefix cache must cut each block while
+        # they still hold it, so prefill chunks end on block boundaries.
+        self.has_windows = any(isinstance(c, RotatingKVCache) for c in every)
+        tied = not anatomy.head_parts()
+        self._templates = caches
+        self._departure = anatomy.departure
+        self._num_layers = num_layers
 
-        kept = nn.Module()
-        kept.layers = self.layers
-        for name in ("embed_tokens", "norm", "lm_head"):
-            if getattr(self, name) is not None:
-                setattr(kept, name, getattr(self, name))
-        target = compute_dtype(kept.layers[0].input_layernorm.weight.dtype)
+        # Only the modules this stage runs stay in the model, so only they are ever read.
+        if anatomy.lm_path:
+            for key in [k for k in model.children() if k != anatomy.lm_path]:
+                model.pop(key)
+        if not (is_first or (is_last and tied)):
+            inner.pop(anatomy.embed_key)
+        if not is_last:
+            inner.pop(anatomy.norm_key)
+            for key in anatomy.head_parts():
+                anatomy.lm.pop(key)
+        if shard:
+            kept = [f"{anatomy.inner_path}.layers.{i}." for i in range(layer_start, end)]
+            kept += [f"{anatomy.inner_path}.{k}." for k in (anatomy.embed_key, anatomy.norm_key)
+                     if k in inner]
+            if is_last:
+                lm = f"{anatomy.lm_path}." if anatomy.lm_path else ""
+                kept += [f"{lm}{k}." for k in anatomy.head_parts()]
+            _check_loaded(model, path, kept, (layer_start, end))
+
+        target = compute_dtype(_weights_dtype(inner.layers[0]))
         if mx.default_device() == mx.cpu:
             # Quantized matmul on a CPU runs ~1 tok/s: dequantize there, keep it elsewhere.
-            dequantize_model(kept)
-            kept.set_dtype(target)
-            self.embed_tokens = kept.get("embed_tokens")
-            self.lm_head = kept.get("lm_head")
-        mx.eval(kept.parameters())
-        self._module = kept
+            dequantize_model(model)
+            model.set_dtype(target)
+        mx.eval(model.parameters())
+        self._module = model
+        self.layers = inner.layers
+        self.embed_tokens = inner.get(anatomy.embed_key)
+        self.norm = inner.get(anatomy.norm_key)
+        # Views made after dequantizing, which replaces modules: they must see the new ones.
+        self._embed = embedding_view(anatomy) if is_first else None
+        self._head = head_view(anatomy) if is_last else None
+        self.hidden_size = int(_setting(config, "hidden_size"))
 
         self.info = ShardInfo(
             model_type=config["model_type"],
@@ -158,16 +209,37 @@ class StageRunner:
             layer_start=layer_start,
             layer_end=end,
             dtype=str(target).removeprefix("mlx.core."),
-            max_context=int(config.get("max_position_embeddings") or 0),
+            max_context=int(_setting(config, "max_position_embeddings", 0) or 0),
             load_seconds=time.perf_counter() - t0,
         )
 
-    @property
-    def hidden_size(self) -> int:
-        return self.layers[0].input_layernorm.weight.shape[0]
+    def make_cache(self) -> list:
+        """Fresh caches for this stage's layers, of the types the family's make_cache gives."""
+        return [copy.deepcopy(c) for c in self._templates]
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def from_blocks(self, restored: list[KVCache]) -> list:
+        """A restored prefix (the prefix cache gives KVCaches) as this stage's layers keep it: a
+        sliding-window layer's as its RotatingKVCache holding every restored token, as a cold
+        prefill of them leaves it; it keeps its window from the next step on."""
+        out = []
+        for kv, template in zip(restored, self._templates):
+            if isinstance(template, RotatingKVCache) and kv.keys is not None:
+                n = kv.offset
+                window = RotatingKVCache(template.max_size, template.keep)
+                window.state = (kv.keys[..., :n, :], kv.values[..., :n, :], n, template.keep,
+                                template.max_size, n)
+                kv = window
+            out.append(kv)
+        return out
+
+    def feed_forward(self) -> Callable[[mx.array], mx.array]:
+        """The first layer's feed-forward block (dense or MoE), which the head times by rows to
+        choose its micro-batches; the whole layer for a family that names it otherwise."""
+        layer = self.layers[0]
+        for name in ("mlp", "block_sparse_moe", "feed_forward"):
+            if isinstance(layer.get(name), nn.Module):
+                return layer[name]
+        return lambda x: layer(x, None, None)
 
     def nbytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self._module.parameters()))
@@ -178,13 +250,21 @@ class StageRunner:
         Returns logits (B, L', V) on the last stage and hidden states otherwise;
         `last_only` keeps only the last position's logits (prefill needs no others).
         """
-        h = self.embed_tokens(x) if self.info.is_first else x
-        mask = create_attention_mask(h, cache[0])
+        if self._embed is not None:
+            # The family's embedding code gets the whole model's cache list, as in its own
+            # forward (position-aware code reads the offsets of the first layers' caches); the
+            # masks it makes there are never used (lazy, never evaluated).
+            h = self._embed(x, cache + [None] * (self._num_layers - len(cache)))
+        else:
+            h = x
+        masks: dict[tuple[str, int], object] = {}
         for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, cache=c)
-        if not self.info.is_last:
+            kind = mask_kind(c)
+            if kind not in masks:
+                masks[kind] = layer_mask(h, c, self._departure)
+            h = layer(h, masks[kind], c)
+        if self._head is None:
             return h
         if last_only:
             h = h[:, -1:, :]
-        h = self.norm(h)
-        return self.embed_tokens.as_linear(h) if self._tied else self.lm_head(h)
+        return self._head(self.norm(h))

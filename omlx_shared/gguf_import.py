@@ -6,11 +6,19 @@ only repacked and the dequantized weights equal the GGUF's, bit for bit. Scales 
 stored as float32: GGUF keeps them in float16, but d*q+m evaluated in float16 would round, and
 float32 is the fast path of MLX's CPU backend (a 4-bit model with float32 scales decodes faster
 there than the same model dequantized to float32).
+
+Architectures (`_ARCHITECTURES`): llama, qwen2, qwen3, qwen3moe (the experts' stacked 3-D tensors
+become mlx-lm's switch_mlp, quantized per expert row as the GGUF is), gemma3 (text; llama.cpp
+stores Gemma's norm scales as 1 + w, and mlx-lm adds the 1 itself, so 1 is taken off: the scale
+the model multiplies by is then the GGUF's own, exactly, for every scale of at least 0.5) and
+phi3 (its fused qkv and gate-up matrices are mlx-lm's fused ones; LongRoPE factors, as
+Phi-3.5 and Phi-4-mini ship them, become mlx-lm's longrope scaling).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -34,7 +42,7 @@ from omlx_shared.model_store import ModelError, models_dir, validate_model_dir
 
 GROUP_SIZE = 32
 
-# GGUF name -> the mlx-lm / Hugging Face parameter name. Every supported architecture shares them.
+# GGUF name -> the mlx-lm / Hugging Face parameter name, as most architectures have them.
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -46,19 +54,45 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Phi-3's LongRoPE factors: read into the config, not tensors of the model.
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """How one GGUF architecture becomes an mlx-lm model."""
+
+    model_type: str
+    architecture: str  # the Hugging Face class config.json names
+    permute_qk: bool = False  # llama.cpp permuted q/k rows to GGML's RoPE layout (LlamaModel)
+    norm_shift: float = 0.0  # llama.cpp stored each norm scale plus this (Gemma's 1 + w)
+    layer_tensors: dict[str, str] | None = None  # where it differs from _LAYER_TENSORS
+
 
 _ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "llama": _Arch("llama", "LlamaForCausalLM", permute_qk=True),
+    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": _Arch("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": _Arch("gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, layer_tensors={
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }),
+    "phi3": _Arch("phi3", "Phi3ForCausalLM", layer_tensors={"ffn_up": "mlp.gate_up_proj"}),
 }
 
 # One safetensors file is flushed once it holds this much, so a large GGUF never sits in
@@ -146,7 +180,7 @@ def import_gguf(gguf_path: Path, dest: Path | None = None, progress: bool = True
             f"{gguf_path.name} holds a {arch!r} model; only {', '.join(_ARCHITECTURES)} GGUF "
             f"files can be imported."
         )
-    plan = _plan_tensors(reader, gguf_path.name)
+    plan = _plan_tensors(reader, gguf_path.name, _ARCHITECTURES[arch])
     config = _model_config(meta, arch, reader)
 
     if dest is None:
@@ -157,7 +191,7 @@ def import_gguf(gguf_path: Path, dest: Path | None = None, progress: bool = True
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".importing", dir=dest.parent))
     try:
-        quantized = _convert_tensors(plan, arch, config, tmp, progress)
+        quantized = _convert_tensors(plan, _ARCHITECTURES[arch], config, tmp, progress)
         config.update(_quantization_config(plan, quantized))
         config.update(_write_tokenizer(meta, arch, tmp, config["max_position_embeddings"]))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -201,8 +235,9 @@ class _Planned:
     type_name: str
 
 
-def _plan_tensors(reader: gguf.GGUFReader, filename: str) -> list[_Planned]:
+def _plan_tensors(reader: gguf.GGUFReader, filename: str, arch: _Arch) -> list[_Planned]:
     """Map every tensor to its mlx-lm name and check its type, before any slow work."""
+    layer_tensors = {**_LAYER_TENSORS, **(arch.layer_tensors or {})}
     plan = []
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
@@ -211,10 +246,12 @@ def _plan_tensors(reader: gguf.GGUFReader, filename: str) -> list[_Planned]:
                 f"{filename} uses per-frequency RoPE scaling (Llama 3.1-style rope_freqs), "
                 f"which this importer does not convert yet."
             )
+        if tensor.name in _ROPE_FACTORS and arch.model_type == "phi3":
+            continue  # read by _model_config
         if tensor.name in _GLOBAL_TENSORS:
             name = _GLOBAL_TENSORS[tensor.name]
-        elif (m := _LAYER_TENSOR.fullmatch(tensor.name)) and m[2] in _LAYER_TENSORS:
-            name = f"model.layers.{m[1]}.{_LAYER_TENSORS[m[2]]}.{m[3]}"
+        elif (m := _LAYER_TENSOR.fullmatch(tensor.name)) and m[2] in layer_tensors:
+            name = f"model.layers.{m[1]}.{layer_tensors[m[2]]}.{m[3]}"
         else:
             raise ModelError(f"{filename} holds a tensor this importer does not know: {tensor.name}.")
         if type_name not in _FLOAT_TYPES and type_name not in _QUANT_TYPES:
@@ -224,8 +261,9 @@ def _plan_tensors(reader: gguf.GGUFReader, filename: str) -> list[_Planned]:
                 f"convert (supported: {supported}). Re-quantize the model with llama.cpp to "
                 f"one of those types, e.g. `llama-quantize --allow-requantize IN.gguf OUT.gguf Q8_0`."
             )
-        if type_name in _QUANT_TYPES and len(tensor.shape) != 2:
-            raise ModelError(f"{filename}: quantized tensor {tensor.name} is not a matrix.")
+        if type_name in _QUANT_TYPES and len(tensor.shape) not in (2, 3):
+            raise ModelError(f"{filename}: quantized tensor {tensor.name} is not a matrix (or "
+                             f"a stack of expert matrices).")
         plan.append(_Planned(tensor, name, type_name))
     return plan
 
@@ -239,18 +277,20 @@ def _model_config(meta: _Metadata, arch: str, reader: gguf.GGUFReader) -> dict:
     hidden = int(meta.require(p + "embedding_length"))
     head_dim = int(meta.get(p + "attention.key_length", hidden // n_head))
     rope_dims = meta.get(p + "rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and arch != "phi3":  # phi3's mlx-lm class has a partial RoPE
         raise ModelError(f"Partial RoPE ({rope_dims} of {head_dim} dims) is not supported.")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelError("The GGUF file has no token_embd.weight tensor.")
 
+    layers = int(meta.require(p + "block_count"))
     config = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [_ARCHITECTURES[arch].architecture],
+        "model_type": _ARCHITECTURES[arch].model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require(p + "feed_forward_length")),
-        "num_hidden_layers": int(meta.require(p + "block_count")),
+        "intermediate_size": int(meta.get(p + "feed_forward_length")
+                                 or meta.require(p + "expert_feed_forward_length")),
+        "num_hidden_layers": layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": int(n_kv_head),
         "head_dim": head_dim,
@@ -264,20 +304,54 @@ def _model_config(meta: _Metadata, arch: str, reader: gguf.GGUFReader) -> dict:
     scaling = meta.get(p + "rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": _f32(meta.require(p + "rope.scaling.factor"))}
-    elif scaling != "none":
+    elif scaling not in ("none", "longrope") or (scaling == "longrope" and arch != "phi3"):
         raise ModelError(f"RoPE scaling {scaling!r} is not supported by this importer.")
+
+    if arch == "qwen3moe":
+        # Layers without expert tensors are dense (Qwen's mlp_only_layers).
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
+        config |= {
+            "num_experts": int(meta.require(p + "expert_count")),
+            "num_experts_per_tok": int(meta.require(p + "expert_used_count")),
+            "moe_intermediate_size": int(meta.require(p + "expert_feed_forward_length")),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "norm_topk_prob": True,  # llama.cpp always renormalises Qwen3-MoE's top-k weights
+        }
+    elif arch == "gemma3":
+        config |= {
+            "sliding_window": int(meta.require(p + "attention.sliding_window")),
+            "sliding_window_pattern": 6,  # llama.cpp's, as Gemma 3's every-sixth global layer
+            "rope_local_base_freq": _f32(meta.get(p + "rope.freq_base_swa", 10000.0)),
+            # As llama.cpp: Gemma 3 27B scales queries by hidden / heads, the others by head_dim.
+            "query_pre_attn_scalar": hidden // n_head if layers == 62 else head_dim,
+        }
+    elif arch == "phi3":
+        config["partial_rotary_factor"] = rope_dims / head_dim
+        config["original_max_position_embeddings"] = int(
+            meta.get(p + "rope.scaling.original_context_length", config["max_position_embeddings"]))
+        if "rope_factors_long.weight" in tensors:
+            config["rope_scaling"] = {
+                "type": "longrope",
+                "long_factor": _floats(tensors["rope_factors_long.weight"]),
+                "short_factor": _floats(tensors["rope_factors_short.weight"]),
+            }
     return config
+
+
+def _floats(tensor: gguf.ReaderTensor) -> list[float]:
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
 def _f32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def _convert_tensors(plan: list[_Planned], arch: str, config: dict, folder: Path,
+def _convert_tensors(plan: list[_Planned], arch: _Arch, config: dict, folder: Path,
                      progress: bool) -> dict[str, int]:
     """Write the weights as safetensors shards; return {module path: bits} of quantized ones."""
     permuted_heads = {}
-    if arch == "llama":
+    if arch.permute_qk:
         permuted_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
     quantized: dict[str, int] = {}
@@ -301,7 +375,8 @@ def _convert_tensors(plan: list[_Planned], arch: str, config: dict, folder: Path
             bar.update(task, description=item.tensor.name)
             module = item.name.rpartition(".")[0]
             n_head = permuted_heads.get(module.rpartition(".")[2])
-            for name, array in _convert_tensor(item, n_head).items():
+            shift = arch.norm_shift if module.endswith("norm") else 0.0
+            for name, array in _convert_tensor(item, n_head, shift).items():
                 shard[f"{module}.{name}"] = array
                 shard_bytes += array.nbytes
             if item.type_name in _QUANT_TYPES:
@@ -316,15 +391,25 @@ def _convert_tensors(plan: list[_Planned], arch: str, config: dict, folder: Path
     return quantized
 
 
-def _convert_tensor(item: _Planned, n_head: int | None) -> dict[str, mx.array]:
+def _convert_tensor(item: _Planned, n_head: int | None, shift: float = 0.0) -> dict[str, mx.array]:
+    """The mlx-lm arrays of one GGUF tensor; `shift` is taken off a norm scale (in float32)."""
     tensor, kind = item.tensor, item.name.rpartition(".")[2]
     shape = tuple(int(n) for n in reversed(tensor.shape))
     if item.type_name in _QUANT_TYPES:
         qtype = _QUANT_TYPES[item.type_name]
-        rows, cols = shape
+        # A stack of expert matrices (experts, rows, cols) is quantized row by row like one
+        # matrix of experts * rows rows; MLX's quantized switch layers take it back as a stack.
+        *lead, cols = shape
+        rows = math.prod(lead)
         blocks = np.asarray(tensor.data).reshape(rows, cols // GROUP_SIZE, qtype.block_bytes)
         q, scales, biases = qtype.unpack(blocks)
-        arrays = {"weight": _pack(q, qtype.bits), "scales": scales, "biases": biases}
+        arrays = {k: v.reshape(*lead, -1) for k, v in
+                  {"weight": _pack(q, qtype.bits), "scales": scales, "biases": biases}.items()}
+    elif shift:
+        values = np.asarray(tensor.data)
+        if item.type_name == "BF16":
+            values = (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        arrays = {kind: values.astype(np.float32).reshape(shape) - np.float32(shift)}
     elif item.type_name == "BF16":
         # numpy has no bfloat16: move the raw 16-bit words and reinterpret them in MLX.
         arrays = {kind: np.asarray(tensor.data).view(np.uint16).reshape(shape)}
@@ -333,7 +418,7 @@ def _convert_tensor(item: _Planned, n_head: int | None) -> dict[str, mx.array]:
     if n_head is not None:
         arrays = {k: _unpermute_rows(v, n_head) for k, v in arrays.items()}
     out = {k: mx.array(np.ascontiguousarray(v)) for k, v in arrays.items()}
-    if item.type_name == "BF16":
+    if item.type_name == "BF16" and not shift:
         out[kind] = out[kind].view(mx.bfloat16)
     return out
 
@@ -366,7 +451,7 @@ def _quantization_config(plan: list[_Planned], quantized: dict[str, int]) -> dic
         bits = quantized.get(module)
         if bits is not None and bits != default_bits:
             quantization[module] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
-        elif bits is None and item.name.endswith(".weight") and len(item.tensor.shape) == 2:
+        elif bits is None and item.name.endswith(".weight") and len(item.tensor.shape) in (2, 3):
             quantization[module] = False
     # As mlx-lm's save_config: the same map under both keys.
     return {"quantization": quantization, "quantization_config": quantization}

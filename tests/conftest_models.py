@@ -79,12 +79,28 @@ class TinyGGUF:
     tokenizer: object  # the tokenizers.Tokenizer the GGUF vocabulary came from
 
 
+# GGUF architecture -> mlx-lm model_type, where they differ.
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 32
+SLIDING_WINDOW = 8
+
+
 def hf_config(arch: str, vocab_size: int, tied: bool) -> dict:
+    extra = {
+        "qwen3moe": {"num_experts": EXPERTS, "num_experts_per_tok": EXPERTS_USED,
+                     "moe_intermediate_size": EXPERT_FFN, "decoder_sparse_step": 1,
+                     "mlp_only_layers": [0], "norm_topk_prob": True},
+        "gemma3": {"sliding_window": SLIDING_WINDOW, "sliding_window_pattern": 6,
+                   "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": HEAD_DIM},
+        "phi3": {"partial_rotary_factor": 1.0, "original_max_position_embeddings": 256},
+    }.get(arch, {})
     return {
-        "model_type": arch,
+        **extra,
+        "model_type": MODEL_TYPES.get(arch, arch),
+        # mlx-lm's Gemma 3 takes its first global layer's cache, the sixth.
+        "num_hidden_layers": 6 if arch == "gemma3" else LAYERS,
         "hidden_size": HIDDEN,
         "intermediate_size": FFN,
-        "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
@@ -107,16 +123,25 @@ def write_tiny_gguf(
     seed: int = 0,
     tokenizer_model: str = "gpt2",
     spm_model=None,
+    longrope: bool = False,
 ) -> TinyGGUF:
     """Write a random 2-layer model as llama.cpp would: matrices in `qtype` (GGUF names in
     `overrides` get their own type), norms and biases in F32, q/k rows permuted for llama.
 
     The vocabulary is a byte-level BPE trained here, stated as `tokenizer_model`, or the given
-    sentencepiece.SentencePieceProcessor written as llama.cpp writes an SPM vocabulary."""
+    sentencepiece.SentencePieceProcessor written as llama.cpp writes an SPM vocabulary.
+    `longrope` (phi3): LongRoPE factors, as Phi-3.5 ships them, for a context twice the original."""
     tok = spm_model or train_tokenizer()
     tokens = _tokens(tok)
     rng = np.random.default_rng(seed)
     config = hf_config(arch, len(tokens), tied)
+    factors = {}
+    if longrope:
+        factors = {kind: (1.0 + rng.random(HEAD_DIM // 2)).astype(np.float32)
+                   for kind in ("long", "short")}
+        config["original_max_position_embeddings"] = config["max_position_embeddings"] // 2
+        config["rope_scaling"] = {"type": "longrope",
+                                  **{f"{k}_factor": v.tolist() for k, v in factors.items()}}
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
@@ -124,26 +149,51 @@ def write_tiny_gguf(
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    def experts(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((EXPERTS, rows, cols)) * 0.2).astype(np.float32)
+
     source: dict[str, np.ndarray] = {"model.embed_tokens.weight": matrix(len(tokens), HIDDEN)}
-    for i in range(LAYERS):
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         source |= {
             p + "input_layernorm.weight": norm(HIDDEN),
             p + "post_attention_layernorm.weight": norm(HIDDEN),
-            p + "self_attn.q_proj.weight": matrix(HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": matrix(HIDDEN, HEADS * HEAD_DIM),
-            p + "mlp.gate_proj.weight": matrix(FFN, HIDDEN),
-            p + "mlp.up_proj.weight": matrix(FFN, HIDDEN),
-            p + "mlp.down_proj.weight": matrix(HIDDEN, FFN),
         }
+        if arch == "phi3":  # fused q/k/v and gate/up, as Phi-3 ships them
+            source[p + "self_attn.qkv_proj.weight"] = matrix((HEADS + 2 * KV_HEADS) * HEAD_DIM,
+                                                             HIDDEN)
+        else:
+            source |= {
+                p + "self_attn.q_proj.weight": matrix(HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.k_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.v_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
+            }
+        source[p + "self_attn.o_proj.weight"] = matrix(HIDDEN, HEADS * HEAD_DIM)
+        if arch == "qwen3moe" and i not in config["mlp_only_layers"]:
+            source |= {
+                p + "mlp.gate.weight": matrix(EXPERTS, HIDDEN),
+                p + "mlp.switch_mlp.gate_proj.weight": experts(EXPERT_FFN, HIDDEN),
+                p + "mlp.switch_mlp.up_proj.weight": experts(EXPERT_FFN, HIDDEN),
+                p + "mlp.switch_mlp.down_proj.weight": experts(HIDDEN, EXPERT_FFN),
+            }
+        elif arch == "phi3":
+            source[p + "mlp.gate_up_proj.weight"] = matrix(2 * FFN, HIDDEN)
+            source[p + "mlp.down_proj.weight"] = matrix(HIDDEN, FFN)
+        else:
+            source |= {
+                p + "mlp.gate_proj.weight": matrix(FFN, HIDDEN),
+                p + "mlp.up_proj.weight": matrix(FFN, HIDDEN),
+                p + "mlp.down_proj.weight": matrix(HIDDEN, FFN),
+            }
         if arch == "qwen2":
             for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
                 source[p + f"self_attn.{proj}_proj.bias"] = matrix(1, rows * HEAD_DIM)[0]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             source[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
             source[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
+        if arch == "gemma3":
+            source[p + "pre_feedforward_layernorm.weight"] = norm(HIDDEN)
+            source[p + "post_feedforward_layernorm.weight"] = norm(HIDDEN)
     source["model.norm.weight"] = norm(HIDDEN)
     if not tied:
         source["lm_head.weight"] = matrix(len(tokens), HIDDEN)
@@ -152,7 +202,7 @@ def write_tiny_gguf(
     writer.add_name(name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -160,6 +210,16 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(len(tokens))
+    if arch == "qwen3moe":
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(EXPERTS_USED)
+        writer.add_expert_feed_forward_length(EXPERT_FFN)
+    if arch == "gemma3":
+        writer.add_sliding_window(SLIDING_WINDOW)
+    if longrope:
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        for kind, values in factors.items():
+            writer.add_tensor(f"rope_factors_{kind}.weight", values)
     if spm_model is None:
         _add_bpe_vocab(writer, tok, tokenizer_model)
     else:
@@ -168,9 +228,14 @@ def write_tiny_gguf(
 
     weights = {}
     for hf_name, value in source.items():
-        gguf_name = _gguf_name(hf_name)
-        kind = (overrides or {}).get(gguf_name, qtype if value.ndim == 2 else "F32")
+        gguf_name = _gguf_name(hf_name, arch)
+        kind = (overrides or {}).get(gguf_name, qtype if value.ndim >= 2 else "F32")
         stored = value
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norm scales as 1 + w; the scale the model multiplies by
+            # is that float32 sum, which is what mlx-lm's 1 + w then gives back.
+            stored = value + np.float32(1)
+            value = stored - np.float32(1)
         if arch == "llama" and ".q_proj." in hf_name:
             stored = llama_permute(value, HEADS)
         elif arch == "llama" and ".k_proj." in hf_name:
@@ -240,7 +305,19 @@ def _add_spm_vocab(writer: gguf.GGUFWriter, sp) -> None:
     writer.add_unk_token_id(sp.unk_id())
 
 
-def _gguf_name(hf_name: str) -> str:
+# Where an architecture's GGUF names differ from _GGUF_NAMES.
+_ARCH_GGUF_NAMES = {
+    "qwen3moe": {"mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+                 "mlp.switch_mlp.up_proj": "ffn_up_exps",
+                 "mlp.switch_mlp.down_proj": "ffn_down_exps"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -250,4 +327,5 @@ def _gguf_name(hf_name: str) -> str:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+    names = {**_GGUF_NAMES, **_ARCH_GGUF_NAMES.get(arch, {})}
+    return f"blk.{layer}.{names[module]}.{kind}"

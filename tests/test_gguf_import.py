@@ -11,7 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import generate, load
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load_tokenizer
 
 from omlx_shared import gguf_import
@@ -39,6 +41,15 @@ CASES = {
     "q4_1-tied-q8_0-embed": ("Q4_1", "llama", True, {"token_embd.weight": "Q8_0"}),
     "qwen2-f32": ("F32", "qwen2", False, {}),
     "qwen3-q4_1": ("Q4_1", "qwen3", True, {}),
+    # Stacked 3-D expert tensors, quantized per expert row; a dense first layer.
+    "qwen3moe-f32": ("F32", "qwen3moe", False, {}),
+    "qwen3moe-q4_0": ("Q4_0", "qwen3moe", False, {}),
+    # Norm scales stored as 1 + w; sliding-window layers; tied head.
+    "gemma3-f32": ("F32", "gemma3", True, {}),
+    "gemma3-q8_0": ("Q8_0", "gemma3", True, {}),
+    # Fused qkv and gate-up matrices.
+    "phi3-f32": ("F32", "phi3", False, {}),
+    "phi3-q4_1": ("Q4_1", "phi3", False, {}),
 }
 
 
@@ -46,7 +57,10 @@ def reference_model(tiny: TinyGGUF) -> nn.Module:
     """The source model in float32, with the weight values the GGUF file holds."""
     module = importlib.import_module(f"mlx_lm.models.{tiny.config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(tiny.config))
-    model.load_weights([(k, mx.array(v)) for k, v in tiny.weights.items()])
+    weights = {k: mx.array(v) for k, v in tiny.weights.items()}
+    if hasattr(model, "sanitize"):  # as mlx-lm's loader: Gemma drops its unused lm_head there
+        weights = model.sanitize(weights)
+    model.load_weights(list(weights.items()))
     return model
 
 
@@ -76,19 +90,25 @@ def test_import_matches_source_model(tmp_path: Path, case: str) -> None:
     # Every weight the import produced equals the GGUF's own dequantized value, bit for bit.
     quantized_bits = {}
     for name, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             assert module.group_size == 32
             weight = mx.dequantize(module.weight, module.scales, module.biases, 32, module.bits)
             quantized_bits[name] = module.bits
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (nn.Linear, nn.Embedding, SwitchLinear)):
             weight = module.weight.astype(mx.float32)
         else:
             continue
         np.testing.assert_array_equal(np.array(weight), tiny.weights[f"{name}.weight"], err_msg=name)
+    # And every norm scale (Gemma's after taking off the 1 llama.cpp added).
+    params = dict(tree_flatten(model.parameters()))
+    for name in (n for n in tiny.weights if n.endswith("norm.weight")):
+        np.testing.assert_array_equal(np.array(params[name]), tiny.weights[name], err_msg=name)
 
     expected_bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
     if qtype in expected_bits:
-        assert quantized_bits["model.layers.1.mlp.down_proj"] == expected_bits[qtype]
+        assert quantized_bits["model.layers.0.mlp.down_proj"] == expected_bits[qtype]
+        if arch == "qwen3moe":
+            assert quantized_bits["model.layers.1.mlp.switch_mlp.down_proj"] == expected_bits[qtype]
         assert ("lm_head" in quantized_bits) == ("output.weight" not in overrides and not tied)
         embed_type = overrides.get("token_embd.weight", qtype)
         assert quantized_bits["model.embed_tokens"] == expected_bits[embed_type]
@@ -103,6 +123,26 @@ def test_import_matches_source_model(tmp_path: Path, case: str) -> None:
         # Same weight values; only a quantized or half-precision matmul may sum in another order
         # (on MLX's CPU backend the logits come out bit-identical even so).
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3", "phi3"])
+def test_family_config_describes_the_model(tmp_path: Path, arch: str) -> None:
+    """Every setting of the source's mlx-lm config (experts, windows, RoPE) comes back."""
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", "F32", arch=arch, tied=arch == "gemma3")
+    folder = import_gguf(tiny.path, tmp_path / "model", progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert {k: config[k] for k in tiny.config} == tiny.config
+
+
+def test_phi3_longrope_factors_become_its_rope_scaling(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", "F32", arch="phi3", longrope=True)
+    folder = import_gguf(tiny.path, tmp_path / "model", progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_scaling"] == tiny.config["rope_scaling"]
+    assert config["original_max_position_embeddings"] == 128
+    model, tokenizer = load(str(folder))
+    ids = tokenizer.encode(PROMPT * 8)[:200]  # past the original context: the long factors
+    np.testing.assert_array_equal(logits(model, ids), logits(reference_model(tiny), ids))
 
 
 def test_config_describes_the_model(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from omlx_coordinator.model_layout import ModelLayout, read_layout
+from omlx_coordinator.model_layout import LayerKV, ModelLayout, read_layout
 from omlx_coordinator.planner import (
     GiB,
     NodeSpec,
@@ -408,10 +408,80 @@ def test_read_layout_refuses_tensors_it_cannot_place(tmp_path: Path):
     save_file({
         "model.embed_tokens.weight": np.zeros((4, 8), np.float16),
         "model.layers.0.mlp.weight": np.zeros((8, 8), np.float16),
+        "speculator.proj.weight": np.zeros((8, 8), np.float16),
+        # mlx-lm's multimodal wrappers drop their vision parts: nothing to place.
         "vision_tower.patch.weight": np.zeros((8, 8), np.float16),
     }, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="vision_tower.patch.weight"):
+    with pytest.raises(ValueError, match="speculator.proj.weight") as err:
         read_layout(tmp_path)
+    assert "vision_tower" not in str(err.value)
+
+
+def routed_bytes(folder: Path, layer: int) -> int:
+    """Bytes of a layer's routed experts (not its shared experts), read from the file."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "numpy") as f:
+        return sum(f.get_tensor(k).nbytes for k in f.keys()
+                   if f".layers.{layer}." in k and (".switch_mlp." in k or ".experts." in k))
+
+
+def test_read_layout_sizes_each_layer_cache_as_its_family_keeps_it(tmp_path: Path):
+    from tests.tiny_models import build_model
+
+    full = 2 * 2 * 16 * 2  # keys + values x 2 KV heads x head_dim 16 x 2 bytes
+    window = LayerKV(full, window=8)
+    # gpt-oss alternates sliding-window and full layers; Gemma 3 here globalises every 2nd.
+    for family in ("gpt_oss", "gemma3_text"):
+        lay = read_layout(build_model(tmp_path / family, family, num_layers=4))
+        assert lay.layer_kv == (window, LayerKV(full)) * 2, family
+        assert lay.kv_bytes(0, 4096) == 8 * full and lay.kv_bytes(1, 4096) == 4096 * full
+    # MLA caches one latent (rank 16) and one RoPE key (8 dims) per token for all heads.
+    lay = read_layout(build_model(tmp_path / "ds", "deepseek_v3", num_layers=4))
+    assert lay.layer_kv == (LayerKV((16 + 8) * 2),) * 4
+    # Gated DeltaNet layers: a conv window of 3 over q, k, v (2x2x16 + 4x16 channels, 2 bytes)
+    # and a float32 state of 4 value heads x 16 x 16, whatever the context.
+    lay = read_layout(build_model(tmp_path / "qn", "qwen3_next", num_layers=4))
+    linear = LayerKV(0, state_bytes=3 * (2 * 2 * 16 + 4 * 16) * 2 + 4 * 16 * 16 * 4)
+    assert lay.layer_kv == (linear, LayerKV(full)) * 2
+    assert lay.kv_bytes(0, 10) == lay.kv_bytes(0, 100_000)
+    # A dense family keeps the simple form.
+    assert read_layout(build_model(tmp_path / "l", "llama", num_layers=2)).layer_kv == ()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss"])
+def test_read_layout_streams_routed_experts_at_their_active_share(tmp_path: Path, family: str):
+    """2 of 4 experts per token: a decode step streams half of the routed experts' bytes, all
+    of the shared experts, the router and attention; memory holds every expert."""
+    from tests.tiny_models import build_model
+
+    folder = build_model(tmp_path / family, family, num_layers=4)
+    lay = read_layout(folder)
+    assert sum(lay.layer_bytes) + lay.embed_bytes + lay.head_bytes + lay.norm_bytes == (
+        file_tensor_bytes(folder))
+    for i in range(4):
+        routed = routed_bytes(folder, i)
+        assert lay.stream_bytes(i) == lay.layer_bytes[i] - routed // 2, (family, i)
+    if family in ("qwen3_moe", "deepseek_v3"):  # their first layer is dense
+        assert lay.stream_bytes(0) == lay.layer_bytes[0]
+
+
+def test_plan_reserves_kv_by_layer_kind_and_times_active_experts():
+    full, window = LayerKV(4096), LayerKV(4096, window=1024)
+    lay = ModelLayout("swa-moe", 4, (1 * GiB,) * 4, 64 * MiB, 64 * MiB, 4096, False, 4096,
+                      layer_kv=(window, full, window, full),
+                      layer_stream_bytes=(GiB // 4,) * 4)
+    plan = make_plan(lay, [NodeSpec("a", 64 * GiB, speed=100.0)], os_reserve_bytes=RESERVE,
+                     context_tokens=8192, max_sequences=4)
+    (stage,) = plan.stages
+    assert stage.kv_bytes == 4 * (2 * 4096 * 1024 + 2 * 4096 * 8192)
+    streamed = GiB + 4096 + 64 * MiB  # active layer bytes, norm, head
+    assert stage.est_ms == pytest.approx(streamed / 100e9 * 1e3)
+    text = "\n".join(plan.explanation)
+    assert "per full-attention layer; sliding-window and linear-attention layers hold less" in text
+    assert "Mixture of experts: a decode step streams" in text
+    with pytest.raises(ValueError, match="2 layer caches"):
+        ModelLayout("bad", 4, (1,) * 4, 1, 1, 1, False, 1, layer_kv=(full, full))
 
 
 # ------------------------------------------------------------------ CLI parsing
