@@ -246,7 +246,7 @@ class EngineRate:
     rate: the engine never waits for its clients, so this is what the stages sustain whatever
     the gateway and this one-process client can carry."""
 
-    METRIC = "omlx_node:tokens_predicted_total"
+    METRIC = "omlx_node_tokens_predicted_total"
 
     def __init__(self, url: str, every: float = 0.02):
         self.url, self.every = url, every
@@ -258,10 +258,13 @@ class EngineRate:
     def _read(self, client) -> float | None:
         value = None
         for line in client.get(self.url, timeout=2.0).text.splitlines():
-            if line.startswith(self.METRIC + " "):
-                value = float(line.split()[1])
-            elif line.startswith("omlx_node:micro_batches "):
-                self.micro_batches = max(self.micro_batches or 0.0, float(line.split()[1]))
+            # Each series carries the stage's labels: `name{node="...",...} value`.
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name == self.METRIC:
+                value = float(line.rsplit(" ", 1)[1])
+            elif name == "omlx_node_micro_batches":
+                self.micro_batches = max(self.micro_batches or 0.0,
+                                         float(line.rsplit(" ", 1)[1]))
         return value
 
     def _run(self) -> None:
@@ -641,7 +644,7 @@ def main() -> int:
     if min(args.stages) < 2:
         ap.error("every --stages value must be at least 2")
 
-    from omlx_coordinator.cluster import node_env as server_node_env
+    from omlx_shared.blas import blas_env
 
     t_start = time.monotonic()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-pipe-bench-"))
@@ -654,7 +657,7 @@ def main() -> int:
         tag = "h200" if len(gpus) == 1 else f"h200x{len(gpus)}"
     else:
         tag = "gpu" if gpus else "cpu"
-    node_env = server_node_env()
+    node_env = blas_env()
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
                                                                  "OPENBLAS_NUM_THREADS")}
 

@@ -15,7 +15,7 @@ Measures, each as a median of --repeats timed runs after a warm-up:
 
 Fairness: the server runs alone (started with `python -m omlx_cluster serve`, stopped
 before the reference runs); mlx-lm runs in a child process with exactly the node's environment
-(`omlx_coordinator.cluster.node_env`: same LD_PRELOAD/OPENBLAS_NUM_THREADS, so the same BLAS)
+(`omlx_shared.blas.blas_env`: same LD_PRELOAD/OPENBLAS_NUM_THREADS, so the same BLAS)
 and the node's compute dtype (float32 and dequantized on a CPU, the model's own dtype on a GPU).
 
     python bench/bench_single_node.py                      # the default model (SmolLM2-135M)
@@ -628,14 +628,14 @@ def main() -> int:
         Path(args._result).write_text(json.dumps(res))
         return 0
 
-    from omlx_coordinator.cluster import node_env as server_node_env
+    from omlx_shared.blas import blas_env
 
     t_start = time.monotonic()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     tag = args.tag or ("h200" if "H200" in machine["gpu"] else "gpu" if machine["gpu"] else "cpu")
-    node_env = server_node_env()  # exactly what the server gives its node child
+    node_env = blas_env()  # exactly what a node agent gives its shard worker
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
                                                                  "OPENBLAS_NUM_THREADS")}
 

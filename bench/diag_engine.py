@@ -139,13 +139,13 @@ def over_grpc(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
               warm: int, work: Path) -> dict:
     import grpc
 
-    from omlx_coordinator.cluster import node_env
+    from omlx_shared.blas import blas_env
     from proto import omlx_pb2 as pb
     from proto import omlx_pb2_grpc as pb_grpc
 
     ready_file = work / "node.ready.json"
     log = open(work / "node.log", "wb")
-    env = node_env()
+    env = blas_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster", "node", "--port", "0",
                              "--ready-file", str(ready_file), "--model", str(model_path),
@@ -246,12 +246,12 @@ def main() -> int:
     result = {"model": str(model), "tokens": args.tokens, "repeats": args.repeats,
               "machine": bsn.machine_info()}
     # The in-process part runs in a child with the node's environment (same BLAS).
-    from omlx_coordinator.cluster import node_env
+    from omlx_shared.blas import blas_env
 
     spec = work / "inproc.json"
     spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "tokens": args.tokens,
                                 "repeats": args.repeats, "warm": warm}))
-    env = node_env()
+    env = blas_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, __file__, "--_inproc", str(spec)], env=env, check=True,
                    timeout=900)

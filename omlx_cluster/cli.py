@@ -111,6 +111,55 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "why (default: auto)")
 
 
+def _share(value: str) -> float:
+    x = float(value)
+    if not 0 < x < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (0.15 is 15%), got {x}")
+    return x
+
+
+def _seconds(value: str) -> float:
+    x = float(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {x}")
+    return x
+
+
+def _positive_seconds(value: str) -> float:
+    x = _seconds(value)
+    if x == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return x
+
+
+def _add_rebalance_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rebalance", choices=["auto", "advise", "off"], default="auto",
+                   help="move layers between nodes from their measured speeds and memory "
+                        "pressure while serving. auto: move; advise: only log and show "
+                        "(`omlx-cluster rebalance`) what it would do; off: measure nothing "
+                        "(default: auto)")
+    p.add_argument("--rebalance-threshold", type=_share, default=0.15, metavar="SHARE",
+                   help="move only when the best split's predicted bottleneck beats the "
+                        "current one by more than this share (default: 0.15)")
+    p.add_argument("--rebalance-window", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="... in each third of a window of this many seconds (default: 60)")
+    p.add_argument("--rebalance-cooldown", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="and at least this long after the last move (default: 300)")
+    p.add_argument("--prometheus-url", metavar="URL",
+                   help="read the stages' metrics from this Prometheus (its /api/v1/query) "
+                        "instead of scraping every stage (default: scrape)")
+
+
+def _rebalance_settings(args: argparse.Namespace):
+    from omlx_coordinator.rebalancer import Policy, RebalanceSettings
+
+    # The memory pressure window follows a short --rebalance-window down, never above 10 s.
+    policy = Policy(threshold=args.rebalance_threshold, window=args.rebalance_window,
+                    cooldown=args.rebalance_cooldown,
+                    pressure_window=min(Policy.pressure_window, args.rebalance_window))
+    return RebalanceSettings(args.rebalance, policy, args.prometheus_url)
+
+
 def _add_secret_file_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", type=Path, metavar="FILE",
                    help="read the cluster secret from FILE (mode 0600; other users must not "
@@ -159,9 +208,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the model is ready.",
     )
     _add_gateway_flags(serve)
-    serve.add_argument("--node-metrics-port", type=int, default=None, metavar="PORT",
-                       help="also export the head node's Prometheus /metrics on this port "
-                            "(0 picks a free one; default: off)")
+    serve.add_argument("--node-metrics-port", type=int, default=0, metavar="PORT",
+                       help="each local node's shard worker exports Prometheus /metrics on its "
+                            "own port: PORT, PORT+1, ... (0: any free port; GET "
+                            "/cluster/status and /cluster/prometheus-targets show them; "
+                            "default: 0)")
     serve.add_argument("--nodes", type=_positive, default=1, metavar="N",
                        help="run the model as a pipeline of N local node processes joined by "
                             "mx.distributed (default: 1, single-Mac mode)")
@@ -169,6 +220,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="layers per node, e.g. 1,6,2 (must sum to the model's layers, no "
                             "stage empty; default: the planner's split)")
     _add_pipeline_flags(serve)
+    _add_rebalance_flags(serve)
     _add_engine_flags(serve)
 
     node = sub.add_parser(
@@ -184,9 +236,9 @@ def _build_parser() -> argparse.ArgumentParser:
     node.add_argument("--ready-file", type=Path,
                       help="write {port, data_port, pid, worker_address} as JSON here once "
                            "listening")
-    node.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    node.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                       help="the shard worker exports Prometheus /metrics on this port "
-                           "(0 for any; default: off)")
+                           "(default: 0, any free port)")
     node.add_argument("--model", metavar="PATH_OR_NAME",
                       help="load this whole model at start instead of waiting for LoadShard")
     node.add_argument("--exit-with-parent", action="store_true",
@@ -230,8 +282,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="decode micro-batches in flight on the head, always K (default 0: "
                              "up to one per stage, as many as pay off on this device)")
     worker.add_argument("--host", default="127.0.0.1", help="gRPC address of the head worker (default: 127.0.0.1)")
-    worker.add_argument("--metrics-port", type=int, default=None,
-                        help="export Prometheus /metrics on this port (default: off)")
+    worker.add_argument("--metrics-port", type=int, default=0,
+                        help="export Prometheus /metrics on this port (default: 0, any free "
+                             "port)")
+    worker.add_argument("--node-id", default="",
+                        help="the node's id, a label on every metric (default: none)")
     worker.add_argument("--init-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="give up if the group has not formed by then (default: 60)")
     worker.add_argument("--ready-file", type=Path, help="write readiness JSON here")
@@ -255,6 +310,7 @@ def _build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--no-discovery", action="store_true",
                              help="do not browse Bonjour; only `join --coordinator` nodes join")
     _add_pipeline_flags(coordinator)
+    _add_rebalance_flags(coordinator)
 
     join = sub.add_parser(
         "join", parents=[common], help="offer this Mac to a cluster (a node agent)",
@@ -279,8 +335,10 @@ def _build_parser() -> argparse.ArgumentParser:
     join.add_argument("--coordinator", metavar="HOST:PORT",
                       help="also register with the coordinator's HTTP address directly, every "
                            "few seconds (default: Bonjour only)")
-    join.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                      help="the shard worker exports Prometheus /metrics here (default: off)")
+    join.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                      help="the shard worker exports Prometheus /metrics here; the coordinator's "
+                           "/cluster/prometheus-targets tells Prometheus (default: 0, any free "
+                           "port)")
     join.add_argument("--no-announce", action="store_true",
                       help="do not announce over Bonjour (use with --coordinator)")
     join.add_argument("--speed", type=float, default=None, metavar="GBPS",
@@ -318,13 +376,27 @@ def _build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status", parents=[common], help="show the nodes of a running cluster",
         description="Ask a running coordinator (`serve`) for its nodes: id, address, health, "
-                    "layer range, agent and shard worker pids, and the active plan.")
+                    "layer range, agent and shard worker pids, metrics address, and the "
+                    "active plan.")
     status.add_argument("--url", default="http://127.0.0.1:8000",
                         help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.add_argument("--api-key", metavar="KEY",
                         help="the key of a gateway started with --api-key (default: the first "
                              "of $OMLX_API_KEY)")
+
+    rebalance = sub.add_parser(
+        "rebalance", parents=[common], help="show or apply the best split for measured speeds",
+        description="Ask a running coordinator for each node's measured speed, the current and "
+                    "the best split for those speeds and the predicted gain, and move to it "
+                    "now (past the threshold, window and cooldown), unless --dry-run.")
+    rebalance.add_argument("--dry-run", action="store_true", help="show, do not move")
+    rebalance.add_argument("--url", default="http://127.0.0.1:8000",
+                           help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
+    rebalance.add_argument("--api-key", metavar="KEY",
+                           help="the key of a gateway started with --api-key (default: the "
+                                "first of $OMLX_API_KEY)")
+    rebalance.add_argument("--json", action="store_true", help="print the raw JSON")
 
     models = sub.add_parser("models", parents=[common], help="manage the local model store",
                             description="Manage the model store under $OMLX_CLUSTER_HOME/models.")
@@ -338,7 +410,107 @@ def _build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dest", type=Path, help="output folder (default: the store, named after "
                                                "the model)")
     msub.add_parser("pull-default", help="fetch and import the embedded default model now")
+    _add_office_commands(sub, common)
     return parser
+
+
+def _add_ssh_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("hosts", nargs="*", metavar="HOST",
+                   help="[user@]host[:port] or a Host of your SSH config, in ring order")
+    p.add_argument("--hosts-file", type=Path, metavar="FILE",
+                   help="more hosts, one per line (# comments)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="to connect and log in over SSH (default: 10)")
+    p.add_argument("--ssh-config", type=Path, metavar="FILE",
+                   help="an OpenSSH client config to read instead of ~/.ssh/config (keys, "
+                        "users, ports, known_hosts; the SSH agent is used either way)")
+
+
+def _add_remote_command_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote-command", default="omlx-cluster", metavar="CMD",
+                   help="how to run omlx-cluster on the hosts (default: omlx-cluster on the "
+                        "PATH of an SSH session, which is short on a Mac: give the full path "
+                        "of a virtualenv's, e.g. ~/omlx/.venv/bin/omlx-cluster)")
+
+
+def _add_node_port_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node-port", type=int, metavar="PORT", default=50051,
+                   help="join's gRPC port on the hosts (default: 50051)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", default=9101,
+                   help="join's metrics port on the hosts (default: 9101)")
+
+
+def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
+    """`doctor`, `up`, `down` and `link-probe`: running an office cluster over SSH."""
+    from omlx_shared.checks import CHECK_NAMES
+
+    doctor = sub.add_parser(
+        "doctor", parents=[common], help="check the Macs of a cluster (or this machine)",
+        description="Check every Mac over SSH, all at once, and print one table of what passes, "
+                    "what to fix and how: macOS, chip and memory, versions, disk, Thunderbolt, "
+                    "RDMA, the GPU wired-memory limit, sleep, firewall, the secret file, clock "
+                    "skew, the ports, Bonjour, and the data plane's bandwidth and latency "
+                    "between ring neighbours. With no host, checks this machine. "
+                    "hardware_checklist.md says why each matters. Exits 1 when a check fails.")
+    _add_ssh_flags(doctor)
+    _add_remote_command_flag(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the results as JSON")
+    doctor.add_argument("--check", action="append", metavar="NAME",
+                        choices=CHECK_NAMES,
+                        help="run only this check (repeatable): %(choices)s")
+    doctor.add_argument("--secret-file", type=Path, metavar="FILE",
+                        help="the cluster secret: every host's secret file must hold it (and "
+                             "without a host, this file is checked)")
+    doctor.add_argument("--model", metavar="PATH_OR_NAME",
+                        help="plan this model over the hosts, so that the disk and GPU "
+                             "wired-memory checks judge each host's planned shard")
+    _add_node_port_flags(doctor)
+    doctor.add_argument("--probe-port", type=int, metavar="PORT", default=50070,
+                        help="rank 0 of a link probe listens on it, rank 1 on the next one "
+                             "(default: 50070)")
+
+    up = sub.add_parser(
+        "up", parents=[common], help="start join on Macs over SSH (a launchd job)",
+        description="On every host over SSH: check the versions, copy the secret file (0600), "
+                    "install and load the launchd job of deploy/launchd for `join` (on Linux, "
+                    "where there is no launchd: join under nohup with a pid file), then wait "
+                    "until the coordinator has admitted the node. Each step is reported; a "
+                    "second run changes nothing.")
+    _add_ssh_flags(up)
+    _add_remote_command_flag(up)
+    up.add_argument("--secret-file", type=Path, required=True, metavar="FILE",
+                    help="the cluster secret (mode 0600), copied to each host")
+    up.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="the coordinator's HTTP address: join registers with it, and up waits "
+                         "for the admission there (default: Bonjour only, no wait)")
+    up.add_argument("--api-key", metavar="KEY",
+                    help="the coordinator's API key, to read /cluster/status (default: the first "
+                         "of $OMLX_API_KEY)")
+    _add_node_port_flags(up)
+    up.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
+                    help="for the admission (default: 120; 0: do not wait)")
+
+    down = sub.add_parser(
+        "down", parents=[common], help="stop join on Macs over SSH",
+        description="On every host over SSH: unload and remove the launchd job `up` installed "
+                    "(on Linux: stop the join it started). Its layers are re-planned over the "
+                    "other nodes.")
+    _add_ssh_flags(down)
+
+    probe = sub.add_parser(
+        "link-probe", parents=[common], help="measure the data plane between two machines",
+        description="One rank of a two-rank mx.distributed (ring) probe: run rank 0 on one "
+                    "machine and rank 1 on the other at once, with the same --peers; rank 0 "
+                    "prints the bandwidth and latency (doctor runs both over SSH).")
+    probe.add_argument("--rank", type=int, choices=[0, 1], required=True,
+                       help="this machine's rank: 0 measures, 1 answers")
+    probe.add_argument("--peers", required=True, metavar="HOST:PORT,HOST:PORT",
+                       help="the address rank 0 listens on, then rank 1's")
+    probe.add_argument("--bytes", type=_positive, default=8 << 20,
+                       help="size of the large message (default: 8 MiB)")
+    probe.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="give up when the other rank has not answered by then (default: 30)")
+    probe.add_argument("--json", action="store_true", help="print the measurement as JSON")
 
 
 def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
@@ -386,7 +558,8 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror} (another "
               "server may hold the port: pass --port)", file=sys.stderr)
         return 2
-    app = create_app(cluster, settings, on_start_failure=give_up)
+    app = create_app(cluster, settings, on_start_failure=give_up,
+                     rebalance=_rebalance_settings(args))
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
@@ -426,12 +599,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
               file=sys.stderr)
         return 2
-    head_args = (() if args.node_metrics_port is None
-                 else ("--metrics-port", str(args.node_metrics_port)))
     # Its own nodes get a secret made up for this run: nothing else can drive them.
     options = ClusterOptions(nodes=args.nodes, split=args.split,
                              micro_batches=args.micro_batches or 0, backend=args.backend,
-                             node_args=tuple(_engine_args(args)), head_args=head_args,
+                             node_args=tuple(_engine_args(args)),
+                             node_metrics_port=args.node_metrics_port,
                              secret=new_secret())
     cluster = Cluster(model_path, args.model_id or model_path.name, options)
     try:
@@ -506,7 +678,8 @@ def _join(args: argparse.Namespace) -> int:
     if args.coordinator:
         from omlx_shared.discovery import announce_address
 
-        _register_periodically(args.coordinator, f"{announce_address(args.host)}:{agent.port}")
+        _register_periodically(args.coordinator, f"{announce_address(args.host)}:{agent.port}",
+                               agent.node_id, secret)
     if args.ready_file:
         write_ready(args.ready_file, {"port": agent.port, "pid": os.getpid()})
     try:
@@ -517,20 +690,27 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
-def _register_periodically(coordinator: str, address: str, every: float = 2.0) -> None:
+def _register_periodically(coordinator: str, address: str, node_id: str, secret: str,
+                           every: float = 2.0) -> None:
     """Tells the coordinator where this node is, again and again: it may restart, and it
-    answers 'member' once it has admitted us."""
+    answers 'member' once it has admitted us. Each registration is signed with the secret
+    and carries a fresh timestamp and nonce (the coordinator accepts each once)."""
     import threading
     import time
 
     import httpx
 
+    from omlx_shared.auth import registration
+
     def loop() -> None:
         url = f"http://{coordinator}/cluster/register"
         while True:
             try:
-                httpx.post(url, json={"address": address}, timeout=5)
-            except httpx.HTTPError as e:
+                r = httpx.post(url, json=registration(secret, address, node_id), timeout=5)
+                if r.status_code == 401:
+                    log.warning("the coordinator %s refused this node's registration: %s",
+                                coordinator, r.json()["error"]["message"])
+            except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.debug("registration with %s failed: %s", coordinator, e)
             time.sleep(every)
 
@@ -591,7 +771,7 @@ def _worker(args: argparse.Namespace) -> int:
         layer_end=int(end) if end else None, rank=args.rank,
         peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
         rdma_devices=args.rdma_devices, plan_hash=args.plan_hash,
-        micro_batches=args.micro_batches, host=args.host,
+        micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
         metrics_port=args.metrics_port, init_timeout=args.init_timeout,
         cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
@@ -626,27 +806,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_api_key(args: argparse.Namespace) -> str | None:
+    """The key to send to a gateway: --api-key, else the first of $OMLX_API_KEY."""
+    return args.api_key or next(
+        (k.strip() for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()), None)
+
+
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    import httpx
     from rich.console import Console
     from rich.table import Table
 
-    key = args.api_key or next(
-        (k.strip() for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()), None)
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    try:
-        r = httpx.get(args.url.rstrip("/") + "/cluster/status", timeout=10, headers=headers)
-        if r.status_code == 401:
-            print(f"error: {args.url} wants an API key: pass --api-key KEY or set OMLX_API_KEY",
-                  file=sys.stderr)
-            return 2
-        r.raise_for_status()
-    except httpx.HTTPError as e:
-        print(f"error: cannot get the status from {args.url}: {e}", file=sys.stderr)
+    body = _ask_gateway(args, "GET", "/cluster/status", "the status", timeout=10)
+    if body is None:
         return 2
-    body = r.json()
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
@@ -655,14 +829,103 @@ def _status(args: argparse.Namespace) -> int:
     if body.get("backend"):
         console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
                       markup=False)
-    table = Table("id", "address", "health", "layers", "agent pid", "worker pid")
+    table = Table("id", "address", "health", "layers", "speed", "agent pid", "worker pid",
+                  "metrics", "checks")
     for n in body["nodes"]:
         health = "ok" if n["healthy"] else ("lost" if not n["alive"] else "unhealthy")
         layers = f"[{n['layers'][0]}, {n['layers'][1]})" if n["layers"] else "-"
-        table.add_row(n["id"], n["address"], health, layers, str(n["agent_pid"] or "-"),
-                      str(n["worker_pid"] or "-"))
+        table.add_row(n["id"], n["address"], health, layers,
+                      _speed(n.get("measured_speed_gbps"), n.get("ms_per_layer")),
+                      str(n["agent_pid"] or "-"), str(n["worker_pid"] or "-"),
+                      n.get("metrics") or "-", _checks_summary(n.get("checks") or []))
     console.print(table)
+    # What each node's own checks found wrong with its machine, and the fix.
+    for n in body["nodes"]:
+        for c in n.get("checks") or []:
+            if c["status"] in ("warn", "fail"):
+                console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
+                              + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
+                 timeout: float) -> dict | None:
+    """The gateway's JSON answer at `path` (with --api-key); None after saying why not."""
+    import httpx
+
+    key = _client_api_key(args)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.request(method, args.url.rstrip("/") + path, timeout=timeout, headers=headers)
+        if r.status_code == 401:
+            print(f"error: {args.url} wants an API key: pass --api-key KEY or set OMLX_API_KEY",
+                  file=sys.stderr)
+            return None
+        if r.status_code == 409:
+            print(f"error: {r.json()['error']['message']}", file=sys.stderr)
+            return None
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        print(f"error: cannot get {what} from {args.url}: {e}", file=sys.stderr)
+        return None
+    return r.json()
+
+
+def _speed(gbps: float | None, ms_per_layer: float | None) -> str:
+    """A node's measured speed for the status and rebalance tables ("-": not measured)."""
+    if gbps is None:
+        return "-"
+    return f"{gbps:.3g} GB/s" + (f", {ms_per_layer:.3g} ms/layer" if ms_per_layer else "")
+
+
+def _rebalance(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    body = _ask_gateway(args, "GET" if args.dry_run else "POST", "/cluster/rebalance",
+                        "the rebalance proposal", timeout=600)  # a move loads a plan
+    if body is None:
+        return 2
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    console = Console()
+    d = body["decision"]
+    console.print(f"rebalance {body['mode']} (reading {body['source']})", markup=False)
+
+    def split(ranges: list | None) -> str:
+        return " ".join(f"{n}[{a}, {b})" for n, a, b in ranges) if ranges else "-"
+
+    table = Table("node", "layers now", "proposed", "speed", "")
+    now = {n: (a, b) for n, a, b in d["current"] or []}
+    proposed = {n: (a, b) for n, a, b in d["proposed"] or []}
+    for node, gbps in d["speeds_gbps"].items():
+        table.add_row(node, "[{}, {})".format(*now[node]) if node in now else "-",
+                      "[{}, {})".format(*proposed[node]) if node in proposed else "-",
+                      _speed(gbps, d["ms_per_layer"].get(node)),
+                      "measured" if node in d["measured"] else "carried over")
+    console.print(table)
+    console.print(f"current split: {split(d['current'])}", markup=False)
+    console.print(f"proposed split: {split(d['proposed'])}", markup=False)
+    if d["gain"] is not None:
+        console.print(f"bottleneck: {d['current_bottleneck_seconds'] * 1e3:.3f} ms now, "
+                      f"{d['best_bottleneck_seconds'] * 1e3:.3f} ms proposed: predicted gain "
+                      f"{d['gain']:+.1%}")
+    console.print(f"{'would move' if d['move'] else 'holds'}: {d['why']}", markup=False)
+    if body["moved"] is not None:
+        console.print("moved to the proposed split" if body["moved"]
+                      else "not moved: the proposal is the current split, or the plan changed",
+                      markup=False)
+    return 0
+
+
+def _checks_summary(checks: list[dict]) -> str:
+    """"ok", "1 fail, 2 warn", or "-" before the node's checks have run."""
+    counts = {s: sum(c["status"] == s for c in checks) for s in ("fail", "warn")}
+    return ("-" if not checks else ", ".join(f"{k} {s}" for s, k in counts.items() if k)
+            or "ok")
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -702,6 +965,130 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hosts(args: argparse.Namespace) -> list[str]:
+    from omlx_cluster.doctor import read_hosts_file
+
+    try:
+        listed = read_hosts_file(args.hosts_file) if args.hosts_file else []
+    except OSError as e:
+        print(f"error: cannot read the hosts file {args.hosts_file}: {e.strerror}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    return list(dict.fromkeys([*args.hosts, *listed]))  # once each, in the order given
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from rich.console import Console
+
+    from omlx_cluster import doctor
+    from omlx_shared.auth import SecretError, secret_from
+    from omlx_shared.model_spec import resolve_model
+    from omlx_shared.model_store import ModelError
+
+    try:
+        secret = secret_from(None, args.secret_file) if args.secret_file else None
+        model = resolve_model(args.model, progress=True) if args.model else None
+    except (SecretError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    options = doctor.DoctorOptions(
+        timeout=args.timeout, ssh_config=args.ssh_config, remote_command=args.remote_command,
+        secret=secret, secret_file=args.secret_file, model=model,
+        only=set(args.check) if args.check else None, grpc_port=args.node_port,
+        metrics_port=args.metrics_port, probe_port=args.probe_port)
+    hosts = _hosts(args)
+    diagnosis = (asyncio.run(doctor.diagnose(hosts, options)) if hosts
+                 else doctor.check_here(options))
+    if args.json:
+        print(json.dumps(diagnosis.to_dict(), indent=2))
+    else:
+        doctor.render(diagnosis, Console())
+    return 1 if any(h.failed for h in diagnosis.hosts) else 0
+
+
+def _step_printer():
+    """Prints each step of `up` / `down` as it ends: host, step, outcome, detail."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console()
+    styles = {"done": "green", "unchanged": "dim", "failed": "bold red", "skipped": "yellow"}
+
+    def report(host: str, step: str, outcome: str, detail: str) -> None:
+        console.print(Text.assemble(f"{host}  {step:<9}", (f"{outcome:<10}", styles[outcome]),
+                                    detail), soft_wrap=True)
+
+    return report
+
+
+def _up(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from omlx_cluster import provision
+    from omlx_shared.auth import SecretError, secret_from
+
+    hosts = _hosts(args)
+    if not hosts:
+        print("error: name the hosts to bring up (HOST ... or --hosts-file)", file=sys.stderr)
+        return 2
+    if not provision.TEMPLATE.exists():
+        print(f"error: the launchd job's template {provision.TEMPLATE} is missing: run up from "
+              "a checkout of omlx-cluster (pip install -e)", file=sys.stderr)
+        return 2
+    try:
+        secret = secret_from(None, args.secret_file)
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    key = _client_api_key(args)
+    options = provision.UpOptions(
+        secret=secret, coordinator=args.coordinator, api_key=key,
+        remote_command=args.remote_command, node_port=args.node_port,
+        metrics_port=args.metrics_port, wait=args.wait, timeout=args.timeout,
+        ssh_config=args.ssh_config)
+    return 0 if asyncio.run(provision.up(hosts, options, _step_printer())) else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from omlx_cluster import provision
+
+    hosts = _hosts(args)
+    if not hosts:
+        print("error: name the hosts to take down (HOST ... or --hosts-file)", file=sys.stderr)
+        return 2
+    done = asyncio.run(provision.down(hosts, args.timeout, args.ssh_config, _step_printer()))
+    return 0 if done else 1
+
+
+def _link_probe(args: argparse.Namespace) -> int:
+    import json
+
+    from omlx_shared.link_probe import ProbeError, run_rank
+
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if len(peers) != 2:
+        print(f"error: --peers takes two HOST:PORT, got {args.peers!r}", file=sys.stderr)
+        return 2
+    try:
+        measured = run_rank(args.rank, peers, nbytes=args.bytes, timeout=args.timeout)
+    except ProbeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(measured.to_dict() if measured else {}))
+    elif measured:
+        print(f"{measured.gb_per_s:.2f} GB/s, {measured.latency_us:.0f} µs one way "
+              f"({measured.nbytes >> 20} MiB messages between {peers[0]} and {peers[1]})")
+    else:
+        print(f"rank 1 done (rank 0 on {peers[0]} prints the measurement)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers warns at every import that PyTorch is missing: the tokenizer needs none.
     # Set before any import of it, and inherited by the node and worker processes.
@@ -711,8 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is noise here
     handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
-               "worker": _worker, "plan": _plan, "status": _status,
-               "models": _models}[args.command]
+               "worker": _worker, "plan": _plan, "status": _status, "rebalance": _rebalance,
+               "models": _models, "doctor": _doctor, "up": _up, "down": _down,
+               "link-probe": _link_probe}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C: the processes it started stop with it; no traceback

@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,24 +44,6 @@ HEARTBEAT_SECONDS = 0.5
 NODE_LOST_SECONDS = 3.0  # a node that has not answered for this long is gone
 
 
-def node_env() -> dict[str, str]:
-    """A node's environment: on a Linux CPU, preload OpenBLAS when it is installed.
-
-    MLX's CPU wheel ships reference BLAS (~5 GFLOP/s fp32); Debian's OpenBLAS measured ~26x
-    faster here (bench/results). OMLX_BLAS=reference keeps the wheel's own."""
-    env = dict(os.environ)
-    blas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-    if (
-        sys.platform == "linux"
-        and os.environ.get("OMLX_BLAS", "openblas") == "openblas"
-        and Path(blas).exists()
-        and "LD_PRELOAD" not in env
-    ):
-        env["LD_PRELOAD"] = blas
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
-
-
 @dataclass
 class ClusterOptions:
     nodes: int = 1
@@ -74,7 +55,8 @@ class ClusterOptions:
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
     discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
-    head_args: tuple[str, ...] = ()  # for the first one only (e.g. its metrics port)
+    # Local node i's shard worker exports /metrics on this port + i (0: each on any free one).
+    node_metrics_port: int = 0
 
 
 @dataclass
@@ -135,6 +117,8 @@ class Cluster:
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._replanning = asyncio.Lock()
+        self._admitting = asyncio.Lock()  # add_remote
+        self.registrations = auth.Registrations(self.options.secret)  # /cluster/register
         self.weight_counters = WeightCounters()
         self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
 
@@ -165,24 +149,32 @@ class Cluster:
                 "agent_pid": h.pid if h else (m.process.pid if m.process else None),
                 "worker_pid": (h.worker_pid or None) if h else None,
                 "metrics_port": (h.metrics_port or None) if h else None,
+                # Where Prometheus scrapes its shard worker (/cluster/prometheus-targets).
+                "metrics": (f"{m.agent.address.rsplit(':', 1)[0]}:{h.metrics_port}"
+                            if h and h.metrics_port else None),
                 "version": h.version if h else None,
                 "memory_budget": m.budget_bytes, "chip": m.chip, "speed_gbps": m.speed,
                 "weights_error": m.weights_error or None,
                 "rdma_devices": [p.device for p in m.rdma_ports],
+                # The node's own checks of its machine (omlx-cluster doctor's), from its agent.
+                "checks": [{"name": c.name, "status": c.status, "detail": c.detail,
+                            "fix": c.fix} for c in h.checks] if h else [],
             })
         return out
 
     async def _start_agent(self, i: int) -> tuple[ChildProcess, dict]:
-        extra = self.options.head_args if i == 0 else ()
-        env = node_env()
+        port = self.options.node_metrics_port
+        env = dict(os.environ)
         if self.options.secret:
             env[auth.SECRET_ENV] = self.options.secret  # not on the command line: ps shows it
         # One accelerator per local node on a multi-GPU host: OMLX_NODE_DEVICES=0,1,...
         devices = [d for d in os.environ.get("OMLX_NODE_DEVICES", "").split(",") if d]
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
+        # Named, so that its TLS certificate names the member the coordinator dials.
         proc = ChildProcess(omlx_command("node", "--port", "0", "--exit-with-parent",
-                                         *self.options.node_args, *extra),
+                                         "--name", f"local{i}", *self.options.node_args,
+                                         "--metrics-port", str(port + i if port else 0)),
                             f"node agent {i}", env=env)
         info = await asyncio.to_thread(proc.wait_ready, NODE_START_TIMEOUT_SECONDS)
         return proc, info
@@ -206,11 +198,11 @@ class Cluster:
             started = await asyncio.gather(*(self._start_agent(i)
                                              for i in range(self.options.nodes)))
             now = time.monotonic()
-            self.members = [Member(f"local{i}", AgentClient(f"127.0.0.1:{info['port']}"), proc,
-                                   budget_bytes=self.local_budget(), last_seen=now)
+            self.members = [Member(f"local{i}", AgentClient(f"127.0.0.1:{info['port']}",
+                                                            f"local{i}", self.options.secret),
+                                   proc, budget_bytes=self.local_budget(), last_seen=now)
                             for i, (proc, info) in enumerate(started)]
-            hellos = await asyncio.gather(*(m.agent.admit(self.options.secret)
-                                            for m in self.members))
+            hellos = await asyncio.gather(*(m.agent.admit() for m in self.members))
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
             await self._load_plan()
@@ -221,18 +213,16 @@ class Cluster:
             log.error("could not start serving %s: %s", self.model_path, reason)
             raise
 
-    async def _load_plan(self) -> None:
-        """Plans over the live members and has each load its range; every agent at once, since
-        the data-plane group forms only when all ranks have joined. A jaccl group chosen
-        automatically that fails to form is loaded again over ring: RDMA that misbehaves must
-        not leave the cluster down."""
-        live, plan = self._next_plan()
+    async def _load_plan(self, plan: Plan | None = None) -> None:
+        """Has each member of `plan` (default: a new plan over the live members) load its range;
+        every agent at once, since the data-plane group forms only when all ranks have joined.
+        A jaccl group chosen automatically that fails to form is loaded again over ring: RDMA
+        that misbehaves must not leave the cluster down."""
+        members, plan = self._staged(plan)
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
             self.status = f"no capacity: {self.capacity_error}"
             raise NoCapacity(self.capacity_error)
-        by_name = {m.name: m for m in live}
-        members = [by_name[s.node] for s in plan.stages]
         try:
             choice = self._choose_backend(members)
         except BackendError as e:
@@ -254,7 +244,7 @@ class Cluster:
             replies = await self._load_stages(plan, members, paths, choice)
         if self.node is not None:
             await self.node.close()
-        self.node = WorkerClient(replies[0].worker_address, members[0].agent.session)
+        self.node = members[0].agent.worker(replies[0].worker_address)
         for m in self.members:
             m.layers = None
         for m, r in zip(members, replies):
@@ -311,9 +301,13 @@ class Cluster:
             raise failures[0]
         return replies
 
+    def servable(self) -> list[Member]:
+        """The live members a plan may use, in ring order."""
+        return [m for m in self.members if m.alive and not m.weights_error]
+
     def _next_plan(self) -> tuple[list[Member], Plan | None]:
         """The live members that may serve, and a plan over them (None: none fits)."""
-        live = [m for m in self.members if m.alive and not m.weights_error]
+        live = self.servable()
         try:
             return live, self.make_plan(live) if live else None
         except PlanError as e:
@@ -362,40 +356,65 @@ class Cluster:
                 raise r
         return {m.name: path for (m, _), path in zip(remote, results)}
 
-    async def add_remote(self, address: str) -> Member | None:
-        """Admits the node agent at `address` (it must prove the cluster secret) and adds it to
-        the plan at once: a re-plan is a safe point, since in-flight requests resume on the new
-        plan. A node that returns takes its old place. Returns None if it was refused."""
-        known = next((m for m in self.members if m.agent.address == address and m.alive), None)
-        if known is not None:
-            return known
-        agent = AgentClient(address)
-        try:
-            hello = await agent.admit(self.options.secret)
-        except (AdmissionError, grpc.aio.AioRpcError) as e:
-            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            log.warning("refused node at %s: %s", address, reason)
-            await agent.close()
-            return None
-        budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
-        member = next((m for m in self.members if m.name == hello.node_id), None)
-        if member is None:
-            member = Member(hello.node_id, agent, None)
-            self.members.append(member)
-        else:
-            await member.agent.close()
-            member.agent = agent
-        member.alive, member.last_seen, member.layers = True, time.monotonic(), None
+    async def add_remote(self, address: str, node_id: str) -> Member | None:
+        """Admits node `node_id`'s agent at `address` (over TLS it must hold a certificate for
+        that id, and both sides prove the cluster secret) and adds it to the plan at once: a
+        re-plan is a safe point, since in-flight requests resume on the new plan. A node that
+        returns takes its old place, but only once that place is free: a live member (one that
+        still answers on its own admitted channel) is never displaced. Returns None if it was
+        refused."""
+        # One admission at a time: two paths to the same node (Bonjour and a registration, or
+        # a relay's) must not both admit it, the later replacing the earlier's session.
+        async with self._admitting:
+            holder = await self._live_holder(address, node_id)
+            if holder is not None:
+                if (holder.name, holder.agent.address) == (node_id, address):
+                    return holder
+                log.warning("refused node %s at %s: %s at %s is a live member, and a newcomer "
+                            "cannot take its place", node_id, address, holder.name,
+                            holder.agent.address)
+                return None
+            agent = AgentClient(address, node_id, self.options.secret)
+            try:
+                hello = await agent.admit()
+            except (AdmissionError, grpc.aio.AioRpcError) as e:
+                reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                log.warning("refused node %s at %s: %s", node_id, address, reason)
+                await agent.close()
+                return None
+            member = next((m for m in self.members if m.name == node_id), None)
+            if member is None:
+                member = Member(node_id, agent, None)
+                self.members.append(member)
+            else:
+                await member.agent.close()
+                member.agent = agent
+            member.alive, member.last_seen, member.layers = True, time.monotonic(), None
         member.weights_error = ""
         member.rdma_ports = list(hello.rdma_ports)
         # It may come back with RDMA enabled or recabled: let jaccl be tried again.
         self._jaccl_failed = {k: v for k, v in self._jaccl_failed.items()
                               if member.name not in k}
+        budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
-        log.info("node %s (%s, %s, %.1f GiB usable) joined", hello.node_id, address, hello.chip,
+        log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
                  budget / 2**30)
-        await self.recover(f"node {hello.node_id} joined", always=True)
+        await self.recover(f"node {node_id} joined", always=True)
         return member
+
+    async def _live_holder(self, address: str, node_id: str) -> Member | None:
+        """The live member with this id or at this address, if it still answers on its own
+        admitted channel (the heartbeat may not have noticed yet that a restarted node's old
+        process is gone)."""
+        for m in self.members:
+            if m.alive and (m.name == node_id or m.agent.address == address):
+                try:
+                    m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
+                except grpc.aio.AioRpcError:
+                    continue
+                m.last_seen = time.monotonic()
+                return m
+        return None
 
     async def _monitor(self) -> None:
         while True:
@@ -432,15 +451,16 @@ class Cluster:
         await asyncio.gather(*(beat(m) for m in self.members))
         return broken
 
-    async def recover(self, reason: str, always: bool = False) -> None:
+    async def recover(self, reason: str, always: bool = False, plan: Plan | None = None) -> None:
         """Loads a new plan over the members alive (once, however many ask, unless `always`:
-        a node that joined must be planned in even right after another re-plan)."""
+        a node that joined must be planned in even right after another re-plan); `plan`: that
+        one instead, unless one of its nodes is gone or its load fails."""
         epoch = self.epoch
         async with self._replanning:
             if self.epoch != epoch and self.ready and not always:
                 return  # someone else recovered already
             if self.ready:
-                await self._prefetch_weights()
+                await self._prefetch_weights(plan)
             self.ready = False
             self._ready_event.clear()
             self.status = f"recovering: {reason}"
@@ -448,13 +468,14 @@ class Cluster:
             t0, started_at = time.monotonic(), time.time()
             while True:
                 try:
-                    await self._load_plan()
+                    await self._load_plan(plan)
                     break
                 except NoCapacity as e:
                     log.error("cannot serve %s: %s", self.model_id, e)
                     return  # new and in-flight requests get 503 until a node joins
                 except (grpc.aio.AioRpcError, OSError) as e:
                     log.warning("re-plan failed, retrying: %s", e)
+                    plan = None  # what failed may be a node of that plan: plan afresh
                     await asyncio.sleep(1.0)
                     await self._check_members()
             self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
@@ -462,16 +483,33 @@ class Cluster:
                                   "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
 
-    async def _prefetch_weights(self) -> None:
-        """While the current plan still serves (a node joined), sends the next plan's remote
-        stages their weights: clients then wait only for the load, not for the transfer. A
-        failure here is only logged: _load_plan transfers (and reports) again."""
-        live, plan = self._next_plan()
+    async def apply_plan(self, plan: Plan, budgets: dict[str, int], reason: str) -> bool:
+        """Moves to `plan` (the rebalancer's) through the re-plan path: weights first while
+        the current plan serves, then the switch, in-flight requests resuming on it. `budgets`
+        (lowered for a node short of memory) stay for later plans; whether `plan` serves."""
+        for m in self.members:
+            m.budget_bytes = budgets.get(m.name, m.budget_bytes)
+        await self.recover(reason, always=True, plan=plan)
+        return self.plan is not None and self.plan.plan_hash == plan.plan_hash
+
+    def _staged(self, plan: Plan | None) -> tuple[list[Member], Plan | None]:
+        """The members that run `plan` in rank order, and the plan; a new plan over the live
+        members when none is given or one of its nodes cannot serve."""
+        by_name = {m.name: m for m in self.servable()}
+        if plan is None or any(s.node not in by_name for s in plan.stages):
+            live, plan = self._next_plan()
+            by_name = {m.name: m for m in live}
+        return ([by_name[s.node] for s in plan.stages] if plan else []), plan
+
+    async def _prefetch_weights(self, plan: Plan | None = None) -> None:
+        """While the current plan still serves (a node joined, a rebalance), sends the next
+        plan's remote stages their weights: clients then wait only for the load, not for the
+        transfer. A failure here is only logged: _load_plan transfers (and reports) again."""
+        members, plan = self._staged(plan)
         if plan is None:
             return
-        by_name = {m.name: m for m in live}
         try:
-            await self._transfer_weights([by_name[s.node] for s in plan.stages], plan)
+            await self._transfer_weights(members, plan)
         except (grpc.aio.AioRpcError, OSError) as e:
             log.warning("weights for the next plan: %s", e)
 

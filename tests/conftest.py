@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omlx_node.metrics import IDENTITY_LABELS
 from tests.tiny_models import build_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ class Server:
             return ""
 
     def metrics(self) -> dict[str, float]:
-        """The gateway's /metrics as {'name{label="v",...}': value} (labels sorted)."""
+        """The gateway's /metrics as {'name{label="v",...}': value} (parse_metrics)."""
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
 
     def node_metrics(self) -> dict[str, float]:
@@ -110,14 +111,17 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """{'name{label="v",...}': value}, without the labels that name the model and the stage
+    (IDENTITY_LABELS): one endpoint exports one stage of one model, and tests/test_deploy.py
+    checks those labels in a real Prometheus."""
     out = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m:
             continue
         name, labels, value = m.groups()
-        if labels:
-            pairs = sorted(_LABEL.findall(labels))
+        pairs = sorted(p for p in _LABEL.findall(labels or "") if p[0] not in IDENTITY_LABELS)
+        if pairs:
             name += "{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}"
         out[name] = float(value)
     return out

@@ -1,52 +1,169 @@
-"""The deploy/ files parse, and the dashboard graphs only metrics the services export."""
+"""The deploy/ files work: a real Prometheus, run on the shipped prometheus.yml, finds every
+stage of a live 2-node `serve` through the coordinator's service discovery, and every query of
+the shipped Grafana dashboard returns data from it. The launchd job runs `join`."""
 
 from __future__ import annotations
 
 import json
+import math
 import plistlib
-import re
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+import pytest
 import yaml
 
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.weight_transfer import WeightCounters
-from omlx_node.kv_metrics import KVCacheMetrics
-from omlx_node.metrics import NodeMetrics
+from tests.conftest import _stop, free_port, start_server
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-            "gauge": ("",)}
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+KEY = "prometheus-test-key"
+SCRAPE_SECONDS = 1
+READY_TIMEOUT = 60.0  # Prometheus up and every target scraped
+DATA_TIMEOUT = 90.0  # every dashboard query answered with data
+NEEDS_PROMETHEUS = pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="needs Prometheus and promtool on the PATH (Debian: apt-get install prometheus)")
 
 
-def exported_series() -> set[str]:
-    names = set()
-    for registry in (GatewayMetrics(WeightCounters()).registry, NodeMetrics().registry,
-                     KVCacheMetrics().registry):
-        for family in registry.collect():
-            names.update(family.name + s for s in SUFFIXES[family.type])
-    return names
-
-
-def test_dashboard_graphs_only_exported_metrics():
+def dashboard_queries() -> list[tuple[str, str]]:
     dash = json.loads((DEPLOY / "grafana" / "omlx-cluster.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"omlx(?:_node)?:[a-z_]+", e)}
-    assert used, "no metric found in the dashboard"
-    assert not used - exported_series(), sorted(used - exported_series())
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
 
 
-def test_prometheus_scrapes_gateway_and_nodes():
+def prometheus_config(gateway: str, key_file: Path) -> dict:
+    """The shipped prometheus.yml, pointed at this machine's gateway and scraping faster."""
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval=f"{SCRAPE_SECONDS}s",
+                            evaluation_interval=f"{SCRAPE_SECONDS}s")
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert set(jobs) == {"omlx-gateway", "omlx-nodes"}
-    node_ports = {t.rsplit(":", 1)[1] for c in jobs["omlx-nodes"]["static_configs"]
-                  for t in c["targets"]}
-    plist = plistlib.loads((DEPLOY / "launchd" / "com.omlx-cluster.join.plist").read_bytes())
-    args = plist["ProgramArguments"]
-    # The port the launchd job exports is the one Prometheus scrapes.
-    assert node_ports == {args[args.index("--metrics-port") + 1]}
+    jobs["omlx-gateway"]["static_configs"] = [{"targets": [gateway]}]
+    (sd,) = jobs["omlx-nodes"]["http_sd_configs"]
+    assert sd["url"].endswith("/cluster/prometheus-targets")
+    sd.update(url=f"http://{gateway}/cluster/prometheus-targets", refresh_interval="1s")
+    sd["authorization"]["credentials_file"] = str(key_file)
+    return config
+
+
+@contextmanager
+def run_prometheus(config: dict, work: Path, port: int | None = None):
+    """The `prometheus` binary on a loopback port (`port`, default a free one), its data in
+    `work` (never the system's service); yields its base URL."""
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = port or free_port()
+    log = open(work / "prometheus.log", "wb")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"Prometheus did not start:\n{(work / 'prometheus.log').read_text()}")
+        yield url
+    finally:
+        _stop(proc)
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    r = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def has_data(result: list[dict]) -> bool:
+    return any(math.isfinite(float(s["value"][1])) for s in result)
+
+
+def wait_for_targets(prometheus: str, log_tail) -> list[dict]:
+    """Every target up: the gateway and the two stages the discovery names."""
+    deadline, active = time.monotonic() + READY_TIMEOUT, []
+    while time.monotonic() < deadline:
+        active = httpx.get(prometheus + "/api/v1/targets", timeout=10).json()["data"][
+            "activeTargets"]
+        if len(active) == 3 and all(t["health"] == "up" for t in active):
+            return active
+        time.sleep(0.5)
+    pytest.fail(f"targets not all up: {json.dumps(active, indent=1)}\n{log_tail()}")
+
+
+@NEEDS_PROMETHEUS
+def test_real_prometheus_scrapes_every_stage_and_the_dashboard_has_data(tiny_model_path,
+                                                                         tmp_path):
+    key_file = tmp_path / "omlx-api-key"
+    key_file.write_text(KEY)
+    auth = {"authorization": f"Bearer {KEY}"}
+    with start_server(tiny_model_path, "--nodes", "2", "--api-key", KEY,
+                      "--cache-block-size", "16", home=tmp_path / "home") as server:
+        gateway = server.url.removeprefix("http://")
+        # The discovery is keyed like /cluster/status, and names both stages.
+        assert httpx.get(server.url + "/cluster/prometheus-targets",
+                         timeout=10).status_code == 401
+        groups = httpx.get(server.url + "/cluster/prometheus-targets", headers=auth,
+                           timeout=10).json()
+        status = httpx.get(server.url + "/cluster/status", headers=auth, timeout=10).json()
+        assert sorted(g["labels"]["stage"] for g in groups) == ["0", "1"]
+        assert ({g["targets"][0] for g in groups}
+                == {n["metrics"] for n in status["nodes"]})
+        # Every endpoint passes Prometheus's own lint (names, types, help).
+        for endpoint in [gateway, *(g["targets"][0] for g in groups)]:
+            text = httpx.get(f"http://{endpoint}/metrics", timeout=10).text
+            lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
+                                  capture_output=True, text=True, timeout=30)
+            assert lint.returncode == 0 and not lint.stdout + lint.stderr.strip(), (
+                endpoint, lint.stdout, lint.stderr)
+
+        work = tmp_path / "prometheus"
+        work.mkdir()
+        with run_prometheus(prometheus_config(gateway, key_file), work) as prometheus:
+            targets = wait_for_targets(prometheus, server.log_tail)
+            nodes = sorted((t["labels"]["node"], t["labels"]["stage"]) for t in targets
+                           if t["labels"]["job"] == "omlx-nodes")
+            assert nodes == [("local0", "0"), ("local1", "1")]
+
+            # Traffic after the first scrapes, so that every rate moves: the same long
+            # prompt twice (the second restores its prefix from the cache), streamed too.
+            prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 4
+            for stream in (False, True, False):
+                r = httpx.post(server.base_url + "/completions", headers=auth, timeout=120,
+                               json={"model": server.model_id, "prompt": prompt,
+                                     "max_tokens": 24, "stream": stream})
+                assert r.status_code == 200, r.text
+
+            missing = dashboard_queries()
+            deadline = time.monotonic() + DATA_TIMEOUT
+            while missing and time.monotonic() < deadline:
+                time.sleep(SCRAPE_SECONDS)
+                missing = [(t, e) for t, e in missing if not has_data(query(prometheus, e))]
+            assert not missing, f"dashboard queries without data: {missing}"
+
+            # Each stage's series say which node, model, plan and layers they are of.
+            series = query(prometheus, "omlx_node_stage_steps_total")
+            identity = {(s["metric"]["node"], s["metric"]["stage"], s["metric"]["layers"],
+                         s["metric"]["model"], s["metric"]["plan"]) for s in series}
+            plan = status["plan"]
+            assert identity == {(st["node"], str(rank), f"{st['layer_start']}:{st['layer_end']}",
+                                 server.model_id, plan["plan_hash"])
+                                for rank, st in enumerate(plan["stages"])}
+            assert {s["metric"]["model"] for s in query(prometheus, "omlx_requests_total")} == {
+                server.model_id}
 
 
 def test_launchd_job_runs_join_and_keeps_the_secret_out_of_argv():

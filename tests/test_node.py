@@ -17,8 +17,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from omlx_shared.blas import blas_env
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
+from tests.conftest import parse_metrics
 from tests.tiny_models import build_model
 
 
@@ -64,6 +66,11 @@ def test_load_generate_cancel_stats(node, model):
     reply = agent.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"), timeout=120)
     assert (reply.layer_start, reply.layer_end, reply.num_layers) == (0, 3, 3)
     assert reply.dtype == "float32" and reply.worker_pid != proc.pid
+    # The agent gives its workers the BLAS (`join`'s as much as `serve`'s), whatever its own
+    # environment had: this agent was started without it.
+    environ = dict(v.split("=", 1) for v in Path(f"/proc/{reply.worker_pid}/environ").read_text(
+        errors="replace").split("\0") if "=" in v)
+    assert environ.get("LD_PRELOAD") == blas_env({}).get("LD_PRELOAD")
     channel = grpc.insecure_channel(reply.worker_address)
     stub = pb_grpc.ShardWorkerStub(channel)
 
@@ -103,8 +110,12 @@ def test_load_generate_cancel_stats(node, model):
     health = stub.Health(pb.HealthRequest(), timeout=5)
     assert health.ready and health.model_id == "m" and health.metrics_port > 0
     text = httpx.get(f"http://127.0.0.1:{health.metrics_port}/metrics", timeout=5).text
-    assert 'omlx_node:requests_finished_total{reason="cancelled"} 2.0' in text
-    assert "omlx_node:time_to_first_token_seconds_count" in text
+    exported = parse_metrics(text)
+    assert exported['omlx_node_requests_finished_total{reason="cancelled"}'] == 2.0
+    assert "omlx_node_time_to_first_token_seconds_count" in exported
+    # Every series names its stage; this agent is one node holding every layer.
+    for label in ('model="m"', 'node="', 'plan=""', 'stage="0"', 'layers="0:3"'):
+        assert label in text
 
     agent_health = agent.Health(pb.HealthRequest(), timeout=5)
     assert agent_health.ready and agent_health.worker_pid == reply.worker_pid

@@ -90,13 +90,13 @@ def test_single_node_hits_ram_then_ssd_after_restart(model, prompts, references,
         for ids, cached in zip(prompts, again):  # every full block of prompt[:-1] is reused
             assert cached == (len(ids) - 1) // BLOCK * BLOCK
         metrics = server.node_metrics()
-        assert metrics['omlx_node:kv_cache_hits_total{tier="ram"}'] > 0
+        assert metrics['omlx_node_kv_cache_hits_total{tier="ram"}'] > 0
     assert kv_files(home, "0-4"), "nothing reached the SSD tier"
 
     with start_server(model, *FLAGS, home=home, keepalive=None, node_metrics=True) as server:
         after = check_all(server, prompts, references, tok)
         assert after == again  # every block came back from disk
-        assert server.node_metrics()['omlx_node:kv_cache_hits_total{tier="ssd"}'] > 0
+        assert server.node_metrics()['omlx_node_kv_cache_hits_total{tier="ssd"}'] > 0
 
 
 def test_cache_off_and_on_give_identical_outputs(model, prompts, references, tmp_path):

@@ -1,0 +1,43 @@
+"""What the node's and the gateway's Prometheus metrics share: latency buckets, and the labels
+that say which model (and, on a node, which stage of which plan) every exported series is of.
+
+Names use underscores only (`omlx_...`, `omlx_node_...`): colons are reserved for recording
+rules (Prometheus's naming rules; `promtool check metrics` flags them), and prometheus-client
+escapes them to underscores whenever Prometheus asks for OpenMetrics, so a dashboard that asks
+for the colon name finds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+# 5 ms (a decode step on a Mac) to 2 min (a cold long prefill); shared, so that dashboards can
+# put the node's and the gateway's latencies on one panel.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Labelled:
+    """Every series of `source`, with `labels` added (a series' own labels win)."""
+
+    def __init__(self, source: CollectorRegistry, labels: Mapping[str, str]):
+        self.source, self.labels = source, dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels})
+                           for s in family.samples]
+            yield out
+
+
+def labelled(source: CollectorRegistry, labels: Mapping[str, str]) -> CollectorRegistry:
+    """A registry to export: `source`'s series, read at each scrape, each with `labels`.
+
+    The metrics themselves stay unlabelled, so the code that counts never names its stage, and
+    tests read a registry's values by their own labels."""
+    exported = CollectorRegistry(auto_describe=False)
+    exported.register(_Labelled(source, labels))
+    return exported

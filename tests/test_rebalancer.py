@@ -1,0 +1,381 @@
+"""The rebalancer: its pure decision on synthetic series, then live: a node slowed for real by a
+cgroup CPU quota loses its layers while 8 greedy streams run across the move, and the speeds
+read through a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omlx_coordinator.model_layout import ModelLayout
+from omlx_coordinator.planner import NodeSpec, Plan, make_plan
+from omlx_coordinator.rebalancer import (
+    NodeState,
+    Policy,
+    Reading,
+    StageReading,
+    decide,
+    stage_bytes,
+)
+from omlx_shared.child import omlx_command
+from tests.conftest import free_port, parse_metrics, start_server
+from tests.test_deploy import NEEDS_PROMETHEUS, prometheus_config, run_prometheus
+from tests.tiny_models import build_model
+
+MB = 10**6
+GiB = 1 << 30
+LAYOUT = ModelLayout("synthetic", 12, (100 * MB,) * 12, 10 * MB, 10 * MB, 1 * MB, False, 1024)
+NODES = [NodeState(f"n{i}", 64 * GiB) for i in range(3)]
+TICK = 2.0  # seconds between synthetic readings
+STEPS = 50  # timed decode steps per stage per interval
+
+
+def first_plan() -> Plan:
+    return make_plan(LAYOUT, [NodeSpec(n.name, n.budget_bytes) for n in NODES],
+                     os_reserve_bytes=0)
+
+
+def simulate(speed: Callable[[str, float], float], seconds: float, policy: Policy,
+             noise: float = 0.0, memory: Callable[[str, float, int], tuple] | None = None
+             ) -> tuple[list[tuple[float, object]], Plan]:
+    """Runs the decision every TICK over readings of stages whose step time is their bytes over
+    `speed(node, t)` GB/s (times a uniform noise of +-`noise`), applying each move as the
+    cluster would (a new plan, its counters from zero); `memory(node, t, layers held)`:
+    (footprint bytes, pressure). Returns the moves [(t, decision)] and the last plan."""
+    rng = random.Random(7)
+    plan, readings, moves, nodes = first_plan(), [], [], list(NODES)
+    totals: dict[str, list[float]] = {}
+    last_move = left = None
+    t = 0.0
+    while t <= seconds:
+        nbytes = stage_bytes(LAYOUT, plan)
+        own = {s.node: nbytes[s.node] / (speed(s.node, t) * 1e9) * (1 + rng.uniform(-noise, noise))
+               for s in plan.stages}
+        period = max(own.values())  # the pipeline runs at its slowest stage's pace
+        stages = []
+        for s in plan.stages:
+            # Timed steps (STEPS an interval), their waits (what the slowest leaves), all steps.
+            add = [own[s.node] * STEPS, STEPS, (period - own[s.node]) * STEPS, STEPS,
+                   TICK / period]
+            totals[s.node] = [x + y for x, y in zip(totals.get(s.node, [0.0] * 5), add)]
+            compute, timed, wait, waited, steps = totals[s.node]
+            footprint, pressure = memory(s.node, t, s.num_layers) if memory else (None, None)
+            stages.append(StageReading(s.node, compute, timed, footprint, pressure,
+                                       "psi_some_avg10", steps, wait, waited))
+        readings.append(Reading(t, plan.plan_hash, tuple(stages)))
+        d = decide(readings, plan, LAYOUT, nodes, t, last_move_at=last_move,
+                   left_plan_hash=left, policy=policy)
+        if d.move:
+            moves.append((t, d))
+            left, plan, last_move = plan.plan_hash, d.plan, t
+            nodes = [NodeState(n.name, d.budgets[n.name], memory_bytes=64 * GiB) for n in nodes]
+            readings, totals = [], {}
+        t += TICK
+    return moves, plan
+
+
+def layers(plan: Plan) -> dict[str, int]:
+    return {s.node: s.num_layers for s in plan.stages}
+
+
+def test_steady_imbalance_moves_once_and_stays():
+    policy = Policy(window=60, cooldown=300)
+    # n1 drops to a third of its speed at t = 100 s and stays there for 15 minutes.
+    moves, plan = simulate(lambda n, t: 1 / 3 if n == "n1" and t >= 100 else 1.0, 1000, policy)
+    assert len(moves) == 1, [(t, d.why) for t, d in moves]
+    t, d = moves[0]
+    assert 140 <= t <= 162  # once every third of the window (60 s) shows it, not before
+    assert d.reason == "imbalance" and d.gain > 0.15
+    # In the planner's own units: the window still holds some of n1's time at full speed.
+    assert 1 / 3 < d.speeds["n1"] < 0.5 and d.speeds["n0"] == pytest.approx(1.0)
+    assert layers(plan).get("n1", 0) < 4 and sum(layers(plan).values()) == 12
+    assert "bottleneck" in d.why and "ms" in d.why  # the decision says its numbers
+
+
+def test_noise_and_short_spikes_never_move():
+    policy = Policy(window=60, cooldown=300)
+    noisy, _ = simulate(lambda n, t: 1.0, 900, policy, noise=0.1)
+    assert noisy == []
+    # n2 at a third of its speed for 20 s in every 90 s: each spike shorter than the window.
+    spikes, _ = simulate(lambda n, t: 1 / 3 if n == "n2" and t % 90 < 20 else 1.0, 900, policy)
+    assert spikes == []
+
+
+def test_cooldown_holds_the_next_move():
+    policy = Policy(window=30, cooldown=300)
+    # n1 slows at 50 s; after the first move n0 slows too (at 120 s): the second move waits for
+    # the cooldown from the first.
+    moves, _ = simulate(lambda n, t: (0.25 if n == "n1" and t >= 50 else
+                                      0.25 if n == "n0" and t >= 120 else 1.0), 700, policy)
+    assert len(moves) == 2, [(t, d.why) for t, d in moves]
+    (t1, _), (t2, d2) = moves
+    assert t2 - t1 >= 300 and d2.reason == "imbalance"
+
+    # And the decision says so while it holds.
+    plan = first_plan()
+    readings = [Reading(t, plan.plan_hash, tuple(
+        StageReading(s.node, (3 if s.node == "n1" else 1) * t, t) for s in plan.stages))
+        for t in range(0, 62, 2)]
+    held = decide(readings, plan, LAYOUT, NODES, 60, last_move_at=0, policy=policy)
+    assert not held.move and held.why.startswith("cooldown") and held.plan is not None
+    moved = decide(readings, plan, LAYOUT, NODES, 60, last_move_at=-400, policy=policy)
+    assert moved.move and moved.plan.plan_hash == held.plan.plan_hash
+
+
+def test_memory_pressure_sheds_layers():
+    policy = Policy(window=60, cooldown=300, pressure_window=10)
+
+    def footprint(n: str, t: float, held: int) -> tuple:
+        # From t = 30 s n2's footprint reaches 95% of its memory while it holds 4 layers (no
+        # OS pressure): shedding one is enough.
+        return ((0.95 if n == "n2" and t >= 30 else 0.3) * held / 4 * 64 * GiB, 0.0)
+
+    moves, plan = simulate(lambda n, t: 1.0, 120, policy, memory=footprint)
+    assert len(moves) == 1, [(t, d.why) for t, d in moves]
+    t, d = moves[0]
+    assert d.reason == "memory_pressure" and 40 <= t <= 44  # within the pressure window
+    assert layers(plan).get("n2", 0) < 4 and d.budgets["n2"] < 64 * GiB
+    assert "footprint" in d.why
+
+    # The OS's pressure (PSI) on one node sheds too; a one-reading spike of it does not.
+    psi = simulate(lambda n, t: 1.0, 60, policy,
+                   memory=lambda n, t, held: (None, 0.4 if n == "n0" and t >= 20 and held >= 4
+                                              else 0.0))[0]
+    assert [d.reason for _, d in psi] == ["memory_pressure"]
+    blip = simulate(lambda n, t: 1.0, 60, policy,
+                    memory=lambda n, t, held: (None, 0.4 if n == "n0" and t == 20 else 0.0))[0]
+    assert blip == []
+    # Every stage short of memory: moving cannot help, and it says so.
+    everywhere = simulate(lambda n, t: 1.0, 60, policy,
+                          memory=lambda n, t, held: (None, 0.5))[0]
+    assert everywhere == []
+
+
+# --------------------------------------------------------------------------- live
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+STREAMS = 8
+MAX_TOKENS = 500
+
+
+@contextmanager
+def cpu_quota(pids: list[int], share: float):
+    """`pids` (whole processes, and the children they start later) limited to `share` of one
+    CPU by a cgroup v1 quota, for the duration; the cgroup is removed after."""
+    group = CGROUP_CPU / f"omlx-rebalance-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(100000 * share)))
+        for pid in pids:
+            (group / "cgroup.procs").write_text(str(pid))
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                (CGROUP_CPU / "cgroup.procs").write_text(pid)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+        group.rmdir()
+
+
+def cgroup_unavailable() -> str | None:
+    """Why a cgroup v1 CPU quota cannot be set here, or None."""
+    if not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU}"
+    if not os.access(CGROUP_CPU, os.W_OK):
+        return f"{CGROUP_CPU} is not writable (needs root)"
+    return None
+
+
+def body(model: str, i: int, stream: bool) -> dict:
+    return {"model": model, "prompt": [5 + i, 6, 7 + i, 8, 9, 10 + 2 * i],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def references(url: str, model: str) -> list[str]:
+    out: list = [None] * STREAMS
+
+    def one(i: int) -> None:
+        out[i] = httpx.post(url + "/v1/completions", json=body(model, i, False),
+                            timeout=300).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+class Streams:
+    """STREAMS greedy streams at once; every token's arrival time is kept (for tok/s)."""
+
+    def __init__(self, url: str, model: str, headers: dict | None = None):
+        self.headers = headers or {}
+        self.texts: list = [None] * STREAMS
+        self.errors: list[str] = []
+        self.times: list[float] = []  # one per token, every stream
+        self.progress = [0] * STREAMS
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._one, args=(url, model, i))
+                        for i in range(STREAMS)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, url: str, model: str, i: int) -> None:
+        text = ""
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body(model, i, True),
+                              headers=self.headers, timeout=300) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    d = json.loads(line[6:])
+                    if "error" in d:
+                        self.errors.append(str(d["error"]))
+                    elif d.get("choices"):
+                        text += d["choices"][0]["text"]
+                        with self._lock:
+                            self.progress[i] += 1
+                            self.times.append(time.monotonic())
+        except httpx.HTTPError as e:
+            self.errors.append(repr(e))
+        self.texts[i] = text
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(300)
+
+    def rate(self, start: float, end: float) -> float:
+        """Tokens per second of every stream together between two instants."""
+        with self._lock:
+            n = sum(start <= t < end for t in self.times)
+        return n / (end - start) if end > start else 0.0
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def status(url: str) -> dict:
+    return httpx.get(url + "/cluster/status", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("rb") / "tiny-rb", "llama", num_layers=6,
+                       hidden_size=256, seed=5)
+
+
+# The local nodes differ a little by themselves on a shared machine (the last stage also runs
+# the head): a threshold of 30% leaves that alone and moves for the throttle only.
+LIVE_FLAGS = ("--nodes", "3", "--rebalance", "auto", "--rebalance-window", "6",
+              "--rebalance-threshold", "0.3", "--rebalance-cooldown", "600")
+THROTTLE = 0.1  # of one CPU
+
+
+@pytest.mark.skipif(cgroup_unavailable() is not None, reason=str(cgroup_unavailable()))
+def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_path):
+    with start_server(model, *LIVE_FLAGS, home=tmp_path / "h", keepalive=None) as server:
+        refs = references(server.url, model.name)
+        before = status(server.url)
+        assert before["epoch"] == 1, "it moved before the throttle"
+        slow = before["nodes"][1]
+        streams = Streams(server.url, model.name)
+        wait_for(lambda: min(streams.progress) >= 20, 60, "every stream under way")
+        t_unthrottled = time.monotonic()
+        # The node, not only its worker: the worker its agent starts for the next plan is as
+        # slow (a busy Mac stays busy).
+        with cpu_quota([slow["agent_pid"], slow["worker_pid"]], THROTTLE):
+            t_throttle = time.monotonic()
+            after = wait_for(lambda: (s := status(server.url))["epoch"] > 1 and s["ready"]
+                             and s, 60, "the rebalancer's move")
+            t_move = time.monotonic()
+            assert t_move - t_throttle < 30  # noticed within its window (6 s) plus the load
+            streams.join()
+        assert not streams.errors, streams.errors
+        assert streams.texts == refs  # greedy output identical across the move
+        end = max(streams.times)
+        unthrottled = streams.rate(t_unthrottled - 2, t_throttle)
+        throttled = streams.rate(t_throttle + 2, t_move - 0.5)
+        moved = streams.rate(t_move + 1, end)
+        print(f"tok/s: {unthrottled:.0f} before, {throttled:.0f} throttled, {moved:.0f} after "
+              f"the move ({t_move - t_throttle:.1f} s after the throttle)")
+        assert moved >= 1.3 * throttled, (unthrottled, throttled, moved)
+
+        mine = {n["id"]: n["layers"] for n in after["nodes"]}
+        assert mine[slow["id"]] is None or (mine[slow["id"]][1] - mine[slow["id"]][0]
+                                            < slow["layers"][1] - slow["layers"][0])
+        assert "rebalance (imbalance)" in after["last_recovery"]["reason"]
+        metrics = server.metrics()
+        assert metrics['omlx_rebalances_total{reason="imbalance"}'] == 1
+        # parse_metrics drops `plan` (a node's identity label): read these lines as they are.
+        predicted = [line for line in httpx.get(server.url + "/metrics", timeout=10).text
+                     .splitlines() if line.startswith("omlx_predicted_bottleneck_seconds{")]
+        assert {'plan="current"' in line for line in predicted} == {True, False}, predicted
+        # The status and `omlx-cluster rebalance --dry-run` show the measured speeds.
+        table = subprocess.run(omlx_command("status", "--url", server.url), check=True,
+                               capture_output=True, text=True, timeout=30).stdout
+        assert "GB/s" in table, table
+        dry = subprocess.run(omlx_command("rebalance", "--dry-run", "--url", server.url),
+                             check=False, capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0 and "proposed split" in dry.stdout, dry.stdout + dry.stderr
+        assert status(server.url)["epoch"] == after["epoch"]  # a dry run moves nothing
+
+
+@NEEDS_PROMETHEUS
+def test_speeds_read_from_a_real_prometheus(model, tmp_path):
+    key = "rebalance-test-key"
+    key_file = tmp_path / "key"
+    key_file.write_text(key)
+    auth = {"authorization": f"Bearer {key}"}
+    port = free_port()  # Prometheus's, given to the server before Prometheus starts
+    with start_server(model, "--nodes", "2", "--api-key", key, "--rebalance", "advise",
+                      "--rebalance-window", "4", "--prometheus-url",
+                      f"http://127.0.0.1:{port}", home=tmp_path / "h") as server:
+        work = tmp_path / "prometheus"
+        work.mkdir()
+        config = prometheus_config(server.url.removeprefix("http://"), key_file)
+        with run_prometheus(config, work, port=port):
+            # Load until Prometheus has scraped both stages decoding twice: streams that end
+            # before its second scrape leave nothing to measure, so more follow.
+            streams = [Streams(server.url, model.name, auth)]
+
+            def measured() -> dict | None:
+                if not any(t.is_alive() for t in streams[-1].threads):
+                    streams.append(Streams(server.url, model.name, auth))
+                r = httpx.get(server.url + "/cluster/rebalance", headers=auth, timeout=30)
+                d = r.json()["decision"]
+                return r.json() if d and len(d["measured"]) == 2 else None
+
+            body_ = wait_for(measured, 90, "both stages measured through Prometheus")
+            for s in streams:
+                s.join()
+        assert body_["source"] == f"http://127.0.0.1:{port}" and body_["mode"] == "advise"
+        d = body_["decision"]
+        assert all(v > 0 for v in d["speeds_gbps"].values())
+        assert [r[0] for r in d["current"]] == ["local0", "local1"]
+        assert httpx.get(server.url + "/cluster/rebalance", timeout=10).status_code == 401
+        assert status_epoch(server.url, auth) == 1  # advise never moves
+        assert parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text).get(
+            'omlx_rebalances_total{reason="imbalance"}', 0) == 0
+
+
+def status_epoch(url: str, headers: dict) -> int:
+    return httpx.get(url + "/cluster/status", headers=headers, timeout=10).json()["epoch"]
