@@ -24,8 +24,8 @@ streaming: request sent -> first streamed token, token-id prompts, greedy, ignor
 
 The restore bandwidth is KV bytes restored / restore time, per request, from the node's
 Prometheus /metrics (`--node-metrics-port 0`; the port from /health `nodes[0].metrics_port`):
-delta of `omlx_node:kv_cache_restore_seconds` sum over the request, and delta of
-`omlx_node:kv_cache_hits{tier=...}` blocks times the mean block file size in the cache dir.
+delta of `omlx_node_kv_cache_restore_seconds` sum over the request, and delta of
+`omlx_node_kv_cache_hits{tier=...}` blocks times the mean block file size in the cache dir.
 
 Prompt lengths default to 2049 and 7937 tokens: 8 and 31 full 256-token blocks plus the last
 prompt token, which is always run (the cache covers prompt[:-1]); an unaligned prompt re-prefills
@@ -174,15 +174,18 @@ async def stream_ttft(client, base: str, prompt: list[int], max_tokens: int) -> 
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """{'name{label="v",...}': value} (labels sorted), without the labels naming the node's
+    stage (IDENTITY_LABELS): each server here has one node of one stage."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from omlx_node.metrics import IDENTITY_LABELS
+
     out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            pass
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())
+                              if k not in IDENTITY_LABELS)
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
 
 
@@ -228,12 +231,12 @@ class Bench:
         def d(key: str) -> float:
             return after.get(key, 0.0) - before.get(key, 0.0)
 
-        r["restore_s"] = d("omlx_node:kv_cache_restore_seconds_sum")
-        r["restores"] = d("omlx_node:kv_cache_restore_seconds_count")
-        r["ram_hit_blocks"] = d('omlx_node:kv_cache_hits_total{tier="ram"}')
-        r["ssd_hit_blocks"] = d('omlx_node:kv_cache_hits_total{tier="ssd"}')
-        r["stored_blocks"] = d("omlx_node:kv_cache_stored_blocks_total")
-        r["queue_full_blocks"] = d('omlx_node:kv_cache_ssd_writes_total{result="queue_full"}')
+        r["restore_s"] = d("omlx_node_kv_cache_restore_seconds_sum")
+        r["restores"] = d("omlx_node_kv_cache_restore_seconds_count")
+        r["ram_hit_blocks"] = d('omlx_node_kv_cache_hits_total{tier="ram"}')
+        r["ssd_hit_blocks"] = d('omlx_node_kv_cache_hits_total{tier="ssd"}')
+        r["stored_blocks"] = d("omlx_node_kv_cache_stored_blocks_total")
+        r["queue_full_blocks"] = d('omlx_node_kv_cache_ssd_writes_total{result="queue_full"}')
         r["label"] = label
         r["loadavg_1m"] = os.getloadavg()[0]
         log(f"  {self.name} {label}: TTFT {r['ttft'] * 1000:.0f} ms, cached "
@@ -245,17 +248,17 @@ class Bench:
 
     def wait_writer(self, timeout: float = 60.0) -> dict:
         """Until every stored block was written to SSD or dropped (each counted once in
-        omlx_node:kv_cache_ssd_writes by result)."""
+        omlx_node_kv_cache_ssd_writes by result)."""
         t0 = time.monotonic()
         while True:
             m = self.metrics()
-            stored = m.get("omlx_node:kv_cache_stored_blocks_total", 0.0)
+            stored = m.get("omlx_node_kv_cache_stored_blocks_total", 0.0)
             writes = {k.split('"')[1]: v for k, v in m.items()
-                      if k.startswith("omlx_node:kv_cache_ssd_writes_total{")}
+                      if k.startswith("omlx_node_kv_cache_ssd_writes_total{")}
             if sum(writes.values()) >= stored or time.monotonic() - t0 > timeout:
                 return {"stored": stored, "writes": writes,
                         "waited_s": time.monotonic() - t0,
-                        "ssd_blocks": m.get('omlx_node:kv_cache_blocks{tier="ssd"}')}
+                        "ssd_blocks": m.get('omlx_node_kv_cache_blocks{tier="ssd"}')}
             time.sleep(0.25)
 
     def stop(self) -> None:
@@ -278,7 +281,7 @@ def profile_restore(cache_dir: Path, block_size: int, prompt: list[int], can_dro
 
     import mlx.core as mx
 
-    from omlx_node.kv_tiers import PrefixCache
+    from omlx_node.kv_cache import PrefixCache
 
     files = sorted(cache_dir.rglob("*.safetensors"))
     if not files:
@@ -375,7 +378,7 @@ def main() -> int:
                                             "(when run from a `git archive` export, not a checkout)")
     args = ap.parse_args()
 
-    from omlx_coordinator.cluster import node_env
+    from omlx_shared.blas import blas_env
     from omlx_shared.model_spec import resolve_model
 
     t_start = time.monotonic()
@@ -419,7 +422,7 @@ def main() -> int:
                     "machine": machine, "model": {"name": model.name, "path": str(model),
                                                   "layers": config.get("num_hidden_layers"),
                                                   "context": ctx},
-                    "blas": blas_of(node_env()),
+                    "blas": blas_of(blas_env()),
                     "settings": {**{k: getattr(args, k) for k in (
                         "lengths", "max_tokens", "cold_repeats", "hit_repeats", "block_size",
                         "raw_read_bytes")}, "drop_caches_permitted": can_drop,
@@ -473,7 +476,7 @@ def main() -> int:
         try:
             P["B"] = {"flags": b.flags, "ready_s": b.ready_s,
                       "ssd_blocks_indexed": b.metrics().get(
-                          'omlx_node:kv_cache_blocks{tier="ssd"}')}
+                          'omlx_node_kv_cache_blocks{tier="ssd"}')}
             b.request(warm_prompt, args.max_tokens, "warm-up")
             for n in args.lengths:
                 p = ssd_prompts[n]
@@ -500,7 +503,7 @@ def main() -> int:
         try:
             P["C"] = {"flags": c.flags, "ready_s": c.ready_s,
                       "ssd_blocks_indexed": c.metrics().get(
-                          'omlx_node:kv_cache_blocks{tier="ssd"}')}
+                          'omlx_node_kv_cache_blocks{tier="ssd"}')}
             c.request(warm_prompt, args.max_tokens, "warm-up")
             for n in args.lengths:
                 hits = []
@@ -645,7 +648,7 @@ def markdown(result: dict) -> str:
             f"{ms(r['ssd_hit_s'])} | {ms(r['ssd_hit_warm_s'])} | {ms(r['ssd_hit_restart_s'])} | "
             f"{pct(r['ram_over_cold'])} | {pct(r['ssd_over_cold'])} | "
             f"{pct(r['ssd_restart_over_cold'])} |")
-    lines += ["", "Restore (node's `omlx_node:kv_cache_restore_seconds`, KV bytes = restored "
+    lines += ["", "Restore (node's `omlx_node_kv_cache_restore_seconds`, KV bytes = restored "
               "blocks x block file size):", "",
               "| prompt | KV bytes | RAM restore | SSD restore (disk) | SSD restore after restart "
               "| SSD restore, page cache warm | SSD (disk) / raw read |",

@@ -74,14 +74,16 @@ class NodeAgentServicer:
     """
 
     def Handshake(self, request, context):
-        """Admission (omlx_shared/auth.py): the node proves it holds the cluster secret...
+        """Admission (omlx_shared/auth.py), inside the mutual-TLS channel of the cluster CA
+        (omlx_shared/cluster_tls.py): the node proves it holds the cluster secret...
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Admit(self, request, context):
-        """...then the coordinator does; every later call carries the session token derived from both.
+        """...then the coordinator does; every later call carries the session token derived from both,
+        valid only over a TLS session with the admitted coordinator's certificate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,4 @@
-"""The tiered KV prefix cache of one stage (omlx_node.kv_tiers), on tiny random models.
+"""The tiered KV prefix cache of one stage (omlx_node.kv_cache), on tiny random models.
 
 Exactness is bit-for-bit: restoring cached blocks and prefilling the rest must give the same
 logits as a cold prefill of the whole prompt. The full-disk and read-only tests mount small tmpfs
@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 from prometheus_client import CollectorRegistry
 from safetensors.numpy import load_file
 
-from omlx_node.kv_tiers import PrefixCache, block_hashes, model_dir_name
+from omlx_node.kv_cache import PrefixCache, block_hashes, model_dir_name
 from omlx_node.stage import StageRunner
 from tests.tiny_models import build_model
 
@@ -179,10 +179,10 @@ def test_restore_then_prefill_matches_cold_prefill(stage, vocab):
         restored.append(n)
         assert mx.array_equal(logits, cold_logits(stage, p)), f"prompt of {len(p)} tokens"
     assert restored == [0, 64, 64, 48, 0, 96]
-    assert metric(pc, "omlx_node:kv_cache_hits_total", tier="ram") == 4 + 4 + 3 + 6
-    assert metric(pc, "omlx_node:kv_cache_hits_total", tier="ssd") == 0
-    assert metric(pc, "omlx_node:kv_cache_bytes", tier="ram") == pc.stats().hot_bytes > 0
-    assert metric(pc, "omlx_node:kv_cache_restore_seconds_count") == 4
+    assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ram") == 4 + 4 + 3 + 6
+    assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ssd") == 0
+    assert metric(pc, "omlx_node_kv_cache_bytes", tier="ram") == pc.stats().hot_bytes > 0
+    assert metric(pc, "omlx_node_kv_cache_restore_seconds_count") == 4
 
 
 def test_decoding_on_a_restored_cache_matches(stage, vocab):
@@ -251,10 +251,10 @@ def test_blocks_survive_a_restart(tmp_path, stage, vocab):
     n, logits = cached_logits(again, stage, prompt)
     assert n == 80
     assert mx.array_equal(logits, cold_logits(stage, prompt))
-    assert metric(again, "omlx_node:kv_cache_hits_total", tier="ssd") == 5
+    assert metric(again, "omlx_node_kv_cache_hits_total", tier="ssd") == 5
     # Loaded blocks were promoted: the next restore comes from RAM.
     n, _ = cached_logits(again, stage, prompt)
-    assert n == 80 and metric(again, "omlx_node:kv_cache_hits_total", tier="ram") == 5
+    assert n == 80 and metric(again, "omlx_node_kv_cache_hits_total", tier="ram") == 5
     again.close()
 
 
@@ -306,7 +306,7 @@ def test_ram_cap_and_lru_order():
     pc.store(prompts[5], synthetic_cache(2, BS, seed=5))
     assert pc.hot_hashes() == [name[4], name[3], name[5]]
     assert pc.stats().hot_bytes == 3 * one
-    assert metric(pc, "omlx_node:kv_cache_evictions_total", tier="ram") == 3
+    assert metric(pc, "omlx_node_kv_cache_evictions_total", tier="ram") == 3
     assert pc.lookup(prompts[0]) == 0 and pc.lookup(prompts[2]) == 0
 
 
@@ -335,7 +335,7 @@ def test_ssd_cap_and_lru_order(tmp_path):
     assert pc.ssd_hashes() == [name[3], name[1], name[4]]
     assert {f.stem for f in files(pc)} == {name[3], name[1], name[4]}
     assert on_disk() <= pc.ssd_max_bytes
-    assert metric(pc, "omlx_node:kv_cache_evictions_total", tier="ssd") == 2
+    assert metric(pc, "omlx_node_kv_cache_evictions_total", tier="ssd") == 2
     # A restart with a smaller cap trims the oldest files.
     pc.close()
     small = make_pc(tmp_path / "ssd", layers=(0, 2), ssd_max_bytes=2 * size)
@@ -387,9 +387,9 @@ def test_corrupt_truncated_and_garbage_files_are_removed(tmp_path, caplog):
     assert not paths[3].exists() and not paths[2].exists() and not junk.exists()
     assert not stale.exists() and young.exists() and notes.exists()
     assert pc.ssd_hashes() == names[:2]
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="truncated") == 1
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="foreign") == 1
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="corrupt") == 1
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="truncated") == 1
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="foreign") == 1
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="corrupt") == 1
 
     # Block 1 looks fine until loaded; the restore stops before it and removes it.
     assert pc.lookup(tokens) == 2 * BS
@@ -398,7 +398,7 @@ def test_corrupt_truncated_and_garbage_files_are_removed(tmp_path, caplog):
     src = synthetic_cache(2, len(tokens), seed=0)
     assert mx.array_equal(kv[1].values[..., : kv[1].offset, :], src[1].values[..., :BS, :])
     assert pc.lookup(tokens) == BS
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="corrupt") == 2
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="corrupt") == 2
     assert any("removing" in r.getMessage() for r in caplog.records)
     pc.close()
 
@@ -421,7 +421,7 @@ def test_foreign_files_are_removed(tmp_path):
     pc = make_pc(tmp_path / "ssd", layers=(0, 2))
     assert pc.ssd_hashes() == [] and files(pc) == []
     assert pc.lookup(tokens) == 0
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="foreign") == 2
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="foreign") == 2
     pc.close()
 
 
@@ -464,7 +464,7 @@ def test_full_disk_degrades_to_ram_only(tmp_path, stage, vocab, caplog, monkeypa
             shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40, total=1 << 41)
         )
         pc = make_pc(mnt, ssd_min_free_bytes=0)
-        caplog.set_level(logging.WARNING, logger="omlx_node.kv_tiers")
+        caplog.set_level(logging.WARNING, logger="omlx_node.kv_cache")
         base = rand_tokens(100, vocab, seed=21)
         prompts = [base[:70] + [1, 2], base[:90] + [3], base[:40] + rand_tokens(40, vocab, 22)]
         for p in prompts:
@@ -476,16 +476,16 @@ def test_full_disk_degrades_to_ram_only(tmp_path, stage, vocab, caplog, monkeypa
         assert "No space left" in degraded_warnings(caplog)[0].getMessage()
         assert list(mnt.rglob("*.tmp")) == []  # the failed write cleaned up after itself
         assert pc.stats().hot_blocks == 7 and pc.lookup(base[:99]) == 80
-        assert metric(pc, "omlx_node:kv_cache_ssd_writes_total", result="error") == 1
-        assert metric(pc, "omlx_node:kv_cache_ssd_writes_total", result="disabled") > 0
-        assert metric(pc, "omlx_node:kv_cache_ssd_writable") == 0
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="error") == 1
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="disabled") > 0
+        assert metric(pc, "omlx_node_kv_cache_ssd_writable") == 0
         pc.close()
 
 
 def test_low_space_guard_skips_writes(tmp_path, stage, vocab, caplog):
     with tmpfs(tmp_path / "mnt", "512k") as mnt:
         pc = make_pc(mnt)  # default reserve max(1 GiB, 5 %): more than this disk has
-        caplog.set_level(logging.WARNING, logger="omlx_node.kv_tiers")
+        caplog.set_level(logging.WARNING, logger="omlx_node.kv_cache")
         for seed in (31, 32):
             p = rand_tokens(50, vocab, seed)
             _, logits = cached_logits(pc, stage, p)
@@ -493,7 +493,7 @@ def test_low_space_guard_skips_writes(tmp_path, stage, vocab, caplog):
             assert mx.array_equal(logits, cold_logits(stage, p))
         assert files(pc) == [] and pc.stats().ssd_writable  # skipped, not broken
         assert len([r for r in caplog.records if "skipping SSD writes" in r.getMessage()]) == 1
-        assert metric(pc, "omlx_node:kv_cache_ssd_writes_total", result="low_space") == 6
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="low_space") == 6
         pc.close()
 
 
@@ -505,7 +505,7 @@ def test_read_only_dir_degrades_to_ram_only(tmp_path, stage, vocab, caplog):
         cached_logits(first, stage, base[:50])  # 3 blocks on disk
         first.close()
         remount_ro(mnt)
-        caplog.set_level(logging.WARNING, logger="omlx_node.kv_tiers")
+        caplog.set_level(logging.WARNING, logger="omlx_node.kv_cache")
 
         pc = make_pc(mnt, ssd_min_free_bytes=0)
         assert pc.stats().ssd_blocks == 3  # the blocks already there are still read
@@ -720,13 +720,13 @@ def test_replan_reuses_blocks_of_sibling_ranges(tmp_path, stages, vocab, new_ran
     pc.store(todo, kv)  # block 3 is new: an ordinary store
     warm = runner(last, kv)[0, -1]
     assert mx.array_equal(warm, cold)
-    assert metric(pc, "omlx_node:kv_cache_hits_total", tier="sibling") == 3
-    assert metric(pc, "omlx_node:kv_cache_hits_total", tier="ssd") == 0
+    assert metric(pc, "omlx_node_kv_cache_hits_total", tier="sibling") == 3
+    assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ssd") == 0
     assert pc.stats().hot_blocks == 4
     # Promoted: a second restore comes from RAM.
     assert pc.lookup(todo) == 64
     pc.restore(todo, 64)
-    assert metric(pc, "omlx_node:kv_cache_hits_total", tier="ram") == 4
+    assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ram") == 4
     assert pc.flush()
     pc.close()
 
@@ -740,7 +740,7 @@ def test_replan_reuses_blocks_of_sibling_ranges(tmp_path, stages, vocab, new_ran
     assert again.stats().ssd_blocks == 4 and again.lookup(todo) == 64
     kv = again.restore(todo, 64)
     assert kv[0].offset == 64
-    assert metric(again, "omlx_node:kv_cache_hits_total", tier="ssd") == 4
+    assert metric(again, "omlx_node_kv_cache_hits_total", tier="ssd") == 4
     again.close()
 
 
@@ -811,13 +811,13 @@ def test_bad_sibling_files_are_a_miss_never_a_wrong_answer(tmp_path, caplog):
 
     pc = make_pc(tmp_path, layers=(1, 3))
     assert not hi.block_path(names[1]).exists()
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="truncated") == 1
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="truncated") == 1
     assert pc.lookup(tokens) == BS  # block 1 is not covered any more
     kv = pc.restore(tokens, len(tokens))
     assert_kv_equal(kv, (1, 3), BS, len(tokens))
     assert not wide.block_path(names[0]).exists()  # really corrupt: removed
     assert lo.block_path(names[0]).exists() and hi.block_path(names[0]).exists()
-    assert metric(pc, "omlx_node:kv_cache_ssd_rejected_files_total", reason="corrupt") == 1
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="corrupt") == 1
     assert any("removing corrupt" in r.getMessage() for r in caplog.records)
     assert pc.flush()
     pc.close()
@@ -895,7 +895,7 @@ def test_a_range_a_running_cache_holds_is_never_pruned(tmp_path):
 
 def test_a_killed_stage_lets_go_of_its_range(tmp_path):
     script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
-              "from omlx_node.kv_tiers import PrefixCache\n"
+              "from omlx_node.kv_cache import PrefixCache\n"
               f"pc = PrefixCache({MODEL_ID!r}, (2, 4), {BS}, ssd_dir=sys.argv[1])\n"
               "print('ready', flush=True)\n"
               "time.sleep(120)\n")
