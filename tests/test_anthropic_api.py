@@ -248,8 +248,10 @@ def test_error_types_follow_the_status() -> None:
 # ---- end to end ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen_server(tmp_path_factory):
+# Every live test runs on one node and again through a 2-stage pipeline (the tail samples
+# under the forced call's grammar).
+@pytest.fixture(scope="module", params=[1, 2], ids=["one node", "2-stage pipeline"])
+def qwen_server(request, tmp_path_factory):
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-anthropic"
     # Room in the embedding for the two markup tokens qwen_tokenizer adds.
     # Seed 6: its greedy replies are whitespace, then text (held whitespace opens no block).
@@ -257,8 +259,9 @@ def qwen_server(tmp_path_factory):
                 extra_config={"vocab_size": 400, "max_position_embeddings": CONTEXT})
     qwen_tokenizer(dest)
     # Keep-alives (pings) every 10 ms: a stream waiting for its prefill gets some.
-    with start_server(dest, "--api-key", KEY, "--cache-block-size", str(BLOCK),
-                      home=tmp_path_factory.mktemp("home"), keepalive=0.01) as s:
+    with start_server(dest, "--api-key", KEY, "--cache-block-size", str(BLOCK), "--nodes",
+                      str(request.param), home=tmp_path_factory.mktemp("home"),
+                      keepalive=0.01) as s:
         yield s
 
 

@@ -317,16 +317,18 @@ def test_follow_up_turn_extends_the_previous_prompt(tok: ChatTokenizer) -> None:
 BLOCK = 16  # a small KV block, so the prefix cache serves short prompts
 
 
-@pytest.fixture(scope="module")
-def qwen_server(tmp_path_factory):
+# Every live test runs on one node and again through a 2-stage pipeline, where the grammars and
+# logprobs are the tail stage's work.
+@pytest.fixture(scope="module", params=[1, 2], ids=["one node", "2-stage pipeline"])
+def qwen_server(request, tmp_path_factory):
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-tools"
     # Room in the embedding for the two markup tokens added to the trained vocabulary.
     build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=1,
                 extra_config={"vocab_size": 400})
     qwen_tokenizer(dest)
     assert len(AutoTokenizer.from_pretrained(str(dest))) <= 400
-    with start_server(dest, "--cache-block-size", str(BLOCK), node_metrics=True,
-                      home=tmp_path_factory.mktemp("home")) as s:
+    with start_server(dest, "--cache-block-size", str(BLOCK), "--nodes", str(request.param),
+                      node_metrics=True, home=tmp_path_factory.mktemp("home")) as s:
         yield s
 
 
