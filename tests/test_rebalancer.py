@@ -165,7 +165,7 @@ def test_memory_pressure_sheds_layers():
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 STREAMS = 8
-MAX_TOKENS = 500
+MAX_TOKENS = 1000
 
 
 @contextmanager
@@ -304,10 +304,12 @@ def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_pat
         # slow (a busy Mac stays busy).
         with cpu_quota([slow["agent_pid"], slow["worker_pid"]], THROTTLE):
             t_throttle = time.monotonic()
+            # The move ends with a new plan loaded, by throttled processes among others: on a
+            # loaded 2-core machine that can take a while after the decision.
             after = wait_for(lambda: (s := status(server.url))["epoch"] > 1 and s["ready"]
-                             and s, 60, "the rebalancer's move")
+                             and s, 150, "the rebalancer's move")
             t_move = time.monotonic()
-            assert t_move - t_throttle < 30  # noticed within its window (6 s) plus the load
+            assert t_move - t_throttle < 90  # noticed within its window (6 s), then loaded
             streams.join()
         assert not streams.errors, streams.errors
         assert streams.texts == refs  # greedy output identical across the move
