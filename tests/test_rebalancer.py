@@ -292,8 +292,13 @@ THROTTLE = 0.1  # of one CPU
 
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason=str(cgroup_unavailable()))
 def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_path):
+    # The undisturbed run on a server of its own that never moves: on the rebalancing server
+    # it would give the rebalancer a window of load in which the local stages' own differences
+    # (the head samples too) may already look like an imbalance.
+    with start_server(model, "--nodes", "3", "--rebalance", "off", home=tmp_path / "ref",
+                      keepalive=None) as reference:
+        refs = references(reference.url, model.name)
     with start_server(model, *LIVE_FLAGS, home=tmp_path / "h", keepalive=None) as server:
-        refs = references(server.url, model.name)
         before = status(server.url)
         assert before["epoch"] == 1, "it moved before the throttle"
         slow = before["nodes"][1]
