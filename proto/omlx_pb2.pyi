@@ -189,7 +189,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid", "data_port", "worker_pid", "rank", "world_size", "checks")
+    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid", "data_port", "worker_pid", "rank", "world_size", "checks", "workers", "memory_total_bytes", "memory_available_bytes", "memory_pressure")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,10 @@ class HealthReply(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PRESSURE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model_id: str
     status: str
@@ -218,7 +222,61 @@ class HealthReply(_message.Message):
     rank: int
     world_size: int
     checks: _containers.RepeatedCompositeFieldContainer[NodeCheck]
-    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., checks: _Optional[_Iterable[_Union[NodeCheck, _Mapping]]] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    memory_total_bytes: int
+    memory_available_bytes: int
+    memory_pressure: str
+    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., checks: _Optional[_Iterable[_Union[NodeCheck, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., memory_pressure: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("model_id", "ready", "status", "pid", "metrics_port", "worker_address", "layer_start", "layer_end", "num_layers", "rank", "world_size", "plan_hash", "footprint_bytes", "mlx_active_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    ready: bool
+    status: str
+    pid: int
+    metrics_port: int
+    worker_address: str
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    rank: int
+    world_size: int
+    plan_hash: str
+    footprint_bytes: int
+    mlx_active_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., ready: _Optional[bool] = ..., status: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., plan_hash: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ...) -> None: ...
+
+class UnloadShardRequest(_message.Message):
+    __slots__ = ("model_id", "grace_seconds")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    grace_seconds: float
+    def __init__(self, model_id: _Optional[str] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
+
+class UnloadShardReply(_message.Message):
+    __slots__ = ("was_loaded", "killed", "seconds")
+    WAS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    KILLED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    was_loaded: bool
+    killed: bool
+    seconds: float
+    def __init__(self, was_loaded: _Optional[bool] = ..., killed: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class NodeCheck(_message.Message):
     __slots__ = ("name", "status", "detail", "fix")

@@ -56,6 +56,11 @@ class NodeAgentStub:
                 request_serializer=proto_dot_omlx__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.UnloadShard = channel.unary_unary(
+                '/omlx.v1.NodeAgent/UnloadShard',
+                request_serializer=proto_dot_omlx__pb2.UnloadShardRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.UnloadShardReply.FromString,
+                _registered_method=True)
         self.PrepareWeights = channel.unary_unary(
                 '/omlx.v1.NodeAgent/PrepareWeights',
                 request_serializer=proto_dot_omlx__pb2.WeightManifest.SerializeToString,
@@ -104,6 +109,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnloadShard(self, request, context):
+        """Stops the shard worker of one model (several models may each have a worker on a node):
+        SIGTERM, then SIGKILL after the grace period; returns once the process has exited, so its
+        memory is free. The other models' workers are untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PrepareWeights(self, request, context):
         """Weights for a node that lacks the model's files (omlx_coordinator/weight_transfer.py sends,
         omlx_node/weight_store.py receives). PrepareWeights names the files a layer range needs and
@@ -143,6 +157,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_omlx__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.HealthReply.SerializeToString,
+            ),
+            'UnloadShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadShard,
+                    request_deserializer=proto_dot_omlx__pb2.UnloadShardRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.UnloadShardReply.SerializeToString,
             ),
             'PrepareWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareWeights,
@@ -265,6 +284,33 @@ class NodeAgent:
             '/omlx.v1.NodeAgent/Health',
             proto_dot_omlx__pb2.HealthRequest.SerializeToString,
             proto_dot_omlx__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/UnloadShard',
+            proto_dot_omlx__pb2.UnloadShardRequest.SerializeToString,
+            proto_dot_omlx__pb2.UnloadShardReply.FromString,
             options,
             channel_credentials,
             insecure,
