@@ -10,7 +10,10 @@ chunk (`prefill_chunk` tokens, over the oldest waiting sequences), so a long pro
 running streams by one chunk, never by its whole length. A sequence's prompt, all but its last
 token, is prefilled into its own KV cache, merged into the batch's left-padded `BatchKVCache`,
 and its last prompt token becomes its first decode input, exactly as mlx-lm's BatchGenerator
-does, so greedy outputs match mlx-lm's single-sequence generation.
+does, so greedy outputs match mlx-lm's single-sequence generation. Pieces of a chunk that start
+at one offset and run as many tokens (prompts of one length arriving together) share one forward
+pass where every layer keeps a plain KVCache (`StageState.prefill_rows`): unpadded, so each row
+computes what it would alone, and on a GPU the weights are read once for them all.
 
 A constrained row (a grammar, omlx_node.constraints) cannot have its next token scheduled before
 its last one is on the host: its matcher must take that token and fill the mask the next one is
@@ -108,6 +111,15 @@ def advance_each(rows: list[tuple[GrammarMatcher, int]]) -> list[tuple[Verdict, 
 _seq_ids = itertools.count(1)
 
 
+def device_prefill_chunk() -> int:
+    """The prefill chunk for this process's device. On a GPU 2048 tokens, mlx-lm's own prefill
+    step: with 512-token chunks a 2048-token prompt of an 8B model took 1.5x as long to its first
+    token on an H200 (each chunk pays its own launch and sync overhead), while a 2048-token chunk,
+    the most a decode step then waits, takes ~70 ms. On a CPU a chunk is compute-bound at any
+    size and 2048 tokens of even a small model take seconds, which running streams would wait."""
+    return 512 if mx.default_device() == mx.cpu else 2048
+
+
 class Sequence:
     """One request inside the engine. `events` yields ints (tokens) and then one Finish; when
     the request asked for logprobs, each token's is in `logprobs` before the token is in
@@ -141,6 +153,14 @@ class Sequence:
         return self.req.prompt[:-1]
 
 
+def _row(cache: KVCache, r: int) -> KVCache:
+    """Row `r` of a batch's KVCache, as a one-row KVCache of its own."""
+    keys, values = cache.keys_and_values()
+    out = KVCache()
+    out.state = (keys[r:r + 1], values[r:r + 1], cache.offset)
+    return out
+
+
 class StageState:
     """The KV caches of one stage: one per prefilling sequence, one batch cache per micro-batch.
 
@@ -156,6 +176,10 @@ class StageState:
             log.info("prefix cache off: %s", stage.prefix_cache_off)
             prefix_cache = None
         self.prefix_cache = prefix_cache
+        # Several sequences' equal-length chunks can share one forward pass when every layer
+        # keeps a plain KVCache: B rows at one offset are B independent batch-of-one caches,
+        # split back along the batch axis. Other caches (windows, recurrent state) go one by one.
+        self.batchable = all(type(c) is KVCache for c in stage.make_cache())
         self.prefilling: dict[int, list[KVCache]] = {}
         self.caches: dict[int, list[BatchKVCache]] = {}
         self.rows: dict[int, list[int]] = {}
@@ -194,6 +218,25 @@ class StageState:
         if self.prefix_cache is not None and seq_id in self.tokens:
             self.prefix_cache.store(self.tokens[seq_id], cache)
         return out
+
+    def prefill_rows(self, seq_ids: list[int], x: mx.array) -> None:
+        """Runs one prompt chunk of each of `seq_ids` (row i of `x`, all of one length) in one
+        forward pass; their caches must hold equally many tokens and be plain KVCaches
+        (`batchable`). Each sequence then keeps its own row of the result, as `prefill` leaves
+        it: no padding, so each row's attention is exactly a batch of one's."""
+        held = [self.prefilling.get(s) for s in seq_ids]
+        cache = [KVCache() for _ in self.stage.make_cache()]
+        if held[0] is not None:
+            for layer, c in enumerate(cache):
+                keys, values = zip(*(h[layer].keys_and_values() for h in held))
+                c.state = (mx.concatenate(keys), mx.concatenate(values), held[0][layer].offset)
+        self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True))
+        rows = {s: [_row(c, r) for c in cache] for r, s in enumerate(seq_ids)}
+        mx.eval([c.keys_and_values() for kv in rows.values() for c in kv])
+        for s, kv in rows.items():
+            self.prefilling[s] = kv
+            if self.prefix_cache is not None and s in self.tokens:
+                self.prefix_cache.store(self.tokens[s], kv)
 
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
@@ -256,14 +299,15 @@ class Engine:
     failure_message = ("the node failed a step for a reason no request explains (logged on the "
                        "node); it was restarted clean")
 
-    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int,
+    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None,
                  max_batch: int, vocab_size: int, prefix_cache: PrefixCache | None = None,
                  grammars: Grammars | None = None):
-        """`grammars`: compiles the grammars of constrained requests (None: refuses them)."""
+        """`prefill_chunk`: prompt tokens per step (None: `device_prefill_chunk()`);
+        `grammars`: compiles the grammars of constrained requests (None: refuses them)."""
         self.stage = stage
         self.grammars = grammars
         self.metrics = metrics
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or device_prefill_chunk()
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache)
@@ -538,7 +582,7 @@ class Batcher(Engine):
 
     MB = 0  # its single micro-batch
 
-    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int = 512,
+    def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  grammars: Grammars | None = None):
         if not (stage.info.is_first and stage.info.is_last):
@@ -577,13 +621,21 @@ class Batcher(Engine):
             self._prefill_step()
 
     def _prefill_step(self) -> None:
+        plan = self._take_prefill(self.max_batch - len(self._batch))
+        for group in self._prefill_groups(plan):
+            x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
+            if len(group) == 1:
+                self.state.prefill(group[0][0].sid, x)
+            else:
+                self.state.prefill_rows([seq.sid for seq, _, _ in group], x)
         ready = []
-        for seq, start, n in self._take_prefill(self.max_batch - len(self._batch)):
-            if n > 0:
-                self.state.prefill(seq.sid, mx.array([seq.to_prefill[start:start + n]]))
+        for seq, _, n in plan:
             seq.prefilled += n
             if seq.prefilled == len(seq.to_prefill):
-                ready.append(self._waiting.popleft())
+                # Not always the first one waiting: a chunk cut to a block boundary leaves
+                # room for the next, and a one-token prompt has nothing to prefill.
+                self._waiting.remove(seq)
+                ready.append(seq)
         if ready:
             self.state.update(self.MB, None, [s.sid for s in ready])
             last = mx.array([s.req.prompt[-1] for s in ready])
@@ -595,6 +647,19 @@ class Batcher(Engine):
                 self._samplers.append(sampler)
                 if error:
                     self._failed[s] = f"sampling cannot start: {error}"
+
+    def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
+                        ) -> list[list[tuple[Sequence, int, int]]]:
+        """The plan's pieces with tokens to run, in forward passes: pieces that start at the
+        same offset and run as many tokens share one when the caches allow it (one weight read
+        for them all instead of one each)."""
+        if not self.state.batchable:
+            return [[piece] for piece in plan if piece[2] > 0]
+        groups: dict[tuple[int, int], list[tuple[Sequence, int, int]]] = {}
+        for piece in plan:
+            if piece[2] > 0:
+                groups.setdefault(piece[1:], []).append(piece)
+        return list(groups.values())
 
     def _decode_step(self) -> None:
         y, records, failed = self._y, self._records, self._failed

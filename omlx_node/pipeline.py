@@ -20,6 +20,8 @@ step as soon as its tokens are due, with those tokens still in flight (a lazy re
 embedding), and streams them out afterwards, as mlx-lm's generate_step overlaps its next step;
 a row whose sequence turned out finished rides along one step more and is dropped at the next.
 Every other stage receives the hidden states lazily, so its graph is built before they land.
+When the head has nothing in flight it says so with an IDLE step, and every stage sleeps on a
+doorbell until the next step (`omlx_node.wire`): an idle pipeline costs no CPU.
 
 A row whose sampling fails on the tail (`omlx_node.sampling.sample_rows`) is reported in the
 tail's answer and ends alone, with its own error. Anything else that fails a step leaves the
@@ -96,15 +98,16 @@ class PipelineHead(Engine):
     failure_message = "the pipeline failed a step (a stage was lost); this worker stops"
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
-                 micro_batches: int, prefill_chunk: int = 512, max_batch: int = 64,
-                 prefix_cache: PrefixCache | None = None,
+                 doorbell: wire.Doorbell, micro_batches: int, prefill_chunk: int = 512,
+                 max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  row_costs: dict[int, float] | None = None, grammars: Grammars | None = None):
-        """Up to `micro_batches` in flight; with `row_costs` (the measured cost of a step by
-        rows) only as many as pay off for the rows in flight, else always all of them.
-        `grammars` checks constrained requests at submit; the tail applies them."""
+        """`doorbell`: rank 1's, rung when a step follows an IDLE one. Up to `micro_batches` in
+        flight; with `row_costs` (the measured cost of a step by rows) only as many as pay off
+        for the rows in flight, else always all of them. `grammars` checks constrained requests
+        at submit; the tail applies them."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
                          stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
-        self.group, self.plan = group, plan
+        self.group, self.plan, self.doorbell = group, plan, doorbell
         self.tail = group.size() - 1
         self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
         self.row_costs = row_costs
@@ -126,7 +129,12 @@ class PipelineHead(Engine):
     def _send(self, step: wire.Step, hidden: mx.array | None) -> None:
         step.step = self._step_no
         self._step_no += 1
-        wire.send_step(step, hidden, self.plan, 1, self.group)
+        wire.send_rung(step, hidden, self.plan, 1, self.group, self.doorbell)
+
+    @property
+    def idle(self) -> bool:
+        # An answer still owed is work: read at once, so that the pipeline can go to sleep.
+        return super().idle and not self._replies
 
     def _dropped_while_waiting(self, seq: Sequence) -> None:
         self.state.free([seq.sid])
@@ -149,6 +157,10 @@ class PipelineHead(Engine):
                 self._collect(reply)
             else:
                 self._collect_lookup(reply)
+        if self.idle and not self.doorbell.asleep:
+            # Nothing in flight: the other stages may stop waiting on the data plane, which
+            # spins a core per posted receive.
+            self._send(wire.Step(wire.IDLE), None)
 
     def _looked_up(self, seq: Sequence) -> bool:
         if self.state.prefix_cache is None:
@@ -177,7 +189,9 @@ class PipelineHead(Engine):
                 self._send(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n), h)
             seq.prefilled += n
             if seq.prefilled == len(seq.to_prefill):
-                self._waiting.popleft()
+                # Not always the first one waiting: a chunk cut short at a block boundary
+                # leaves budget for the next, and a one-token prompt has nothing to prefill.
+                self._waiting.remove(seq)
                 seq.input_is_prompt = False  # tokens come back for the step that ran it
                 min(self.mbs[:self._worth()],
                     key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
@@ -267,12 +281,16 @@ class StageLoop:
     """Every stage after the head: apply each step to this stage's KV state, compute, pass on."""
 
     def __init__(self, stage: StageRunner, group, plan: int, prefix_cache: PrefixCache | None,
-                 grammars: Grammars, metrics: NodeMetrics):
-        """`grammars`: the tail compiles every constrained sequence's grammar with it."""
+                 grammars: Grammars, metrics: NodeMetrics,
+                 doorbells: tuple[wire.Doorbell, wire.Doorbell | None]):
+        """`grammars`: the tail compiles every constrained sequence's grammar with it.
+        `doorbells`: the one the previous stage rings after an IDLE step, and the next stage's
+        (None on the tail)."""
         self.state = StageState(stage, metrics.profile, prefix_cache)
         self.metrics = metrics
         self.grammars = grammars
         self.group, self.plan = group, plan
+        self.upstream, self.downstream = doorbells
         self.rank, size = group.rank(), group.size()
         self.is_tail = self.rank == size - 1
         self.hidden_size = stage.hidden_size
@@ -283,14 +301,14 @@ class StageLoop:
 
     def run(self) -> None:
         while True:
-            step, hidden = wire.recv_step(self.plan, self.rank - 1, self.group,
-                                          self.hidden_size, self.dtype)
+            step, hidden = wire.recv_rung(self.plan, self.rank - 1, self.group,
+                                          self.hidden_size, self.dtype, self.upstream)
             out = self.apply(step, hidden)
             if self.is_tail:
                 if out is not None:
                     wire.send_tokens(out, 0, self.group)
             else:
-                wire.send_step(step, out, self.plan, self.rank + 1, self.group)
+                wire.send_rung(step, out, self.plan, self.rank + 1, self.group, self.downstream)
             self.metrics.iteration_done(self.state)  # after the send: off the next stage's path
             if step.op == wire.STOP:
                 wire.flush()

@@ -1,9 +1,13 @@
 """Per-sequence sampling over a batch of logits.
 
 Every row of a batch may carry its own temperature, top-p, top-k, min-p and seed. Greedy rows take
-the argmax of the raw logits, exactly what mlx-lm's default sampler picks. A seeded row owns a
-PRNG key that is split once per token, so its output depends only on its seed and its logits,
-never on which other sequences shared the batch.
+the argmax of the raw logits, exactly what mlx-lm's default sampler picks. The other rows are drawn
+together, in one batched computation with their parameters as per-row arrays, from the tokens
+mlx-lm's sampler chain would keep (top-k, then top-p, then min-p), by the Gumbel-max draw of
+mx.random.categorical: a sampled batch costs about what a greedy one does. Unseeded rows share one
+draw from mx.random's global key. A seeded row owns a PRNG key that is split once per token and
+draws its own noise, so its output depends only on its seed and its logits, never on which other
+sequences shared the batch (up to exact ties between its logits).
 
 A row may also ask for, each costing only the rows that ask:
 - penalties: mlx-lm's own logits processors (`make_logits_processors`: repetition, presence,
@@ -17,14 +21,15 @@ A row may also ask for, each costing only the rows that ask:
   without renormalising the numbers it reports.
 
 A row's failure is its own (`sample_rows`): a sampler, penalty or grammar mask that raises ends
-that row alone, and the others sample exactly what they would have. mlx-lm's filters are compiled
-with mx.random's global key as an input and an output, so one that raises while tracing leaves a
-placeholder key behind that no later unseeded sample can evaluate ("array without a primitive"):
-every failure puts the key back (`random_key`, `restore_random_key`).
+that row alone, and the others sample exactly what they would have. A function compiled with
+mx.random's global key as an input and an output (as mlx-lm's samplers are) that raises while
+tracing leaves a placeholder key behind that no later unseeded sample can evaluate ("array
+without a primitive"): every failure puts the key back (`random_key`, `restore_random_key`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -32,12 +37,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import make_logits_processors
 
 from omlx_node.constraints import GrammarMatcher, allowed_tokens, fill_masks
 
@@ -125,23 +125,6 @@ class RowSampler:
 
     def rewind(self, state: tuple[mx.array | None, mx.array | None]) -> None:
         self.key, self.history = state
-
-    def __call__(self, logits: mx.array) -> mx.array:
-        """logits: (V,) -> a scalar token id."""
-        p = self.params
-        if p.greedy:
-            return mx.argmax(logits, axis=-1)
-        logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
-        if p.top_k > 0:
-            logprobs = apply_top_k(logprobs, p.top_k)
-        if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        key = None
-        if self.key is not None:
-            self.key, key = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)[0]
 
 
 def make_sampler(params: SamplingParams, context: Sequence[int] = (),
@@ -237,7 +220,8 @@ def sample_batch(logits: mx.array, samplers: list[RowSampler]
 
 def _sample(logits: mx.array, samplers: list[RowSampler],
             masked: tuple[list[int], mx.array] | None = None) -> mx.array:
-    """`masked`: the constrained rows and their masked logits, sampled instead of their own."""
+    """`masked`: the constrained rows and their masked logits, sampled instead of their own.
+    Greedy rows take their argmax; every other row is drawn in one batched computation."""
     rows, scores = masked or ([], None)
     if len(rows) == len(samplers):
         logits, rows = scores, []
@@ -246,8 +230,186 @@ def _sample(logits: mx.array, samplers: list[RowSampler],
         if rows:
             tokens[mx.array(rows)] = mx.argmax(scores, axis=-1)
         return tokens
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    # Unseeded rows first: they share one draw from mx.random's global key.
+    drawn = sorted((i for i, s in enumerate(samplers) if not s.params.greedy),
+                   key=lambda i: samplers[i].key is not None)
+    parts = [_draw(_rows_of(logits, rows, scores, drawn), [samplers[i] for i in drawn])]
+    if greedy:
+        parts.append(mx.argmax(_rows_of(logits, rows, scores, greedy), axis=-1))
+    return _in_row_order(mx.concatenate(parts) if greedy else parts[0], drawn + greedy)
+
+
+def _in_row_order(x: mx.array, order: list[int]) -> mx.array:
+    """x: one entry per row, computed for the rows in `order` -> the same in row order."""
+    if order == list(range(len(order))):
+        return x
+    place = [0] * len(order)
+    for at, i in enumerate(order):
+        place[i] = at
+    return x[mx.array(place)]
+
+
+def _rows_of(logits: mx.array, rows: list[int], scores: mx.array | None,
+             wanted: list[int]) -> mx.array:
+    """The logits of rows `wanted`, a constrained row's (`rows`) from `scores`; copies nothing
+    when `wanted` is every row and none is constrained."""
     at = {i: j for j, i in enumerate(rows)}
-    return mx.stack([s(scores[at[i]] if i in at else logits[i]) for i, s in enumerate(samplers)])
+    if not any(i in at for i in wanted):
+        return logits if wanted == list(range(logits.shape[0])) else logits[mx.array(wanted)]
+    both = mx.concatenate([logits, scores])
+    return both[mx.array([logits.shape[0] + at[i] if i in at else i for i in wanted])]
+
+
+def _check(params: SamplingParams, vocab: int) -> None:
+    """Refuses what mlx-lm's apply_top_k and apply_min_p refuse, with their messages."""
+    if params.top_k > 0 and not params.top_k < vocab:
+        raise ValueError(f"`top_k` has to be an integer in the (0, {vocab}) interval,"
+                         f" but is {params.top_k}.")
+    if params.min_p > 0.0 and not params.min_p <= 1.0:
+        raise ValueError(f"`min_p` has to be a float in the [0, 1] interval, but is "
+                         f"{params.min_p}")
+
+
+def _draw(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
+    """logits: (n, V) of sampled (not greedy) rows, unseeded rows first -> (n,) token ids, each
+    row drawn at its temperature from the tokens its filters keep, all rows at once."""
+    params = [s.params for s in samplers]
+    ids, x, keep = _filter(logits, params)
+    inv_temp = mx.array([1.0 / p.temperature for p in params])
+    noise = _noise(samplers, logits.shape[-1], x.shape[-1], ids)
+    choice = _choose(x, keep, inv_temp, noise)
+    if ids is None:
+        return choice
+    return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(mx.uint32)
+
+
+def _filter(logits: mx.array, params: list[SamplingParams]
+            ) -> tuple[mx.array | None, mx.array, mx.array]:
+    """What mlx-lm's chain (top-k, then top-p, then min-p, over the log-softmax) keeps of each
+    row of logits (n, V), as (ids, x, keep): the candidates' token ids (None: every token, in
+    token order), their logits in float32, and which of them are kept. When every row has a
+    top-k, the candidates are each row's K highest logits, K the batch's largest top-k, so all
+    the work past finding them is over (n, K), not the vocabulary."""
+    vocab = logits.shape[-1]
+    for p in params:
+        _check(p, vocab)
+    top_k = [max(0, p.top_k) for p in params]
+    ranked = any(top_k) or any(0.0 < p.top_p < 1.0 for p in params)
+    x = logits.astype(mx.float32)
+    if all(top_k):
+        ids, x = _top_candidates(x, max(top_k))
+    elif ranked:
+        ids = mx.argsort(-x, axis=-1)
+        x = mx.take_along_axis(x, ids, axis=-1)
+    else:
+        ids = None
+    keep = mx.array(True)  # of every candidate
+    if ranked:
+        width = x.shape[-1]
+        keep = _ranked_keep(x, mx.array([k or width for k in top_k]),
+                            mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]),
+                            mx.array([0.0 < p.top_p < 1.0 for p in params]))
+    if any(p.min_p > 0.0 for p in params):
+        keep = keep & _min_p_keep(x, mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+                                               for p in params]))
+    return ids, x, keep
+
+
+# Candidates for top-k are found through groups of this many logits: the k groups with the
+# highest maxima hold the k highest logits, so one cheap max over the vocabulary and a
+# partition of k * TOP_K_GROUP logits replace a partition of the whole vocabulary (several
+# times slower on a CPU).
+TOP_K_GROUP = 32
+
+
+# The functions below are compiled: a decode step samples through a few dozen small ops, and
+# their dispatch, not their arithmetic, is most of what sampling costs a small batch.
+@mx.compile
+def _top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """x: (n, V) -> the ids and values of each row's k highest logits, highest first."""
+    n, vocab = x.shape
+    groups = -(-vocab // TOP_K_GROUP)
+    if groups > k:
+        padded = groups * TOP_K_GROUP
+        if padded > vocab:  # -inf past the vocabulary: never above a real logit
+            x = mx.concatenate([x, mx.full((n, padded - vocab), -mx.inf)], axis=-1)
+        best = mx.argpartition(-x.reshape(n, groups, TOP_K_GROUP).max(axis=-1), k - 1,
+                               axis=-1)[:, :k]
+        ids = (best[:, :, None] * TOP_K_GROUP + mx.arange(TOP_K_GROUP)).reshape(n, -1)
+        values = mx.take_along_axis(x, ids, axis=-1)
+    else:
+        ids, values = mx.broadcast_to(mx.arange(vocab), x.shape), x
+    top = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
+    ids, values = mx.take_along_axis(ids, top, axis=-1), mx.take_along_axis(values, top, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+@mx.compile
+def _ranked_keep(x: mx.array, top_k: mx.array, top_p: mx.array, top_p_on: mx.array) -> mx.array:
+    """x: (n, W) sorted, highest first -> which tokens mlx-lm's apply_top_k and then apply_top_p
+    keep: the row's first top_k, and of those every token at least as likely as the least
+    likely one that the probability mass before it leaves under top_p (a row whose top_p is not
+    on keeps them all)."""
+    keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
+    x = mx.where(keep, x, -mx.inf)
+    probs = mx.exp(x - x[:, :1])  # unnormalised: top-p compares masses with the total's share
+    mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
+    total = mass_before[:, -1:] + probs[:, -1:]
+    kept = (mass_before < top_p[:, None] * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(x, mx.maximum(kept - 1, 0), axis=-1)
+    return keep & (~top_p_on[:, None] | (x >= threshold))
+
+
+@mx.compile
+def _min_p_keep(x: mx.array, log_min_p: mx.array) -> mx.array:
+    """Which tokens mlx-lm's apply_min_p keeps: those at least min_p times the likeliest."""
+    return x >= x.max(axis=-1, keepdims=True) + log_min_p[:, None]
+
+
+@mx.compile
+def _choose(x: mx.array, keep: mx.array, inv_temp: mx.array, noise: mx.array) -> mx.array:
+    """The Gumbel-max draw mx.random.categorical makes, over the kept candidates at each row's
+    temperature."""
+    return mx.argmax(mx.where(keep, x * inv_temp[:, None], -mx.inf) + noise, axis=-1)
+
+
+def _noise(samplers: list[RowSampler], vocab: int, width: int,
+           ids: mx.array | None) -> mx.array:
+    """Gumbel noise for the candidates (n, width): one draw from the global key for the
+    unseeded rows (first), then the seeded rows' own (`_seeded_noise`)."""
+    unseeded = sum(s.key is None for s in samplers)
+    parts = [mx.random.gumbel((unseeded, width))] if unseeded else []
+    if unseeded < len(samplers):
+        parts.append(_seeded_noise(samplers[unseeded:], vocab, width,
+                                   None if ids is None else ids[unseeded:]))
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+_split_keys = mx.vmap(mx.random.split)
+
+
+def _seeded_noise(samplers: list[RowSampler], vocab: int, width: int,
+                  ids: mx.array | None) -> mx.array:
+    """Each seeded row's noise (n, width), drawn from its key after splitting it, and depending on
+    nothing but the row: over its top-k (highest first) when it has one, else over the vocabulary
+    in token order (then taken at its candidates `ids`). Rows drawing as many values share one
+    vectorised draw."""
+    keys = _split_keys(mx.stack([s.key for s in samplers]))
+    for j, s in enumerate(samplers):
+        s.key = keys[j, 0]
+    sizes = [s.params.top_k if s.params.top_k > 0 else vocab for s in samplers]
+    rows, parts = [], []
+    for size in sorted(set(sizes)):
+        group = [j for j, n in enumerate(sizes) if n == size]
+        noise = mx.vmap(lambda key, n=size: mx.random.gumbel((n,), key=key))(
+            keys[mx.array(group), 1])
+        if size == vocab and ids is not None:
+            noise = mx.take_along_axis(noise, ids[mx.array(group)], axis=-1)
+        rows += group
+        parts.append(mx.pad(noise, [(0, 0), (0, width - noise.shape[-1])]))
+    return _in_row_order(mx.concatenate(parts) if len(parts) > 1 else parts[0], rows)
 
 
 def _logprob_records(logits: mx.array, tokens: mx.array, k: int) -> mx.array:

@@ -30,6 +30,14 @@ The tail stage answers each DECODE step with rows > 0 on the ring's wrap-around 
 It answers each LOOKUP step with int32[1]. Nothing else flows back, so rank 0 reads the answers
 in the order it sent those steps; it admitted every row, so it knows every length.
 
+An idle stage sleeps on a doorbell: MLX's ring backend spins a core for as long as a receive is
+posted, so a pipeline with nothing to do would burn one per stage. When the head has nothing in
+flight it sends an IDLE step down the pipeline; a stage that has passed it on waits to be rung
+(one byte over a plain TCP link beside the data plane, `Doorbell`) before it posts its next
+receive, and rings the next stage before the first step it sends after that IDLE. So steps
+cost nothing more while the pipeline works, and the first one after a pause wakes each stage
+as it reaches it. The byte carries no data: the steps themselves travel over mx.distributed.
+
 Sends are asynchronous, on a CPU stream of their own: a stage goes on building its next step's
 graph while the device computes the hidden states and the send waits for them, and a send never
 queues a later receive (which runs on the default CPU stream) behind it. Both streams are in
@@ -37,7 +45,7 @@ order, so messages leave and are read in the order they were issued.
 
 Header fields (int32 each; then the inline payload, zero-padded):
     0 MAGIC        guards against a peer that speaks another version or another plan
-    1 op           PREFILL, DECODE, FREE, LOOKUP, TRIM or STOP
+    1 op           PREFILL, DECODE, FREE, LOOKUP, TRIM, STOP or IDLE
     2 step         the head's step counter (diagnostics)
     3 target       micro-batch id (DECODE) or sequence id (PREFILL, LOOKUP, TRIM)
     4 rows         rows of hidden states that follow
@@ -68,6 +76,9 @@ TRIM payload: [n]: keep only the first n restored tokens (the head's answer to L
 from __future__ import annotations
 
 import functools
+import secrets
+import socket
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -92,7 +103,7 @@ HEADER_INTS = 64
 INLINE_PAYLOAD = HEADER_INTS - HEADER_FIELDS
 SEEDED, PENALIZED, LOGPROBS, GRAMMAR = 1, 2, 4, 8  # an admitted record's flags
 ERROR_INTS = 128
-PREFILL, DECODE, FREE, STOP, LOOKUP, TRIM = 1, 2, 3, 4, 5, 6
+PREFILL, DECODE, FREE, STOP, LOOKUP, TRIM, IDLE = 1, 2, 3, 4, 5, 6, 7
 
 
 class WireError(RuntimeError):
@@ -322,3 +333,111 @@ def send_failures(failed: dict[int, str], dst: int, group) -> None:
 
 def recv_failures(n: int, src: int, group) -> dict[int, str]:
     return {i: _recv_error(src, group) for i in _recv((n,), mx.int32, src, group).tolist()}
+
+
+TOKEN_BYTES = 16  # what a stage's upstream presents on its doorbell link
+
+
+class Doorbell:
+    """One end of the doorbell link from a stage to the next one (see the module's docstring).
+    Both ends track, from the steps that cross the link, whether the receiving stage sleeps."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.asleep = True  # a stage sleeps until its first step
+
+    def ring(self) -> None:
+        try:
+            self.sock.sendall(b"\1")
+        except OSError:
+            # The next stage is gone. The step's own sends fail on it too, where the pipeline
+            # handles a lost stage; a raise here could come from outside the head's step guard.
+            pass
+
+    def wait(self) -> None:
+        """Sleeps until the previous stage rings."""
+        if not self.sock.recv(1):
+            raise ConnectionError("the previous stage closed its doorbell link: it is gone")
+
+
+def send_rung(step: Step, hidden: mx.array | None, plan: int, dst: int, group,
+              doorbell: Doorbell) -> None:
+    """`send_step`, ringing `dst` first if it sleeps."""
+    if doorbell.asleep:
+        doorbell.ring()
+    send_step(step, hidden, plan, dst, group)
+    doorbell.asleep = step.op == IDLE
+
+
+def recv_rung(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype,
+              doorbell: Doorbell) -> tuple[Step, mx.array | None]:
+    """`recv_step`, first asleep until `src` rings if an IDLE step came last."""
+    if doorbell.asleep:
+        doorbell.wait()
+    step, hidden = recv_step(plan, src, group, hidden_size, dtype)
+    doorbell.asleep = step.op == IDLE
+    return step, hidden
+
+
+def link_doorbells(group, peers: tuple[str, ...], timeout: float
+                   ) -> tuple[Doorbell | None, Doorbell | None]:
+    """Links every stage to the next one's doorbell; returns this rank's (upstream: the one it
+    waits on, None on the head; downstream: the one it rings, None on the tail). A stage listens
+    on its peer address's host and sends the previous rank the port and a random token over the
+    data plane: only a connection that presents the token is taken for its upstream."""
+    rank, size = group.rank(), group.size()
+    listener, token = None, b""
+    if rank > 0:
+        host = _host(peers[rank])
+        listener = socket.create_server((host, 0), family=_family(host))
+        token = secrets.token_bytes(TOKEN_BYTES)
+        offer = [listener.getsockname()[1], *np.frombuffer(token, dtype="<i4").tolist()]
+        _send(mx.array(offer, dtype=mx.int32), rank - 1, group)
+    downstream = None
+    if rank < size - 1:
+        port, *key = _recv((1 + TOKEN_BYTES // 4,), mx.int32, rank + 1, group).tolist()
+        sock = socket.create_connection((_host(peers[rank + 1]), port), timeout)
+        sock.sendall(np.array(key, dtype="<i4").tobytes())
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a lone byte must not wait
+        downstream = Doorbell(sock)
+    upstream = _accept(listener, token, timeout) if listener is not None else None
+    return upstream, downstream
+
+
+def _host(peer: str) -> str:
+    return peer.rsplit(":", 1)[0].strip("[]")
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _accept(listener: socket.socket, token: bytes, timeout: float) -> Doorbell:
+    """The first connection to `listener` that presents `token`; any other is dropped."""
+    deadline = time.monotonic() + timeout
+    with listener:
+        while (left := deadline - time.monotonic()) > 0:
+            listener.settimeout(left)
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                break
+            conn.settimeout(left)
+            try:
+                presented = _read_exactly(conn, len(token))
+            except OSError:
+                presented = b""
+            if secrets.compare_digest(presented, token):
+                conn.settimeout(None)
+                return Doorbell(conn)
+            conn.close()
+    raise TimeoutError(f"the previous stage did not link its doorbell within {timeout:.0f}s")
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    """`n` bytes, or fewer if the peer closed first."""
+    data = b""
+    while len(data) < n and (chunk := conn.recv(n - len(data))):
+        data += chunk
+    return data

@@ -1,10 +1,10 @@
 """Shard worker: the only process that runs MLX model code. One per node per plan.
 
-It joins the plan's mx.distributed group (when the pipeline has more than one stage), loads its
-layers, and runs the engine on its main thread: rank 0 the head's (`Batcher` alone,
-`PipelineHead` in a pipeline) behind the ShardWorker gRPC service, every other rank a
-`StageLoop`. It writes its ready file only once it can serve, and exits when its agent (its
-parent) does.
+It joins the plan's mx.distributed group (when the pipeline has more than one stage) and links
+each stage to the next one's doorbell (`omlx_node.wire`), loads its layers, and runs the engine
+on its main thread: rank 0 the head's (`Batcher` alone, `PipelineHead` in a pipeline) behind the
+ShardWorker gRPC service, every other rank a `StageLoop`. It writes its ready file only once it
+can serve, and exits when its agent (its parent) does.
 
 SIGTERM stops it cleanly: the head finishes its sequences as "aborted", drains the answers it is
 owed and sends STOP down the pipeline; every other stage ignores SIGTERM (its agent sends one at
@@ -35,6 +35,7 @@ from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
+from omlx_node.wire import Doorbell, link_doorbells
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -60,7 +61,7 @@ class WorkerConfig:
     plan_hash: str = ""
     micro_batches: int = 0
     host: str = "127.0.0.1"
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
     max_batch: int = 64
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
@@ -285,12 +286,16 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
         # The head checks grammars at submit, the tail applies them: their tokenizer is built
         # while the group forms and the weights load.
         grammars.warm()
-    group = join_group(config) if config.world_size > 1 else None
+    group, doorbells = None, (None, None)
+    if config.world_size > 1:
+        group = join_group(config)
+        doorbells = link_doorbells(group, config.peers, config.init_timeout)
     stage = StageRunner(config.model_path, config.layer_start, config.layer_end)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics)
     try:
-        code = _serve(config, ready_file, group, stage, metrics, prefix_cache, grammars)
+        code = _serve(config, ready_file, group, doorbells, stage, metrics, prefix_cache,
+                      grammars)
     finally:
         if prefix_cache is not None:
             prefix_cache.close()
@@ -306,8 +311,10 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     return code
 
 
-def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRunner,
+def _serve(config: WorkerConfig, ready_file: Path | None, group,
+           doorbells: tuple[Doorbell | None, Doorbell | None], stage: StageRunner,
            metrics: NodeMetrics, prefix_cache: PrefixCache | None, grammars: Grammars) -> int:
+    """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
 
@@ -336,7 +343,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRun
             signal.signal(sig, signal.SIG_IGN)
         if ready_file:
             write_ready(ready_file, ready)
-        StageLoop(stage, group, plan, prefix_cache, grammars, metrics).run()
+        StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
         return 0
 
     if group is None:
@@ -350,7 +357,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group, stage: StageRun
                      "off from %s rows", {r: round(c * 1e6) for r, c in costs.items()},
                      next((r for r in (2 ** i for i in range(1, 12))
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
-        engine = PipelineHead(stage, metrics, group, plan,
+        engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
                               config.micro_batches or config.world_size, config.prefill_chunk,
                               config.max_batch, prefix_cache, costs, grammars)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),

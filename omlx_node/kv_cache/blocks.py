@@ -4,21 +4,19 @@ out of and put back into mlx-lm KVCaches.
 A sliding-window layer (mlx-lm's RotatingKVCache) keeps the keys and values of its last tokens
 only, but they are per-token values like a full-attention layer's, so its blocks are the same:
 they are cut while the layer still holds their tokens (the batcher stores after every prefill
-chunk, and a chunk's tokens are all in the window it just took), and a restore gives it back all
+chunk, and a chunk's tokens are all in the window it just took: `cut_spans` copies them on the
+device right then, before the host copy that may come later), and a restore gives it back all
 the restored tokens, from which it keeps its window as it goes on (the stage runner makes it a
 RotatingKVCache again).
 
-A prompt is cut into blocks of `block_size` tokens; block i is named by a SHA-256 chain over the
-model id, block i-1's hash and block i's token ids, so a name stands for the whole prefix up to
-the end of that block and a block is only ever reused at its own position. A block holds the keys
-and values of this stage's layers for its tokens, as host (numpy) arrays: see prefix_cache.py for
-why MLX stays on the engine thread.
+A prompt is cut into blocks of `block_size` tokens, each named by omlx_shared.block_hashes (a
+SHA-256 chain, shared with the coordinator, which routes a prompt by the names it knows). A block
+holds the keys and values of this stage's layers for its tokens, as host (numpy) arrays: see
+prefix_cache.py for why MLX stays on the engine thread.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +26,6 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 GiB = 1 << 30
 MiB = 1 << 20
-_HASH_DOMAIN = b"omlx-kv-v1\0"
 
 
 @dataclass(frozen=True)
@@ -46,27 +43,6 @@ DTYPES = (
 )
 BY_NAME = {d.name: d for d in DTYPES}
 BY_MX = {d.mx: d for d in DTYPES}
-
-
-def block_hashes(model_id: str, tokens: Sequence[int], block_size: int) -> list[str]:
-    """Hex SHA-256 chain over the FULL blocks of `tokens`:
-    h_i = sha256(domain, len(model_id), model_id, h_{i-1} (32 zero bytes for i = 0), block i's ids
-    as little-endian int64). The length prefix keeps (model id, tokens) pairs unambiguous."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
-    n = len(tokens) // block_size
-    if n == 0:
-        return []
-    ids = np.asarray(tokens[: n * block_size], dtype="<i8").tobytes()
-    mid = model_id.encode()
-    prefix = _HASH_DOMAIN + struct.pack("<I", len(mid)) + mid
-    step = block_size * 8
-    parent = bytes(32)
-    out = []
-    for i in range(n):
-        parent = hashlib.sha256(prefix + parent + ids[i * step : (i + 1) * step]).digest()
-        out.append(parent.hex())
-    return out
 
 
 # A block's layout: dtype name and the (kv_heads, block_size, head_dim) shape of every key and
@@ -112,41 +88,65 @@ def held_tokens(cache: Sequence[KVCache | RotatingKVCache]) -> tuple[int, int]:
     return max(a for a, _ in ranges), min(b for _, b in ranges)
 
 
-def cut_blocks(
-    cache: Sequence[KVCache | RotatingKVCache], hashes: list[str], todo: list[int],
-    block_size: int, dt: DType
-) -> list[Block]:
-    """Copies blocks `todo` (indexes into `hashes`, the chain of the tokens `cache` holds) out of
-    a batch-of-one cache of `dt` values into host memory, one Block each. Every layer must still
-    hold their tokens (`held_tokens`)."""
-    # All slices evaluated together (one graph), then copied out of the step-rounded buffer
-    # into independent host arrays: a view would keep the whole buffer alive.
-    bs = block_size
-    slices = []
+# What `cut_spans` cuts: stacks of same-shaped spans, each with the indexes of the spans it holds
+# in the order [layer 0 keys, layer 0 values, layer 1 keys, ...].
+Spans = list[tuple[mx.array, list[int]]]
+
+
+def cut_spans(
+    cache: Sequence[KVCache | RotatingKVCache], todo: list[int], block_size: int, dt: DType
+) -> Spans:
+    """Engine thread: the keys and values of blocks todo[0] .. todo[-1] (indexes into the chain of
+    the tokens `cache` holds) of every layer of a batch-of-one cache of `dt` values, each of shape
+    (kv_heads, tokens, head_dim), bfloat16 as its uint16 bits, copied on the device and
+    evaluated. Every layer must still hold their tokens (`held_tokens`)."""
+    # Copies, not slices: a slice would share the cache's buffer, which the next step then could
+    # not update in place. Stacked by shape (one stack for most models): on a GPU each fresh
+    # device buffer costs an allocation, ~0.4 ms apiece for one per layer and tensor on an H200.
+    lo, hi = todo[0] * block_size, (todo[-1] + 1) * block_size
+    parts = []
     for c in cache:
         k, v, first = _in_order(c)
         if dt.mx == mx.bfloat16:
             k, v = k.view(mx.uint16), v.view(mx.uint16)
-        for i in todo:
-            slices.append(k[0, :, i * bs - first : (i + 1) * bs - first, :])
-            slices.append(v[0, :, i * bs - first : (i + 1) * bs - first, :])
-    mx.eval(slices)
-    # Contiguous: a chunk that exactly fills mlx-lm's buffer can leave a transposed layout,
-    # which the writer's memoryview cannot serialise.
-    host = [np.ascontiguousarray(np.array(a)) for a in slices]
+        parts += [k[0, :, lo - first : hi - first, :], v[0, :, lo - first : hi - first, :]]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, a in enumerate(parts):
+        groups.setdefault(tuple(a.shape), []).append(i)
+    spans = [(mx.stack([parts[i] for i in idx]), idx) for idx in groups.values()]
+    mx.eval([stack for stack, _ in spans])
+    return spans
 
+
+def span_layout(spans: Spans, dt: DType, block_size: int) -> Layout:
+    """The layout of the blocks `cut_spans` cut, known before they reach the host."""
+    shapes = _in_span_order(spans, lambda stack: [(stack.shape[1], block_size, stack.shape[3])]
+                            * stack.shape[0])
+    return dt.name, tuple(shapes[0::2]), tuple(shapes[1::2])
+
+
+def _in_span_order(spans: Spans, split) -> list:
+    """`split(stack)`'s items (one per span the stack holds) put back in span order."""
+    out: list = [None] * sum(len(idx) for _, idx in spans)
+    for stack, idx in spans:
+        for i, item in zip(idx, split(stack)):
+            out[i] = item
+    return out
+
+
+def host_blocks(
+    spans: Spans, hashes: list[str], todo: list[int], block_size: int, dt: DType
+) -> list[Block]:
+    """The blocks `todo` of spans `cut_spans` cut, copied into host memory (numpy only: any
+    thread may run it on evaluated spans), one independent C-contiguous array per block, layer
+    and tensor: a view would keep the whole span alive."""
+    bs, base = block_size, todo[0]
+    host = _in_span_order(spans, lambda stack: list(np.array(stack, copy=True)))
     new = []
-    for b, i in enumerate(todo):
-        at = [(j * len(todo) + b) * 2 for j in range(len(cache))]
-        new.append(
-            Block(
-                hash=hashes[i],
-                parent=hashes[i - 1] if i else "",
-                dtype=dt,
-                keys=[host[a] for a in at],
-                values=[host[a + 1] for a in at],
-            )
-        )
+    for i in todo:
+        part = [np.ascontiguousarray(a[:, (i - base) * bs : (i - base + 1) * bs]) for a in host]
+        new.append(Block(hash=hashes[i], parent=hashes[i - 1] if i else "", dtype=dt,
+                         keys=part[0::2], values=part[1::2]))
     return new
 
 

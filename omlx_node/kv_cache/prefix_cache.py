@@ -14,15 +14,15 @@ How the batcher uses it (all on the engine thread):
     ... prefill prompt[done:-1] into kv, a chunk at a time; after each chunk:
     cache.store(prompt[:end], kv)               # keeps the full blocks not held yet
 
-Threads: lookup, restore and store run on the caller's thread and take a lock only to touch the
-indexes. `store` copies the new blocks to host memory (numpy) on the caller's thread and never
-touches the disk; one writer thread does all file I/O and never touches MLX. Evaluated MLX arrays
-can be read from another thread on the CPU backend, but numpy has no bfloat16 (the conversion
-needs an MLX op, `view`) and an MLX array whose last reference dies on the writer thread would be
-freed there; handing numpy copies over keeps MLX on the engine thread only, as the batcher wants.
-The copy is a memcpy of the new blocks, small next to the prefill that produced them. The RAM tier
-keeps those host arrays, and the write queue shares them (no second copy waits for the disk); a
-restore concatenates them and copies the result into MLX once.
+Threads: lookup, restore and store run on the caller's (engine) thread and take a lock only to
+touch the indexes. `store` runs the MLX ops (cutting the new blocks out on the device, evaluated)
+and returns: it sits between a prompt's prefill and its first token, and the copy to host memory,
+slow on a GPU, is the copier thread's (host_copy.py), which never runs MLX ops and never frees an
+MLX array. One writer thread does all file I/O and never touches MLX. A block on its way to host
+memory counts as held: `lookup` counts it, `restore` waits for it, and `stats`, `flush` and the
+hash lists wait for every store made before them, so readers see the cache as if `store` had
+copied synchronously. The RAM tier keeps the host arrays, and the write queue shares them (no
+second copy waits for the disk); a restore concatenates them and copies the result into MLX once.
 
 Across stages the head takes the minimum of every stage's `lookup`. A block can still vanish
 between `lookup` and `restore` (a corrupt file, or an eviction by the writer when the SSD tier is
@@ -49,16 +49,18 @@ from omlx_node.kv_cache.blocks import (
     Block,
     GiB,
     Layout,
-    block_hashes,
     build_caches,
-    cut_blocks,
+    cut_spans,
     held_tokens,
+    span_layout,
 )
+from omlx_node.kv_cache.host_copy import Cut, HostCopier
 from omlx_node.kv_cache.metrics import KVCacheMetrics
 from omlx_node.kv_cache.ram_tier import RamTier
 from omlx_node.kv_cache.siblings import Siblings, lock_range, prune_old_ranges
 from omlx_node.kv_cache.ssd_format import Owner
 from omlx_node.kv_cache.ssd_tier import SsdTier, model_dir_name
+from omlx_shared.block_hashes import block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class PrefixCache:
         # One lock guards every index below; file I/O and numpy copies happen outside it.
         self._lock = threading.RLock()
         self._layout: Layout | None = None  # learned from the caller's caches in store()
+        self._copying: set[str] = set()  # blocks stored but still on their way to host memory
+        self._copier = HostCopier(self._keep)
         self.dir: Path | None = None
         if ssd_dir is not None:
             self.dir = Path(ssd_dir) / model_dir_name(model_id) / f"{start}-{end}"
@@ -162,13 +166,15 @@ class PrefixCache:
         ranges hold together, see siblings.py), as one unbroken chain from the first block.
         Pass prompt[:-1]: the last prompt token must still be run.
         Marks the blocks found as recently used, so they outlive the step until `restore`."""
+        self._copier.reap()
         hashes = block_hashes(self.model_id, tokens, self.block_size)
         n = 0
         with self._lock:
             for h in hashes:
                 in_ram = self._ram.get(h) is not None  # each tier marks h as used
                 on_ssd = self._ssd.touch(h)
-                if not (in_ram or on_ssd) and self._siblings.plan(h, self._layout) is None:
+                if (not (in_ram or on_ssd or h in self._copying)
+                        and self._siblings.plan(h, self._layout) is None):
                     break
                 n += 1
         self.metrics.lookups.inc()
@@ -185,6 +191,11 @@ class PrefixCache:
         t0 = time.perf_counter()
         n_blocks = max(0, min(n_tokens, len(tokens))) // self.block_size
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
+        with self._lock:
+            copying = not self._copying.isdisjoint(hashes)
+        if copying:
+            self._copier.settle()  # a copy in flight ends well before a prefill would
+        self._copier.reap()
         with self._lock:
             on_disk = [h for h in hashes if h not in self._ram and h in self._ssd]
         # Reading and checking SSD blocks releases the GIL (file reads, sha256): overlap them.
@@ -231,8 +242,10 @@ class PrefixCache:
     def store(self, tokens: Sequence[int], cache: Sequence[KVCache]) -> None:
         """Keeps every full block of `tokens` whose KV `cache` holds (one KVCache, or a
         sliding-window RotatingKVCache, per layer of the stage, batch of one) and that no tier
-        holds yet: in RAM now, on SSD later (the writer thread). Never touches the disk on this
-        thread. A block some sliding-window layer no longer holds is not kept."""
+        holds yet: in RAM once the copier thread has it in host memory (it counts as held from
+        now on), on SSD later (the writer thread). On this thread only the device work: it never
+        waits for a host copy or the disk. A block some sliding-window layer no longer holds is
+        not kept."""
         if len(cache) != self.n_layers:
             raise ValueError(
                 f"expected {self.n_layers} layer caches for layers "
@@ -250,6 +263,7 @@ class PrefixCache:
             todo = [
                 i for i, h in enumerate(hashes)
                 if i >= first and h not in self._ram and not self._ssd.holds(h)
+                and h not in self._copying
             ]
         if not todo:
             return
@@ -261,29 +275,41 @@ class PrefixCache:
         if cache[0].keys.shape[0] != 1:
             raise ValueError("store() takes one sequence's cache (batch size 1)")
 
-        new = cut_blocks(cache, hashes, todo, self.block_size, dt)
+        spans = cut_spans(cache, todo, self.block_size, dt)
+        layout = span_layout(spans, dt, self.block_size)
         with self._lock:
-            layout = new[0].layout
             if self._layout != layout:
                 if self._layout is not None:
                     log.warning("KV cache: the stage's KV layout changed; dropping RAM blocks")
                     self._ram.drop_other_layouts(layout)
                 self._layout = layout
-            for block in new:
+            self._copying.update(hashes[i] for i in todo)
+        self._copier.submit(Cut(hashes, todo, spans, dt, self.block_size))
+
+    def _keep(self, cut: Cut, blocks: list[Block] | None) -> None:
+        """The copier thread's: the host copies of a cut's blocks go into the tiers."""
+        with self._lock:
+            self._copying.difference_update(cut.hashes[i] for i in cut.todo)
+            # Blocks of a layout the stage left while they were copied would never be used.
+            blocks = [b for b in blocks or [] if b.layout == self._layout]
+            for block in blocks:
                 self._ram.insert(block)
                 self._ssd.enqueue(block)
-        self.metrics.stored.inc(len(new))
+        self.metrics.stored.inc(len(blocks))
         self._update_gauges()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until the writer has nothing queued (writes and recency updates); False if
         `timeout` passed first."""
-        return self._ssd.flush(timeout)
+        deadline = time.monotonic() + timeout
+        return (self._copier.settle(timeout)
+                and self._ssd.flush(max(0.0, deadline - time.monotonic())))
 
     def close(self, timeout: float = 10.0) -> None:
         """Writes what is queued (waiting at most `timeout`), then stops the writer thread and
         lets go of the range directory (a later cache may prune it)."""
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._copier.close(timeout)
         self._ssd.close(timeout)
         if self._live_fd is not None:
             os.close(self._live_fd)
@@ -296,6 +322,8 @@ class PrefixCache:
         self.close()
 
     def stats(self) -> CacheStats:
+        """What the tiers hold, every block stored so far counted where it went."""
+        self._copier.settle()
         with self._lock:
             return CacheStats(
                 hot_blocks=len(self._ram.blocks),
@@ -309,11 +337,13 @@ class PrefixCache:
 
     def hot_hashes(self) -> list[str]:
         """RAM blocks, least recently used first."""
+        self._copier.settle()
         with self._lock:
             return list(self._ram.blocks)
 
     def ssd_hashes(self) -> list[str]:
         """SSD blocks, least recently used first."""
+        self._copier.settle()
         with self._lock:
             return list(self._ssd.files)
 

@@ -1,0 +1,91 @@
+"""Several waiting prompts prefilled in one forward pass, token-identical to mlx-lm alone."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import load
+
+from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.kv_cache import PrefixCache
+from omlx_node.metrics import NodeMetrics
+from omlx_node.stage import StageRunner
+from tests.test_engine import drain, reference
+from tests.tiny_models import build_model
+
+
+def prefill_passes(metrics: NodeMetrics) -> int:
+    return int(metrics.registry.get_sample_value("omlx_node_stage_steps_total",
+                                                 {"kind": "prefill"}) or 0)
+
+
+def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
+    """Distinct prompts of the given lengths (each row of a group must differ to be tested)."""
+    return [[(7 * i + 13 * j + 5) % (vocab - 10) + 10 for j in range(n)]
+            for i, n in enumerate(lengths)]
+
+
+# Families whose layers all keep plain KVCaches (MLA and MoE too) share passes; a family with
+# sliding windows keeps the one-by-one path.
+@pytest.mark.parametrize("family,batchable", [
+    ("llama", True), ("qwen3_moe", True), ("deepseek_v3", True), ("phi3", True),
+    ("gemma3_text", False),
+])
+def test_many_prompts_at_once_match_mlx_lm_alone(tmp_path, family, batchable):
+    path = build_model(tmp_path / "m", family, num_layers=3)
+    model, _ = load(str(path))
+    # Two groups of equal lengths, lone lengths, and a one-token prompt (nothing to prefill).
+    lengths = [9, 9, 9, 9, 14, 14, 14, 5, 21, 1, 9]
+    prompts = prompts_of(lengths, model.args.vocab_size)
+    refs = [reference(model, p, 12) for p in prompts]
+    metrics = NodeMetrics()
+    batcher = Batcher(StageRunner(path), metrics, prefill_chunk=512)
+    assert batcher.state.batchable == batchable
+    seqs = [batcher.submit(SeqRequest(str(i), p, 12)) for i, p in enumerate(prompts)]
+    for (toks, fin), ref in zip(drain(batcher, seqs), refs):
+        assert toks == ref
+        assert fin.reason == "length"
+    # One pass per distinct length with something to prefill (9, 14, 5, 21), not one per prompt.
+    assert prefill_passes(metrics) == (4 if batchable else 10)
+
+
+def test_grouped_prefill_after_a_restored_prefix(tmp_path):
+    """Sequences that restore the same cached prefix and have equally many tokens left share
+    a pass from their restored caches, and the blocks they complete are stored row by row."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, _ = load(str(path))
+    head = prompts_of([8], model.args.vocab_size)[0]
+    branches = [head + p for p in prompts_of([7, 7, 7], model.args.vocab_size)]
+    refs = [reference(model, p, 10) for p in [head + [3], *branches]]
+    with PrefixCache("tiny/llama", (0, 3), block_size=4) as cache:
+        metrics = NodeMetrics()
+        batcher = Batcher(StageRunner(path), metrics, prefill_chunk=512, prefix_cache=cache)
+        first = batcher.submit(SeqRequest("first", head + [3], 10))
+        assert drain(batcher, [first])[0][0] == refs[0]
+        passes = prefill_passes(metrics)
+        seqs = [batcher.submit(SeqRequest(str(i), p, 10)) for i, p in enumerate(branches)]
+        results = drain(batcher, seqs)
+        assert [s.cached for s in seqs] == [8, 8, 8]
+        for (toks, _), ref in zip(results, refs[1:]):
+            assert toks == ref
+        assert prefill_passes(metrics) == passes + 1
+        # Each branch stored its own third block: a fourth copy restores 12 tokens.
+        again = batcher.submit(SeqRequest("again", branches[1], 10))
+        assert drain(batcher, [again])[0][0] == refs[2]
+        assert again.cached == 12
+
+
+
+def test_a_prompt_done_before_the_one_ahead_of_it_is_not_lost(tmp_path):
+    """The first waiting prompt's chunk is cut to a block boundary (a sliding-window family
+    with the prefix cache), which leaves room for a one-token prompt behind it, done at once:
+    each must start decoding as itself, none be lost or run twice."""
+    path = build_model(tmp_path / "m", "gpt_oss", num_layers=2)
+    model, _ = load(str(path))
+    long, short = prompts_of([12, 1], model.args.vocab_size)
+    refs = [reference(model, p, 8) for p in (long, short)]
+    with PrefixCache("tiny/gpt_oss", (0, 2), block_size=4) as cache:
+        # 10 tokens of budget: the long prompt's first chunk ends at 8 (a block boundary).
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=10,
+                          prefix_cache=cache)
+        seqs = [batcher.submit(SeqRequest(str(i), p, 8)) for i, p in enumerate((long, short))]
+        assert [toks for toks, _ in drain(batcher, seqs)] == refs
