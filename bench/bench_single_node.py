@@ -1,25 +1,37 @@
 #!/usr/bin/env python3
-"""Single-node benchmark: our server (HTTP gateway -> gRPC -> node batcher) against mlx-lm,
-on the same model, in the same run, with ratios.
+"""Single-node benchmark: our server against mlx_lm.server and raw mlx-lm, on the same model
+and prompts, in one run, with ratios.
 
-Measures, each as a median of --repeats timed runs after a warm-up:
+Three sides, each run alone (one stopped before the next starts):
 
-1. batch-1 decode tok/s: one streaming /v1/completions request (token-id prompt, ignore_eos,
-   greedy), rate from the first to the last streamed token, against mlx-lm `generate_step`
-   timed the same way (first to last yielded token).
-2. aggregate tok/s with 8 and 32 concurrent streams: completion tokens / wall time from the
-   first request sent to the last stream finished (prefill included), against mlx-lm
-   `BatchGenerator` given the same prompts and max_tokens (all inserted at once).
-3. TTFT at batch 1 for a short and a ~512-token prompt: request sent -> first streamed token,
-   against mlx-lm `generate_step` call -> first token (prefill + first sample).
+- ours: `python -m omlx_cluster serve` (HTTP gateway -> gRPC -> node batcher), streamed over HTTP;
+- mlx_lm.server: `python -m mlx_lm.server --decode-concurrency N` (N: the highest concurrency),
+  streamed over HTTP the same way, its prompts given as text (it takes no token ids);
+- raw: mlx-lm `BatchGenerator` / `generate_step` in-process (no HTTP, no detokenising).
 
-Fairness: the server runs alone (started with `python -m omlx_cluster serve`, stopped
-before the reference runs); mlx-lm runs in a child process with exactly the node's environment
-(`omlx_shared.blas.blas_env`: same LD_PRELOAD/OPENBLAS_NUM_THREADS, so the same BLAS)
-and the node's compute dtype (float32 and dequantized on a CPU, the model's own dtype on a GPU).
+Workloads, each a median of --repeats timed runs after a warm-up:
 
-    python bench/bench_single_node.py                      # the default model (SmolLM2-135M)
-    python bench/bench_single_node.py --random-llama-1b    # random TinyLlama-shaped 1.1B, bf16
+1. batch-1 tok/s, end to end (request sent to stream finished, a short prompt);
+2. aggregate tok/s at 8, 32 and 64 concurrent streams: completion tokens / wall time from the
+   first request sent to the last stream finished (prefill included); raw gets the same prompts
+   all inserted at once;
+3. TTFT at batch 1 at 2048 and 8192 prompt tokens (raw: the prefill plus first sample);
+4. ours only: the idle CPU of every process of the server (/proc/<pid>/stat ticks over a window
+   with no request in flight), and a check that the load client is not the bottleneck: the
+   highest concurrency again with twice the client processes.
+
+The HTTP load comes from --client-procs separate processes (streams split between them), each
+started and connected before a go signal, so Python's client cost is spread out of the timed path.
+
+Fairness: every MLX process gets the node's environment (`omlx_shared.blas.blas_env`: the same
+LD_PRELOAD/OPENBLAS_NUM_THREADS) and the node's compute dtype (raw: float32 and dequantized on a
+CPU, like the node; mlx_lm.server computes in the dtype on disk, so the CPU default model is a
+float32 random llama).
+
+    python bench/bench_single_node.py                        # CPU: small float32 random llama
+    python bench/bench_single_node.py --random-llama 1b      # GPU: TinyLlama-shaped 1.1B, bf16
+    python bench/bench_single_node.py --random-llama 8b      # GPU: Llama-3-8B layers, bf16
+    python bench/bench_single_node.py --model default        # the default model (SmolLM2-135M)
 
 Results: bench/results/single_node_<tag>.json and .md (tag: cpu, h200, gpu, or --tag).
 """
@@ -53,15 +65,22 @@ TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
 # whose decode step is device work, not host overhead, on an H200.
 LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=14336, vocab_size=32000)
-RANDOM_LLAMAS = {"1b": ("random-llama-1.1b", "TinyLlama-1.1B", TINYLLAMA),
-                 "8b": ("random-llama-8b", "Llama-3-8B (vocab 32000)", LLAMA8B)}
+# A llama for a few-minute run on a 2-core CPU: narrow and shallow, so an 8192-token prefill
+# (its attention grows with the square of the length, and MLX's CPU attention is slow) takes
+# seconds, with a wide MLP and the full vocabulary, so a decode step is still model work.
+SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             intermediate_size=4096, vocab_size=32000)
+# name: (folder, what it is shaped like, shape, dtype on disk)
+RANDOM_LLAMAS = {"1b": ("random-llama-1.1b", "TinyLlama-1.1B", TINYLLAMA, "bfloat16"),
+                 "8b": ("random-llama-8b", "Llama-3-8B (vocab 32000)", LLAMA8B, "bfloat16"),
+                 "small": ("random-llama-small", "a small llama", SMALL, "float32")}
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="model folder or store name (default: the default model)")
+    ap.add_argument("--model", help="model folder or store name ('default': the default model)")
     ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS), default=None,
-                    help="build and use a random-weight llama in bf16: 1b (TinyLlama shape) or "
-                         "8b (Llama-3-8B layers)")
+                    help="build and use a random-weight llama: 1b (TinyLlama shape, bf16), 8b "
+                         "(Llama-3-8B layers, bf16) or small (float32, for a CPU)")
     ap.add_argument("--random-llama-1b", dest="random_llama", action="store_const", const="1b",
                     help="same as --random-llama 1b")
     ap.add_argument("--random-layers", type=int, default=None,
@@ -132,10 +151,10 @@ def steady_rate(streams: list[list[float]]) -> float | None:
 
 
 def build_random_llama(dest: Path, layers: int | None, size: str = "1b") -> None:
-    """A random-weight llama of RANDOM_LLAMAS[size]'s shape in bf16, as an mlx-lm folder with a
+    """A random-weight llama of RANDOM_LLAMAS[size]'s shape and dtype, as an mlx-lm folder with a
     32000-token word-level tokenizer (every id decodes to text, so streamed tokens are never
-    held back)."""
-    shape = RANDOM_LLAMAS[size][2]
+    held back, and "t5 t77" encodes back to exactly [5, 77] for a server that takes text)."""
+    _, _, shape, dtype = RANDOM_LLAMAS[size]
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -151,16 +170,17 @@ def build_random_llama(dest: Path, layers: int | None, size: str = "1b") -> None
                             unk_token="<unk>", pad_token="<unk>").save_pretrained(dest)
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], **shape,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        # Room for the 8192-token TTFT prompt: a server refuses prompts past this context.
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 16384, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": dtype,
     }
     if layers:
         config["num_hidden_layers"] = layers
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
@@ -185,7 +205,7 @@ def blas_probe() -> dict:
 
 
 def reference(spec: dict) -> dict:
-    """mlx-lm on the same model, prompts and max_tokens; runs in the node's environment."""
+    """Raw mlx-lm on the same model, prompts and max_tokens; runs in the node's environment."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import BatchGenerator, generate_step
@@ -213,9 +233,8 @@ def reference(spec: dict) -> dict:
         for _tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
                                      prompt_cache=cache):
             times.append(time.perf_counter())
-        n = len(times)
-        rate = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None
-        return {"ttft": times[0] - t0, "decode_tps": rate, "tokens": n}
+        n = len(times)  # end to end, as the HTTP sides are measured
+        return {"ttft": times[0] - t0, "decode_tps": n / (times[-1] - t0), "tokens": n}
 
     def batch(prompts: list[list[int]], max_tokens: int) -> dict:
         check_time()
@@ -239,7 +258,7 @@ def reference(spec: dict) -> dict:
         gen.close()
         ttfts = [times[u][0] - t0 for u in uids]
         return {"agg_tps": ntok / wall, "wall": wall, "tokens": ntok,
-                "ttft_mean": statistics.mean(ttfts), "steady_tps": steady_rate(list(times.values()))}
+                "ttft_mean": statistics.mean(ttfts)}
 
     return run_workloads(spec, single, batch) | {
         "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,
@@ -257,56 +276,180 @@ def _device_info(mx) -> dict:
 
 
 def run_workloads(spec: dict, single, batch) -> dict:
-    """The same schedule on both sides: warm-up, then `repeats` timed runs of each workload.
+    """The same schedule on every side: warm-up, then `repeats` timed runs of each workload.
     `single(prompt, max_tokens)` and `batch(prompts, max_tokens)` return dicts."""
     p = spec["prompts"]
     reps, warm = spec["repeats"], spec["warmup_tokens"]
     out: dict = {}
-    log = spec.get("log", True)
 
     def note(msg: str) -> None:
-        if log:
-            print(f"  [{spec['side']}] {msg}", file=sys.stderr, flush=True)
+        print(f"  [{spec['side']}] {msg}", file=sys.stderr, flush=True)
 
     note("warm-up")
     single(p["decode"][0], min(warm, spec["decode_tokens"]))
-    single(p["ttft_short"][0], spec["ttft_tokens"])
-    single(p["ttft_long"][0], spec["ttft_tokens"])
+    for n in spec["ttft_prompts"]:
+        single(p[f"ttft_{n}"][0], spec["ttft_tokens"])
     runs = [single(p["decode"][i + 1], spec["decode_tokens"]) for i in range(reps)]
     out["decode_b1"] = {"runs": runs, "median_tps": median([r["decode_tps"] for r in runs]),
                         "median_ttft": median([r["ttft"] for r in runs])}
-    note(f"decode b1: {out['decode_b1']['median_tps']:.2f} tok/s")
-    for name in ("ttft_short", "ttft_long"):
+    note(f"decode b1: {out['decode_b1']['median_tps'] or 0:.2f} tok/s")
+    for n in spec["ttft_prompts"]:
+        name = f"ttft_{n}"
         runs = [single(p[name][i + 1], spec["ttft_tokens"]) for i in range(reps)]
         out[name] = {"runs": runs, "median_s": median([r["ttft"] for r in runs]),
-                     "prompt_tokens": len(p[name][0])}
-        note(f"{name}: {out[name]['median_s'] * 1000:.1f} ms")
+                     "prompt_tokens": n}
+        note(f"TTFT at {n} prompt tokens: {out[name]['median_s'] * 1000:.1f} ms")
     for c in spec["concurrency"]:
         sets = p[f"conc_{c}"]
         batch(sets[0], min(warm, spec["conc_tokens"]))
         runs = [batch(sets[i + 1], spec["conc_tokens"]) for i in range(reps)]
         out[f"agg_{c}"] = {"runs": runs, "median_tps": median([r["agg_tps"] for r in runs]),
-                           "median_ttft_mean": median([r["ttft_mean"] for r in runs]),
-                           "median_steady_tps": median([r["steady_tps"] for r in runs])}
+                           "median_ttft_mean": median([r["ttft_mean"] for r in runs])}
         note(f"aggregate x{c}: {out[f'agg_{c}']['median_tps']:.1f} tok/s")
     return out
 
 
-# ---- our server ---------------------------------------------------------------------------------
+# ---- the HTTP load client (child processes) -----------------------------------------------------
+
+
+async def _client_stream(client, url: str, body: dict) -> dict:
+    """One streamed completion: send time, first-text time, last-event time, token count. JSON
+    is parsed only until the first text and for the usage chunk, to keep the client cheap. A
+    connection the server drops before answering is made again (mlx_lm.server's listen
+    backlog is 5: at 64 streams at once some connections are reset), its time counted."""
+    import httpx
+
+    t0 = time.monotonic()
+    for attempt in range(5):
+        try:
+            return await _client_read(client, url, body, t0)
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            if attempt == 4:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
+async def _client_read(client, url: str, body: dict, t0: float) -> dict:
+    ttft = last = None
+    tokens = events = 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            if '"error"' in data:
+                raise RuntimeError(f"stream error: {data[:500]}")
+            if '"usage"' in data:
+                obj = json.loads(data)
+                if obj.get("usage") and not obj.get("choices"):
+                    tokens = obj["usage"]["completion_tokens"]
+                    continue
+            if ttft is None:
+                choices = json.loads(data)["choices"]
+                if not (choices and choices[0].get("text")):
+                    continue
+                ttft = now - t0
+            events += 1
+            last = now
+    return {"t0": t0, "ttft": ttft, "t_first": t0 + ttft if ttft is not None else None,
+            "t_last": last, "end": time.monotonic(), "tokens": tokens, "events": events}
+
+
+async def _client_main(spec: dict) -> list[dict]:
+    import httpx
+
+    n = len(spec["bodies"])
+    async with httpx.AsyncClient(timeout=httpx.Timeout(spec["timeout"]),
+                                 limits=httpx.Limits(max_connections=n + 4)) as client:
+        print("ready", flush=True)
+        # The parent starts every client process at once, once all are up.
+        await asyncio.to_thread(sys.stdin.readline)
+        return list(await asyncio.gather(*(_client_stream(client, spec["url"], b)
+                                           for b in spec["bodies"])))
+
+
+def run_clients(url: str, bodies: list[dict], procs: int, work: Path, timeout: float
+                ) -> list[dict]:
+    """Streams `bodies` at once from `procs` client processes; every stream's timings."""
+    procs = max(1, min(procs, len(bodies)))
+    parts, outs, running = [bodies[i::procs] for i in range(procs)], [], []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for i, part in enumerate(parts):
+        spec_file, out_file = work / f"client{i}.in.json", work / f"client{i}.out.json"
+        spec_file.write_text(json.dumps({"url": url, "bodies": part, "timeout": timeout}))
+        out_file.unlink(missing_ok=True)
+        outs.append(out_file)
+        running.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--_child", "client",
+             "--_spec", str(spec_file), "--_result", str(out_file)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+    try:
+        for p in running:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a load client failed to start")
+        for p in running:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in running:
+            if p.wait(timeout) != 0:
+                raise RuntimeError(f"a load client failed with code {p.returncode}")
+    finally:
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [s for f in outs for s in json.loads(f.read_text())]
+
+
+def http_workloads(spec: dict, url: str, body, work: Path, procs: int):
+    """`single` and `batch` (run_workloads) over HTTP; body(prompt, max_tokens) is one request's
+    JSON."""
+    def batch(prompts: list[list[int]], max_tokens: int, procs: int = procs) -> dict:
+        streams = run_clients(url, [body(p, max_tokens) for p in prompts], procs, work,
+                              spec["timeout"])
+        t0, end = min(s["t0"] for s in streams), max(s["end"] for s in streams)
+        ntok = sum(s["tokens"] for s in streams)
+        return {"agg_tps": ntok / (end - t0), "wall": end - t0, "tokens": ntok,
+                "ttft_mean": statistics.mean(s["ttft"] for s in streams)}
+
+    def single(prompt: list[int], max_tokens: int) -> dict:
+        # End to end: a server that writes its events in bursts (mlx_lm.server does, on a CPU)
+        # would make a first-to-last-event rate meaningless.
+        s = run_clients(url, [body(prompt, max_tokens)], 1, work, spec["timeout"])[0]
+        return {"ttft": s["ttft"], "decode_tps": s["tokens"] / (s["end"] - s["t0"]),
+                "tokens": s["tokens"], "events": s["events"]}
+
+    return single, batch
+
+
+# ---- the servers --------------------------------------------------------------------------------
 
 
 class Server:
-    def __init__(self, model: Path, log_path: Path, extra: list[str]):
+    """Our server (`python -m omlx_cluster serve`) in its own session, its log in a file."""
+
+    def __init__(self, model: Path, log_path: Path, extra: list[str],
+                 env: dict | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model),
-               "--model-id", "bench", "--port", str(self.port), "--log-level", "warning", *extra]
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.command(model, extra), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def command(self, model: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model),
+                "--model-id", "bench", "--port", str(self.port), "--log-level", "warning",
+                *extra]
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -329,6 +472,19 @@ class Server:
             time.sleep(0.25)
         raise TimeoutError(f"the server was not ready within {timeout:.0f}s:\n{self.tail()}")
 
+    def pids(self) -> list[int]:
+        """The server's process and all its descendants."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+        return found
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -341,6 +497,43 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+class MlxLmServer(Server):
+    """mlx-lm's own server, batching up to `decode_concurrency` streams."""
+
+    def command(self, model: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "mlx_lm.server", "--model", str(model),
+                "--port", str(self.port), "--log-level", "WARNING", *extra]
+
+
+def proc_ticks(pid: int) -> tuple[str, int] | None:
+    """(name, utime + stime in clock ticks) of a live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    args = [a.decode(errors="replace") for a in cmdline if a]
+    # The module or script a Python process runs names it better than "python".
+    name = next((" ".join(args[i + 1:i + 3]) for i, a in enumerate(args[:-1]) if a == "-m"),
+                " ".join(Path(a).name for a in args[:3]))
+    return name, int(fields[11]) + int(fields[12])
+
+
+def idle_cpu(server: Server, seconds: float) -> list[dict]:
+    """Each server process's CPU (% of one core) over `seconds` with no request in flight."""
+    hz = os.sysconf("SC_CLK_TCK")
+    before = {pid: t for pid in server.pids() if (t := proc_ticks(pid))}
+    time.sleep(seconds)
+    rows = []
+    for pid, (name, ticks) in before.items():
+        after = proc_ticks(pid)
+        if after is not None:
+            rows.append({"pid": pid, "name": name,
+                         "cpu_percent": 100.0 * (after[1] - ticks) / hz / seconds})
+    return rows
 
 
 async def completion_events(client, base: str, prompt: list[int], max_tokens: int):
@@ -364,6 +557,7 @@ async def completion_events(client, base: str, prompt: list[int], max_tokens: in
 
 
 async def stream_one(client, base: str, prompt: list[int], max_tokens: int) -> dict:
+    """One in-process stream (the other benches' client); several tokens may share an event."""
     t0 = time.perf_counter()
     times: list[float] = []
     usage = None
@@ -391,41 +585,60 @@ async def stream_batch(client, base: str, prompts: list[list[int]], max_tokens: 
             "steady_tps": steady_rate([r["times"] for r in res])}
 
 
-def measure_server(spec: dict, model: Path, work: Path, extra: list[str]) -> dict:
-    import httpx
+def ours_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
 
+
+def measure_ours(spec: dict, model: Path, work: Path, extra: list[str], procs: int,
+                 idle_seconds: float) -> dict:
     server = Server(model, work / "server.log", extra)
     try:
         ready_s = server.wait_ready(SERVER_START_TIMEOUT)
         print(f"  [ours] server ready in {ready_s:.1f}s", file=sys.stderr, flush=True)
-        loop = asyncio.new_event_loop()
-        client = httpx.AsyncClient(timeout=httpx.Timeout(spec["timeout"]),
-                                   limits=httpx.Limits(max_connections=256))
-        deadline = time.monotonic() + spec["timeout"]
-
-        def run(coro):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the server side ran past its time limit")
-            return loop.run_until_complete(asyncio.wait_for(coro, left))
-
-        def single(prompt, max_tokens):
-            r = run(stream_one(client, server.base, prompt, max_tokens))
-            return {k: r[k] for k in ("ttft", "decode_tps", "tokens", "events")}
-
-        def batch(prompts, max_tokens):
-            return run(stream_batch(client, server.base, prompts, max_tokens))
-
-        try:
-            out = run_workloads(spec, single, batch)
-        finally:
-            loop.run_until_complete(client.aclose())
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+        single, batch = http_workloads(spec, server.base + "/v1/completions", ours_body, work,
+                                       procs)
+        out = run_workloads(spec, single, batch)
+        top = max(spec["concurrency"])
+        prompts = spec["prompts"][f"conc_{top}"][1]
+        out["client_check"] = {
+            "streams": top, "procs": [procs, 2 * procs],
+            "agg_tps": [batch(prompts, spec["conc_tokens"], n)["agg_tps"]
+                        for n in (procs, 2 * procs)]}
+        time.sleep(1.0)  # the last stream's teardown
+        out["idle_cpu"] = idle_cpu(server, idle_seconds)
+        out["idle_seconds"] = idle_seconds
         out["server_ready_s"] = ready_s
         return out
     except Exception:
         print(f"server log tail:\n{server.tail()}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+
+
+def measure_mlx_server(spec: dict, model: Path, work: Path, env: dict, procs: int) -> dict:
+    """mlx_lm.server on the same prompts, decoded to text (it takes no token ids)."""
+    import mlx_lm
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+
+    server = MlxLmServer(model, work / "mlx_lm_server.log",
+                         ["--decode-concurrency", str(max(spec["concurrency"]))], env)
+
+    def body(prompt: list[int], max_tokens: int) -> dict:
+        return {"model": "default_model", "prompt": tok.decode(prompt), "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+    try:
+        ready_s = server.wait_ready(SERVER_START_TIMEOUT)
+        print(f"  [mlx_lm.server] ready in {ready_s:.1f}s", file=sys.stderr, flush=True)
+        single, batch = http_workloads(spec, server.base + "/v1/completions", body, work, procs)
+        return run_workloads(spec, single, batch) | {"mlx_lm_version": mlx_lm.__version__,
+                                                     "server_ready_s": ready_s}
+    except Exception:
+        print(f"mlx_lm.server log tail:\n{server.tail()}", file=sys.stderr)
         raise
     finally:
         server.stop()
@@ -443,9 +656,9 @@ def make_prompts(vocab: int, args, seed: int = 1234) -> dict:
         return [rng.randrange(lo, hi) for _ in range(n)]
 
     n = args.repeats + 1  # the first of each list is the warm-up's
-    p = {"decode": [prompt(args.prompt_tokens) for _ in range(n)],
-         "ttft_short": [prompt(args.short_prompt) for _ in range(n)],
-         "ttft_long": [prompt(args.long_prompt) for _ in range(n)]}
+    p = {"decode": [prompt(args.prompt_tokens) for _ in range(n)]}
+    for t in args.ttft_prompts:
+        p[f"ttft_{t}"] = [prompt(t) for _ in range(n)]
     for c in args.concurrency:
         p[f"conc_{c}"] = [[prompt(args.prompt_tokens) for _ in range(c)] for _ in range(n)]
     return p
@@ -469,28 +682,27 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-def summarize(ours: dict, ref: dict, conc: list[int]) -> list[dict]:
-    rows = [{"metric": "decode tok/s, batch 1", "ours": ours["decode_b1"]["median_tps"],
-             "mlx_lm": ref["decode_b1"]["median_tps"], "unit": "tok/s", "goal": 0.95}]
-    for c in conc:
-        rows.append({"metric": f"aggregate tok/s, {c} streams", "ours": ours[f"agg_{c}"]["median_tps"],
-                     "mlx_lm": ref[f"agg_{c}"]["median_tps"], "unit": "tok/s", "goal": 0.9})
-    for c in conc:
-        rows.append({"metric": f"decode-phase tok/s, {c} streams (all decoding)",
-                     "ours": ours[f"agg_{c}"]["median_steady_tps"],
-                     "mlx_lm": ref[f"agg_{c}"]["median_steady_tps"], "unit": "tok/s", "goal": None})
-        rows.append({"metric": f"mean TTFT, {c} streams at once",
-                     "ours": ours[f"agg_{c}"]["median_ttft_mean"] * 1000,
-                     "mlx_lm": ref[f"agg_{c}"]["median_ttft_mean"] * 1000, "unit": "ms",
-                     "goal": None})
-    for name, label in (("ttft_short", "short"), ("ttft_long", "long")):
-        rows.append({"metric": f"TTFT, {label} prompt ({ours[name]['prompt_tokens']} tok)",
-                     "ours": ours[name]["median_s"] * 1000, "mlx_lm": ref[name]["median_s"] * 1000,
-                     "unit": "ms", "goal": None})
-    for r in rows:
-        # speed ratio: >1 means ours is faster (for TTFT: mlx-lm time / our time)
-        r["ratio"] = ratio(r["ours"], r["mlx_lm"]) if r["unit"] == "tok/s" else \
-            ratio(r["mlx_lm"], r["ours"])
+SIDES = ("ours", "mlx_server", "raw")
+
+
+def summarize(sides: dict[str, dict], conc: list[int], ttft_prompts: list[int]) -> list[dict]:
+    """One row per workload: each side's value and the speed ratios ours/raw, ours/mlx_server
+    (> 1: ours is faster; for a time, the other's time / ours)."""
+    def row(metric: str, key: str, field: str, unit: str, goal: float | None, scale=1.0):
+        vals = {s: (sides[s][key][field] * scale if sides[s][key][field] is not None else None)
+                for s in SIDES}
+        faster = ratio if unit == "tok/s" else (lambda a, b: ratio(b, a))
+        return {"metric": metric, "unit": unit, "goal": goal, **vals,
+                "vs_raw": faster(vals["ours"], vals["raw"]),
+                "vs_mlx_server": faster(vals["ours"], vals["mlx_server"])}
+
+    rows = [row("tok/s, batch 1 (end to end)", "decode_b1", "median_tps", "tok/s", None)]
+    rows += [row(f"aggregate tok/s, {c} streams", f"agg_{c}", "median_tps", "tok/s", 0.9)
+             for c in conc]
+    rows += [row(f"mean TTFT, {c} streams at once", f"agg_{c}", "median_ttft_mean", "ms", None,
+                 1000) for c in conc]
+    rows += [row(f"TTFT, batch 1, {n}-token prompt", f"ttft_{n}", "median_s", "ms", None, 1000)
+             for n in ttft_prompts]
     return rows
 
 
@@ -501,32 +713,38 @@ def fmt(x, unit="") -> str:
 
 
 def markdown(result: dict) -> str:
-    m, s, ref = result["machine"], result["settings"], result["mlx_lm"]
+    m, s, raw, ours = result["machine"], result["settings"], result["raw"], result["ours"]
     dev = m["gpu"] or m["cpu"]
     lines = [
-        f"# Single-node benchmark: omlx-cluster vs mlx-lm ({result['tag']})",
+        f"# Single-node benchmark: omlx-cluster vs mlx_lm.server vs raw mlx-lm ({result['tag']})",
         "",
-        f"- machine: {dev} ({m['cpu_count']} CPU cores: {m['cpu']}); MLX device `{ref['device']}`",
-        f"- mlx {ref['mlx_version']}, mlx-lm {ref['mlx_lm_version']}, python {m['python']}, "
-        f"commit {m['git_commit']}",
-        f"- model: {result['model']['name']} ({result['model']['desc']}), compute dtype "
-        f"{ref['dtype']} on both sides",
-        f"- BLAS (node and reference alike): {result['blas']['used']}",
-        f"- settings: prompt {s['prompt_tokens']} tok, decode max_tokens {s['decode_tokens']}, "
-        f"concurrent max_tokens {s['conc_tokens']}, TTFT prompts {s['short_prompt']}/"
-        f"{s['long_prompt']} tok, medians of {s['repeats']} runs after a warm-up; server flags "
-        f"`{' '.join(s['server_args']) or '(defaults)'}`",
+        (f"- machine: {result['machine_note'] or dev} ({m['cpu_count']} CPU cores: {m['cpu']}); "
+         f"MLX device `{raw['device']}`"),
+        (f"- mlx {raw['mlx_version']}, mlx-lm {raw['mlx_lm_version']}, python {m['python']}, "
+         f"commit {m['git_commit']}"),
+        (f"- model: {result['model']['name']} ({result['model']['desc']}), compute dtype "
+         f"{raw['dtype']} (raw; the node computes the same)"),
+        f"- BLAS (every MLX process): {result['blas']['used']}",
+        (f"- settings: prompt {s['prompt_tokens']} tok, decode max_tokens {s['decode_tokens']}, "
+         f"concurrent max_tokens {s['conc_tokens']}, TTFT max_tokens {s['ttft_tokens']}, "
+         f"medians of {s['repeats']} runs after a warm-up, {s['client_procs']} load-client "
+         f"processes; our server's flags `{' '.join(s['server_args']) or '(defaults)'}`, "
+         f"mlx_lm.server `--decode-concurrency {max(s['concurrency'])}`"),
         "",
-        "| metric | omlx-cluster | mlx-lm | speed ratio (ours/mlx-lm) | goal |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        ("| metric | omlx-cluster | mlx_lm.server | raw mlx-lm | ours/raw | ours/mlx_lm.server "
+         "| goal (ours/raw) |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         goal = f">= {r['goal']}" if r["goal"] else ""
-        lines.append(f"| {r['metric']} | {fmt(r['ours'])} {r['unit']} | {fmt(r['mlx_lm'])} "
-                     f"{r['unit']} | {fmt(r['ratio'])} | {goal} |")
-    lines += ["", "Speed ratio > 1 means omlx-cluster is faster; for TTFT it is mlx-lm time / our "
-              "time. Ours is measured end to end through HTTP streaming (gateway -> gRPC -> node); "
-              "mlx-lm in-process (`generate_step`, `BatchGenerator`).", ""]
+        lines.append(f"| {r['metric']} | {fmt(r['ours'])} {r['unit']} | "
+                     f"{fmt(r['mlx_server'])} {r['unit']} | {fmt(r['raw'])} {r['unit']} | "
+                     f"{fmt(r['vs_raw'])} | {fmt(r['vs_mlx_server'])} | {goal} |")
+    lines += ["", ("Ratios > 1: omlx-cluster is faster (for a time: the other's time / ours). "
+                   "Ours and mlx_lm.server are measured end to end through HTTP streaming; raw "
+                   "mlx-lm in-process (`generate_step`, `BatchGenerator`, no HTTP, no "
+                   "detokenising)."), ""]
+    lines += [client_check_line(ours), "", idle_line(ours), ""]
     if result["blas"].get("probe"):
         lines.append("BLAS probe (fp32 GFLOP/s): " + "; ".join(
             f"{k}: {v}" for k, v in result["blas"]["probe"].items()))
@@ -534,32 +752,52 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def client_check_line(ours: dict) -> str:
+    c = ours["client_check"]
+    (p1, p2), (a1, a2) = c["procs"], c["agg_tps"]
+    change = ratio(a2, a1)
+    verdict = "the client is not the bottleneck" if change and abs(change - 1) < 0.1 else \
+        "CHANGED: the client may be the bottleneck"
+    return (f"Load-client check (ours, {c['streams']} streams): {p1} client processes "
+            f"{fmt(a1)} tok/s, {p2} processes {fmt(a2)} tok/s ({fmt(change)}x): {verdict}.")
+
+
+def idle_line(ours: dict) -> str:
+    procs = ", ".join(f"{r['name']} (pid {r['pid']}) {r['cpu_percent']:.1f}%"
+                      for r in ours["idle_cpu"])
+    return (f"Idle CPU of our server's processes (% of one core over {ours['idle_seconds']:.0f} s "
+            f"with no request in flight, from /proc/<pid>/stat): {procs}.")
+
+
 def print_table(result: dict) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(markdown(result))
-        return
-    t = Table(title=f"omlx-cluster vs mlx-lm, single node ({result['tag']}: "
-                    f"{result['machine']['gpu'] or result['machine']['cpu']})")
-    for col in ("metric", "omlx-cluster", "mlx-lm", "speed ratio", "goal"):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"omlx-cluster vs mlx_lm.server vs raw mlx-lm, single node "
+                    f"({result['tag']}: {result['machine']['gpu'] or result['machine']['cpu']})")
+    for col in ("metric", "omlx-cluster", "mlx_lm.server", "raw mlx-lm", "ours/raw",
+                "ours/mlx_lm.server", "goal"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for r in result["rows"]:
-        ok = r["goal"] is None or (r["ratio"] or 0) >= r["goal"]
+        ok = r["goal"] is None or (r["vs_raw"] or 0) >= r["goal"]
         color = "green" if ok else "red"
-        t.add_row(r["metric"], f"{fmt(r['ours'])} {r['unit']}", f"{fmt(r['mlx_lm'])} {r['unit']}",
-                  f"[{color}]{fmt(r['ratio'])}[/{color}]", f">= {r['goal']}" if r["goal"] else "")
-    Console().print(t)
-    Console().print(f"BLAS: {result['blas']['used']}")
+        t.add_row(r["metric"], f"{fmt(r['ours'])} {r['unit']}",
+                  f"{fmt(r['mlx_server'])} {r['unit']}", f"{fmt(r['raw'])} {r['unit']}",
+                  f"[{color}]{fmt(r['vs_raw'])}[/{color}]", fmt(r["vs_mlx_server"]),
+                  f">= {r['goal']}" if r["goal"] else "")
+    console = Console(width=160)
+    console.print(t)
+    console.print(client_check_line(result["ours"]))
+    console.print(idle_line(result["ours"]))
+    console.print(f"BLAS: {result['blas']['used']}")
 
 
 def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict]:
-    """The model a bench runs on: the random TinyLlama-shaped llama (built once under `work`)
-    with --random-llama-1b, else a stored or given folder. Returns (folder, name, description,
+    """The model a bench runs on: a random llama of --random-llama's shape (built once under
+    `work`), else a stored or given folder. Returns (folder, name, description,
     config)."""
     if args.random_llama:
-        base, like, shape = RANDOM_LLAMAS[args.random_llama]
+        base, like, shape, dtype = RANDOM_LLAMAS[args.random_llama]
         suffix = f"-{args.random_layers}l" if args.random_layers else ""
         model = work / f"{base}{suffix}"
         if not (model / "config.json").exists():
@@ -573,7 +811,7 @@ def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict
         desc = (f"random weights, {like} shape (hidden {shape['hidden_size']}, "
                 f"{shape['num_attention_heads']} heads / {shape['num_key_value_heads']} kv, "
                 f"intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), "
-                f"{layers} layers, bf16 on disk")
+                f"{layers} layers, {dtype} on disk")
     else:
         from omlx_shared.model_spec import resolve_model
 
@@ -593,17 +831,26 @@ def main() -> int:
     add_model_args(ap)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
+    ap.add_argument("--machine-note", default="",
+                    help="how to describe the machine in the results (default: its CPU/GPU)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128, help="max_tokens, batch-1 decode")
     ap.add_argument("--conc-tokens", type=int, default=64, help="max_tokens per concurrent stream")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for decode runs")
-    ap.add_argument("--short-prompt", type=int, default=8)
-    ap.add_argument("--long-prompt", type=int, default=512)
+    ap.add_argument("--ttft-prompts", type=int, nargs="+", default=[2048, 8192],
+                    help="prompt lengths of the batch-1 TTFT runs")
+    ap.add_argument("--short-prompt", type=int, help="with --long-prompt: the two TTFT prompt "
+                                                     "lengths (same as --ttft-prompts S L)")
+    ap.add_argument("--long-prompt", type=int)
     ap.add_argument("--ttft-tokens", type=int, default=4, help="max_tokens of TTFT requests")
     ap.add_argument("--warmup-tokens", type=int, default=16,
                     help="max_tokens of warm-up runs (on a GPU use the full length: new shapes "
                          "JIT-compile)")
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="load-client processes the streams of a run are split over")
+    ap.add_argument("--idle-seconds", type=float, default=5.0,
+                    help="window of the idle-CPU measurement of our server")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra flag for `serve` (repeatable), e.g. --server-arg=--max-batch=64")
     ap.add_argument("--timeout", type=float, default=900.0,
@@ -621,6 +868,8 @@ def main() -> int:
             build_random_llama(Path(payload["dest"]), payload.get("layers"),
                                payload.get("size", "1b"))
             res = {"ok": True}
+        elif args._child == "client":
+            res = asyncio.run(_client_main(payload))
         elif args._child.startswith("probe"):
             res = blas_probe()
         else:
@@ -630,6 +879,10 @@ def main() -> int:
 
     from omlx_shared.blas import blas_env
 
+    if args.short_prompt and args.long_prompt:
+        args.ttft_prompts = [args.short_prompt, args.long_prompt]
+    if args.model is None and args.random_llama is None:
+        args.random_llama = "small"
     t_start = time.monotonic()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -645,11 +898,10 @@ def main() -> int:
     spec = {"model": str(model), "prompts": make_prompts(vocab, args), "repeats": args.repeats,
             "decode_tokens": args.decode_tokens, "conc_tokens": args.conc_tokens,
             "concurrency": args.concurrency, "ttft_tokens": args.ttft_tokens,
-            "warmup_tokens": args.warmup_tokens, "timeout": args.timeout}
+            "ttft_prompts": args.ttft_prompts, "warmup_tokens": args.warmup_tokens,
+            "timeout": args.timeout}
     blas = {"used": blas_of(node_env), "node_env": {k: node_env.get(k) for k in
-                                                    ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")},
-            "openblas_installed": Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
-            .exists()}
+                                                    ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}}
     if not machine["gpu"] and not args.skip_blas_probe:
         probe = {"with_node_env": child("probe_node", {}, node_env, 120, work)}
         if node_env.get("LD_PRELOAD"):
@@ -657,27 +909,33 @@ def main() -> int:
         blas["probe"] = {f"{env}.{k}": v for env, d in probe.items() for k, v in d.items()}
 
     print(f"model {model} | BLAS: {blas['used']} | work dir {work}", file=sys.stderr, flush=True)
-    print("== omlx-cluster server ==", file=sys.stderr, flush=True)
-    ours = measure_server(spec | {"side": "ours"}, model, work, args.server_arg)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"single_node_{tag}.partial.json").write_text(json.dumps(
-        {"machine": machine, "model": str(model), "blas": blas, "ours": ours}, indent=1))
-    print("== mlx-lm reference (node environment) ==", file=sys.stderr, flush=True)
-    ref = child("reference", spec | {"side": "mlx-lm"}, node_env, args.timeout + 300, work)
+    partial = args.out / f"single_node_{tag}.partial.json"
+    sides: dict[str, dict] = {}
+    print("== omlx-cluster server ==", file=sys.stderr, flush=True)
+    sides["ours"] = measure_ours(spec | {"side": "ours"}, model, work, args.server_arg,
+                                 args.client_procs, args.idle_seconds)
+    partial.write_text(json.dumps({"machine": machine, "model": str(model), **sides}, indent=1))
+    print("== mlx_lm.server (node environment) ==", file=sys.stderr, flush=True)
+    sides["mlx_server"] = measure_mlx_server(spec | {"side": "mlx_lm.server"}, model, work,
+                                             node_env, args.client_procs)
+    partial.write_text(json.dumps({"machine": machine, "model": str(model), **sides}, indent=1))
+    print("== raw mlx-lm (node environment) ==", file=sys.stderr, flush=True)
+    sides["raw"] = child("reference", spec | {"side": "raw"}, node_env, args.timeout + 300, work)
 
-    rows = summarize(ours, ref, args.concurrency)
+    rows = summarize(sides, args.concurrency, args.ttft_prompts)
     settings = {k: getattr(args, k) for k in ("repeats", "decode_tokens", "conc_tokens",
-                                              "concurrency", "prompt_tokens", "short_prompt",
-                                              "long_prompt", "ttft_tokens", "warmup_tokens")}
+                                              "concurrency", "prompt_tokens", "ttft_prompts",
+                                              "ttft_tokens", "warmup_tokens", "client_procs")}
     settings["server_args"] = args.server_arg
     result = {"tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
+              "machine_note": args.machine_note,
               "model": {"name": model_name, "desc": desc, "path": str(model)},
-              "settings": settings, "blas": blas, "rows": rows, "ours": ours,
-              "mlx_lm": ref, "bench_seconds": round(time.monotonic() - t_start, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
+              "settings": settings, "blas": blas, "rows": rows, **sides,
+              "bench_seconds": round(time.monotonic() - t_start, 1)}
     (args.out / f"single_node_{tag}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"single_node_{tag}.md").write_text(markdown(result))
-    (args.out / f"single_node_{tag}.partial.json").unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)
     print_table(result)
     print(f"wrote {args.out}/single_node_{tag}.json and .md "
           f"({result['bench_seconds']:.0f}s)", file=sys.stderr)

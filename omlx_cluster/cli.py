@@ -22,11 +22,35 @@ def _positive(value: str) -> int:
 
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH_OR_NAME",
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH_OR_NAME",
                    help="an mlx-lm model folder (config.json, safetensors, tokenizer; "
                         "quantized folders too) or the name of a model in the store "
-                        "(`omlx-cluster models list`); default: the embedded SmolLM2")
-    p.add_argument("--model-id", help="the model name clients send (default: folder name)")
+                        "(`omlx-cluster models list`), optionally NAME= the name clients "
+                        "send; repeat it to serve several models (the first is the main "
+                        "model: loaded first, rebalanced); default: the embedded SmolLM2")
+    p.add_argument("--model-id", help="the name clients send for a single --model without "
+                                      "NAME= (default: the folder name)")
+    p.add_argument("--models-config", type=Path, metavar="FILE",
+                   help="the models as a TOML file of [[model]] tables (name, path, aliases, "
+                        "pin, ttl, replicas), instead of --model flags")
+    p.add_argument("--alias", action="append", default=[], metavar="ALIAS=NAME",
+                   help="another name clients may send for model NAME (repeatable; default: "
+                        "none)")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME",
+                   help="never unload model NAME to make room or for idling (repeatable; "
+                        "default: none)")
+    p.add_argument("--ttl", action="append", default=[], metavar="[NAME=]SECONDS",
+                   help="unload a model idle for this long (for NAME, or for every model; "
+                        "default: never); it loads again on the next request")
+    p.add_argument("--replicas", action="append", default=[], metavar="[NAME=]N|auto",
+                   help="run a model as N independent replicas (each one node or one "
+                        "pipeline, requests routed to the replica holding their prompt's "
+                        "prefix), or auto: replicas when the planner predicts they serve "
+                        "more than one pipeline (default: 1)")
+    p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
+                   help="how requests pick one of a model's replicas: prefix (the replica "
+                        "whose cache holds the longest prefix of the prompt, else the least "
+                        "loaded) or round-robin (default: prefix)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the gateway listens on (default: 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes it to the network and then needs --api-key)")
@@ -76,9 +100,9 @@ def _size(value: str) -> int:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-chunk", type=_positive, default=512, metavar="TOKENS",
+    p.add_argument("--prefill-chunk", type=_positive, default=None, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
-                        "streams by at most one chunk (default: 512)")
+                        "streams by at most one chunk (default: 2048 on a GPU, 512 on a CPU)")
     p.add_argument("--max-batch", type=_positive, default=64, metavar="N",
                    help="most sequences decoding at once on a node; more wait in a queue "
                         "(default: 64)")
@@ -179,10 +203,12 @@ def _secret(args: argparse.Namespace) -> str | None:
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags as given, to pass on to the process that runs the engine."""
-    out = ["--prefill-chunk", str(args.prefill_chunk), "--max-batch", str(args.max_batch),
+    out = ["--max-batch", str(args.max_batch),
            "--hot-cache-max-size", f"{args.hot_cache_max_size}B",
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
            "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level]
+    if args.prefill_chunk:  # else the worker sizes it for its own device
+        out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
         out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
     return out
@@ -217,8 +243,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="run the model as a pipeline of N local node processes joined by "
                             "mx.distributed (default: 1, single-Mac mode)")
     serve.add_argument("--split", type=_split, metavar="A,B,...",
-                       help="layers per node, e.g. 1,6,2 (must sum to the model's layers, no "
-                            "stage empty; default: the planner's split)")
+                       help="the main model's layers per node, e.g. 1,6,2 (must sum to its "
+                            "layers, no stage empty; default: the planner's split)")
+    serve.add_argument("--node-memory", type=_size, default=None, metavar="SIZE",
+                       help="memory each local node may hold for models (default: this "
+                            "machine's memory less 4 GiB, shared by the nodes); models past "
+                            "it evict the least recently used idle ones")
     _add_pipeline_flags(serve)
     _add_rebalance_flags(serve)
     _add_engine_flags(serve)
@@ -398,10 +428,29 @@ def _build_parser() -> argparse.ArgumentParser:
                                 "first of $OMLX_API_KEY)")
     rebalance.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    models = sub.add_parser("models", parents=[common], help="manage the local model store",
-                            description="Manage the model store under $OMLX_CLUSTER_HOME/models.")
+    models = sub.add_parser("models", parents=[common],
+                            help="manage the local model store, or a running gateway's models",
+                            description="Manage the model store under "
+                                        "$OMLX_CLUSTER_HOME/models (list, import-gguf, "
+                                        "pull-default), or the models a running gateway "
+                                        "serves (load, unload, pin, unpin).")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     msub.add_parser("list", help="list the models in the store")
+    for action, what in (("load", "load a model now (evicting idle ones if memory is short)"),
+                         ("unload", "unload a model (refused while it has requests in flight, "
+                                    "unless --wait)"),
+                         ("pin", "never unload a model to make room or for idling"),
+                         ("unpin", "let a model be unloaded again")):
+        a = msub.add_parser(action, help=what, description=what[0].upper() + what[1:] + ".")
+        a.add_argument("name", help="the model's name (as GET /v1/models lists it)")
+        a.add_argument("--url", default="http://127.0.0.1:8000",
+                       help="the gateway (default: http://127.0.0.1:8000)")
+        a.add_argument("--api-key", metavar="KEY",
+                       help="a key the gateway takes (default: the first of $OMLX_API_KEY)")
+        if action == "unload":
+            a.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                           help="wait this long for its requests in flight to end (default: "
+                                "0, refuse at once)")
     imp = msub.add_parser("import-gguf", help="import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)",
                           description="Convert a GGUF file (llama, qwen2, qwen3, qwen3moe, "
                                       "gemma3 or phi3 family) into an MLX "
@@ -532,8 +581,9 @@ def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
     return frozenset(keys)
 
 
-def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int:
-    """Serves the gateway in front of `cluster` until stopped; 1 if it could not start."""
+def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int:
+    """Serves the gateway in front of `manager`'s models until stopped; 1 if it could not
+    start."""
     import uvicorn
 
     from omlx_coordinator.gateway import create_app
@@ -559,21 +609,30 @@ def _run_gateway(args: argparse.Namespace, cluster, keys: frozenset[str]) -> int
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror} (another "
               "server may hold the port: pass --port)", file=sys.stderr)
         return 2
-    app = create_app(cluster, settings, on_start_failure=give_up,
+    app = create_app(manager, settings, on_start_failure=give_up,
                      rebalance=_rebalance_settings(args))
+    # uvloop and httptools, named rather than "auto" (which quietly falls back to asyncio's
+    # loop and h11): at many streams the gateway's event loop is a bottleneck of its own.
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, loop="uvloop",
+                                           http="httptools"))
     log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
-             "is ready)", args.host, sock.getsockname()[1], cluster.model_id)
+             "is ready)", args.host, sock.getsockname()[1],
+             ", ".join(m.name for m in manager.models))
     server.run(sockets=[sock])
     if failures:
-        print(f"error: could not serve {cluster.model_path}: {failures[0]}", file=sys.stderr)
+        print(f"error: could not serve {manager.models[0].path}: {failures[0]}",
+              file=sys.stderr)
         return 1
     return 0
 
 
-def _keys_and_model(args: argparse.Namespace) -> tuple[frozenset[str], Path] | None:
-    """What every gateway command checks first; None (after saying why) to exit with 2."""
+def _keys_and_models(args: argparse.Namespace):
+    """What every gateway command checks first: the API keys and the served models (every
+    folder resolved and checked now, so a config naming a missing one fails at start). None
+    (after saying why) to exit with 2."""
+    from omlx_coordinator import model_config as mc
+    from omlx_coordinator.served_model import ServedModel
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
 
@@ -581,34 +640,66 @@ def _keys_and_model(args: argparse.Namespace) -> tuple[frozenset[str], Path] | N
     if keys is None:
         return None
     try:
-        return keys, resolve_model(args.model, progress=True)
-    except ModelError as e:
+        if args.models_config is not None:
+            given = [f for f, v in (("--model", args.model), ("--model-id", args.model_id),
+                                    ("--alias", args.alias), ("--pin", args.pin),
+                                    ("--ttl", args.ttl), ("--replicas", args.replicas)) if v]
+            if given:
+                raise mc.ModelConfigError(f"{given[0]} and --models-config both name models: "
+                                          "put everything in the file")
+            configs = mc.from_file(args.models_config)
+            resolved = [resolve_model(c.spec, progress=True) for c in configs]
+        else:
+            named = ([mc.parse_model_arg(m) for m in args.model] if args.model
+                     else [(None, None)])  # None: the default model
+            if args.model_id and len(named) > 1:
+                raise mc.ModelConfigError("--model-id names a single model: with several, "
+                                          "pass --model NAME=PATH")
+            resolved = [resolve_model(spec, progress=True) for _, spec in named]
+            names = [name or args.model_id or path.name
+                     for (name, _), path in zip(named, resolved)]
+            configs = mc.from_flags([(n, str(p)) for n, p in zip(names, resolved)],
+                                    args.alias, args.pin, args.ttl, args.replicas)
+        configs = mc.with_split(configs, getattr(args, "split", None))
+        return keys, [ServedModel(c, path) for c, path in zip(configs, resolved)]
+    except (ModelError, mc.ModelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
 
 
+def _manager(args: argparse.Namespace, models, options):
+    from omlx_coordinator.cluster import Cluster
+    from omlx_coordinator.lifecycle import ModelManager
+
+    return ModelManager(Cluster(options), models,
+                        block_size=getattr(args, "cache_block_size", None) or 256,
+                        routing_mode=args.routing)
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from omlx_coordinator.cluster import Cluster, ClusterOptions
+    from omlx_coordinator.cluster import ClusterOptions
     from omlx_coordinator.planner import PlanError
     from omlx_shared.auth import new_secret
 
-    checked = _keys_and_model(args)
+    checked = _keys_and_models(args)
     if checked is None:
         return 2
-    keys, model_path = checked
+    keys, models = checked
     if args.split and len(args.split) != args.nodes:
         print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
               file=sys.stderr)
         return 2
     # Its own nodes get a secret made up for this run: nothing else can drive them.
-    options = ClusterOptions(nodes=args.nodes, split=args.split,
+    options = ClusterOptions(nodes=args.nodes,
                              micro_batches=args.micro_batches or 0, backend=args.backend,
                              node_args=tuple(_engine_args(args)),
                              node_metrics_port=args.node_metrics_port,
+                             node_memory_bytes=args.node_memory or 0,
                              secret=new_secret())
-    cluster = Cluster(model_path, args.model_id or model_path.name, options)
+    manager = _manager(args, models, options)
     try:
-        plan = cluster.make_plan()  # refuse a bad split or a model that fits nowhere up front
+        # Refuse a bad split or a main model that fits nowhere up front.
+        plan = manager.main.make_plan()
     except (PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -617,18 +708,18 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         for line in plan.explanation:
             log.info("plan: %s", line)
-    return _run_gateway(args, cluster, keys)
+    return _run_gateway(args, manager, keys)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from omlx_coordinator.cluster import Cluster, ClusterOptions
+    from omlx_coordinator.cluster import ClusterOptions
     from omlx_shared.auth import new_secret
     from omlx_shared.discovery import default_interfaces
 
-    checked = _keys_and_model(args)
+    checked = _keys_and_models(args)
     if checked is None:
         return 2
-    keys, model_path = checked
+    keys, models = checked
     secret = _secret(args)
     if secret is None:
         secret = new_secret()
@@ -639,7 +730,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                              os_reserve_bytes=args.os_reserve,
                              discovery=not args.no_discovery,
                              discovery_interfaces=default_interfaces(args.host))
-    return _run_gateway(args, Cluster(model_path, args.model_id or model_path.name, options), keys)
+    return _run_gateway(args, _manager(args, models, options), keys)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -708,9 +799,12 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
 
     def loop() -> None:
         url = f"http://{coordinator}/cluster/register"
+        # One client for good: each new one builds a TLS context (~20 ms of CPU here), which
+        # every 2 s was most of what an idle `join` spent.
+        client = httpx.Client(timeout=5)
         while True:
             try:
-                r = httpx.post(url, json=registration(secret, address, node_id), timeout=5)
+                r = client.post(url, json=registration(secret, address, node_id))
                 if r.status_code == 401:
                     log.warning("the coordinator %s refused this node's registration: %s",
                                 coordinator, r.json()["error"]["message"])
@@ -843,6 +937,9 @@ def _status(args: argparse.Namespace) -> int:
                       str(n["agent_pid"] or "-"), str(n["worker_pid"] or "-"),
                       n.get("metrics") or "-", _checks_summary(n.get("checks") or []))
     console.print(table)
+    if len(body.get("models") or []) > 1 or any(len(m["replicas"]) > 1
+                                                 for m in body.get("models") or []):
+        console.print(_models_table(body["models"]))
     # What each node's own checks found wrong with its machine, and the fix.
     for n in body["nodes"]:
         for c in n.get("checks") or []:
@@ -850,6 +947,24 @@ def _status(args: argparse.Namespace) -> int:
                 console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
                               + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def _models_table(models: list[dict]):
+    """Every model: its state, leases, and where each replica's stages run with their real
+    memory."""
+    from rich.table import Table
+
+    table = Table("model", "state", "requests", "replica", "stages (node [layers] footprint)")
+    for m in models:
+        name = m["id"] + (f" ({', '.join(m['aliases'])})" if m["aliases"] else "")
+        for i, r in enumerate(m["replicas"]):
+            stages = ", ".join(
+                f"{s['node']} [{s['layers'][0]}, {s['layers'][1]})"
+                + (f" {s['footprint_bytes'] / 2**20:.0f} MiB" if s.get("footprint_bytes")
+                   else "") for s in r["stages"]) or "-"
+            table.add_row(name if i == 0 else "", m["state"] if i == 0 else "",
+                          str(m["leases"]) if i == 0 else "", str(r["replica"]), stages)
+    return table
 
 
 def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
@@ -865,14 +980,22 @@ def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
             print(f"error: {args.url} wants an API key: pass --api-key KEY or set OMLX_API_KEY",
                   file=sys.stderr)
             return None
-        if r.status_code == 409:
-            print(f"error: {r.json()['error']['message']}", file=sys.stderr)
+        if r.status_code >= 400 and _error_message(r):
+            print(f"error: {_error_message(r)}", file=sys.stderr)
             return None
         r.raise_for_status()
     except httpx.HTTPError as e:
         print(f"error: cannot get {what} from {args.url}: {e}", file=sys.stderr)
         return None
     return r.json()
+
+
+def _error_message(r) -> str:
+    """The message of the gateway's error object ("" when the body is not one)."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def _speed(gbps: float | None, ms_per_layer: float | None) -> str:
@@ -941,6 +1064,8 @@ def _models(args: argparse.Namespace) -> int:
     from omlx_shared.gguf_import import import_gguf
 
     console = Console()
+    if args.models_command in ("load", "unload", "pin", "unpin"):
+        return _model_action(args, console)
     try:
         if args.models_command == "list":
             rows = model_store.list_models()
@@ -967,6 +1092,23 @@ def _models(args: argparse.Namespace) -> int:
     except (model_store.ModelError, FileNotFoundError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
+    return 0
+
+
+def _model_action(args: argparse.Namespace, console) -> int:
+    """`models load|unload|pin|unpin NAME` against a running gateway."""
+    from urllib.parse import quote
+
+    action = args.models_command
+    query = f"?wait={args.wait}" if action == "unload" and args.wait else ""
+    # A load waits for the model to serve; an unload for its requests and its workers.
+    body = _ask_gateway(args, "POST", f"/cluster/models/{quote(args.name, safe='')}/{action}"
+                        + query, f"the model {action}", timeout=1800 + args.__dict__.get(
+                            "wait", 0))
+    if body is None:
+        return 2
+    console.print(f"{body['id']}: {body['state']}" + (" (pinned)" if body["pinned"] else ""),
+                  markup=False)
     return 0
 
 

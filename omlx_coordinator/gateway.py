@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.api import anthropic, openai
+from omlx_coordinator.api import anthropic, models, openai
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
-from omlx_coordinator.cluster import Cluster
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
-from omlx_coordinator.metrics import GatewayMetrics, prometheus_targets
+from omlx_coordinator.lifecycle import ModelManager
+from omlx_coordinator.metrics import GatewayMetrics, ModelsCollector, exposition, prometheus_targets
 from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
 from omlx_shared import auth
 
@@ -69,15 +69,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"'{field}' has none of its accepted forms: " + "; ".join(parts), field
 
 
-def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
+def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                start_cluster: bool = True,
                on_start_failure: Callable[[str], None] | None = None,
                rebalance: RebalanceSettings | None = None) -> FastAPI:
-    """The gateway app; its lifespan starts `cluster` (and its rebalancer, `rebalance`: off by
-    default) and calls `on_start_failure(reason)` if the model cannot be served at all."""
+    """The gateway app; its lifespan starts `manager`'s cluster and models (and the
+    rebalancer, `rebalance`: off by default) and calls `on_start_failure(reason)` if the main
+    model cannot be served at all."""
     settings = settings or GatewaySettings()
-    metrics = GatewayMetrics(cluster.weight_counters, cluster.model_id)
-    rebalancer = Rebalancer(cluster, metrics, rebalance or RebalanceSettings(mode="off"))
+    cluster, main = manager.cluster, manager.main
+    # Each model's series carry its name; the main model's also the cluster's own.
+    metrics = GatewayMetrics(cluster.weight_counters, main.model.name)
+    metrics.register(ModelsCollector(manager))
+    metrics_of = {m.name: metrics if m is main.model else GatewayMetrics(model=m.name)
+                  for m in manager.models}
+    rebalancer = Rebalancer(manager, metrics, rebalance or RebalanceSettings(mode="off"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,10 +91,10 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
         def started(t: asyncio.Task) -> None:
             if not t.cancelled() and t.exception() is not None and on_start_failure:
-                on_start_failure(cluster.status)
+                on_start_failure(main.status if cluster.ready else cluster.status)
 
         if start_cluster:
-            task = asyncio.create_task(cluster.start())
+            task = asyncio.create_task(manager.start())
             task.add_done_callback(started)
         rebalancer.start()
         try:
@@ -97,10 +103,11 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
             if task is not None and not task.done():
                 task.cancel()
             await rebalancer.stop()
-            await cluster.stop()
+            await manager.stop()
 
     app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan)
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
+    app.state.manager = manager
     app.state.register_tasks = set()
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
@@ -163,14 +170,27 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
         return error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                                        type="server_error"))
 
+    def serving() -> bool:
+        """Started, a node to serve on, and every loaded model with a replica that serves (a
+        model that is unloaded loads on demand; one that recovers pauses its requests)."""
+        return (manager.started and bool(cluster.servable())
+                and any(d.ready for d in manager.deployments())
+                and all(any(d.ready for d in manager.replicas[m.name])
+                        for m in manager.models if m.state == "loaded"))
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """Open to load balancers; the nodes' addresses, pids and memory only with a key."""
-        body: dict = {"status": "ok" if cluster.ready else "not ready"}
+        """Open to load balancers; the models, the nodes' addresses, pids and memory only
+        with a key."""
+        ok = serving()
+        body: dict = {"status": "ok" if ok else "not ready"}
         if has_key(request):
-            body = {"status": "ok" if cluster.ready else cluster.status,
-                    "model": cluster.model_id, "nodes": cluster.nodes}
-        return JSONResponse(body, status_code=200 if cluster.ready else 503)
+            body = {"status": "ok" if ok else (main.status if cluster.ready
+                                               else cluster.status),
+                    "model": main.model.name,
+                    "models": [manager.describe(m) for m in manager.models],
+                    "nodes": [{**n, **main_worker(n)} for n in cluster.nodes]}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.post("/cluster/register")
     async def register(request: Request) -> JSONResponse:
@@ -203,14 +223,25 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
     @app.get("/cluster/status", dependencies=keyed)
     async def status() -> dict:
-        plan = cluster.plan
-        return {"model": cluster.model_id, "ready": cluster.ready, "status": cluster.status,
-                "epoch": cluster.epoch, "capacity_error": cluster.capacity_error or None,
+        """The main model's plan at the top (what one-model tools read), every model's
+        state, replicas, stages and footprints, and the nodes."""
+        plan = main.plan
+        return {"model": main.model.name, "ready": main.ready, "status": main.status,
+                "epoch": main.epoch, "capacity_error": main.capacity_error or None,
                 "plan": plan.to_dict() if plan else None,
-                "backend": ({"name": cluster.backend.backend, "reason": cluster.backend.reason}
-                            if cluster.backend else None),
-                "last_recovery": cluster.last_recovery,
-                "nodes": [{**n, **rebalancer.measured(n["id"])} for n in cluster.nodes]}
+                "backend": ({"name": main.backend.backend, "reason": main.backend.reason}
+                            if main.backend else None),
+                "last_recovery": main.last_recovery,
+                "models": [manager.describe(m) for m in manager.models],
+                "unloads": manager.evictions,
+                "nodes": [{**n, **rebalancer.measured(n["id"]), **main_worker(n)}
+                          for n in cluster.nodes]}
+
+    def main_worker(node: dict) -> dict:
+        """The main model's stage on `node`: its layers, worker pid and metrics endpoint."""
+        w = next((w for w in node["workers"] if w["model"] == main.model.name), None)
+        return {"layers": main.stages_on().get(node["id"]),
+                "worker_pid": w["pid"] if w else None, "metrics": w["metrics"] if w else None}
 
     @app.get("/cluster/rebalance", dependencies=keyed)
     async def rebalance_advice() -> dict:
@@ -227,17 +258,19 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(list(metrics_of.values())), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/prometheus-targets", dependencies=keyed)
     async def prometheus_sd() -> list[dict]:
         """Prometheus's HTTP service discovery (`http_sd_configs`, deploy/prometheus): every
         stage's metrics endpoint, so a Mac that joins is scraped without editing prometheus.yml.
         Keyed like /cluster/status: it names every node's address."""
-        return prometheus_targets(cluster.nodes, cluster.model_id, cluster.plan)
+        return prometheus_targets(cluster.nodes, [(d.model.name, d.plan)
+                                                  for d in manager.deployments() if d.plan])
 
-    openai.add_routes(app, cluster, metrics, settings, keyed)
-    anthropic.add_routes(app, cluster, metrics, settings, keyed)
+    openai.add_routes(app, manager, metrics_of, settings, keyed)
+    anthropic.add_routes(app, manager, metrics_of, settings, keyed)
+    models.add_routes(app, manager, keyed)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 
@@ -246,6 +279,7 @@ def create_app(cluster: Cluster, settings: GatewaySettings | None = None,
 # documents a 422 that this gateway never sends).
 _ERRORS = {"400": "the request is invalid: the error object says what and names the field",
            "404": "no such model (the error lists the served ones) or endpoint",
+           "409": "the model has requests in flight (unload) or the action conflicts",
            "503": "the model cannot be served now (loading, or no node can hold it)"}
 
 

@@ -21,14 +21,18 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
-from omlx_coordinator.cluster import Cluster, NoCapacity
+from omlx_coordinator.cluster import NoCapacity
+from omlx_coordinator.deployment import Deployment
+from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
 from proto import omlx_pb2 as pb
 
@@ -85,26 +89,35 @@ class GenerationRequest:
     top_logprobs: int = 0
 
 
-def check_servable(cluster: Cluster, model: str) -> None:
-    """A 404 for a model not served here, a 503 while it cannot serve."""
-    if model != cluster.model_id:
-        raise APIError(404, f"model {model!r} is not served here; available: "
-                            f"{cluster.model_id!r} (GET /v1/models)", param="model",
-                       code="model_not_found")
-    if cluster.capacity_error and not cluster.ready:
-        raise APIError(503, f"the model cannot be served now: {cluster.capacity_error}",
-                       type="server_error", code="no_capacity")
-    if cluster.epoch == 0:  # still starting; once serving, a recovery only pauses requests
-        raise APIError(503, f"the model is not ready yet ({cluster.status}); retry shortly",
+def check_servable(manager: ModelManager, name: str) -> ServedModel:
+    """The model a request names; a 404 for one not served here (listing those that are), a
+    503 while it cannot be served (and, for an unloaded one, when it fits nowhere even with
+    every unpinned model unloaded, naming the shortfall)."""
+    model = manager.resolve(name)
+    if model is None:
+        names = ", ".join(repr(m.name) for m in manager.models)
+        raise APIError(404, f"model {name!r} is not served here; available: {names} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    main = manager.replicas[model.name][0]
+    if not manager.started:  # the first loads; afterwards a load or recovery only pauses
+        status = main.status if manager.cluster.ready else manager.cluster.status
+        raise APIError(503, f"the model is not ready yet ({status}); retry shortly",
                        type="server_error", code="model_not_ready")
+    if model.state == UNLOADED and (short := manager.shortfall(model)):
+        raise APIError(503, f"the model {model.name} cannot be loaded: {short}",
+                       type="server_error", code="no_capacity")
+    if main.capacity_error and not any(d.ready for d in manager.replicas[model.name]):
+        raise APIError(503, f"the model cannot be served now: {main.capacity_error}",
+                       type="server_error", code="no_capacity")
+    return model
 
 
-def token_budget(cluster: Cluster, prompt: list[int], limit: int | None,
+def token_budget(model: ServedModel, prompt: list[int], limit: int | None,
                  settings: GatewaySettings, prompt_param: str = "messages",
                  limit_param: str = "max_tokens", clamp: bool = False) -> int:
     """How many tokens the request may generate: its limit, refused past the context's room
     (or cut to the room with `clamp`: Anthropic's max_tokens is a cap, not a demand)."""
-    ctx = cluster.max_context
+    ctx = model.max_context
     if ctx and len(prompt) >= ctx:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the model's context is "
                             f"{ctx} tokens; shorten the prompt", param=prompt_param,
@@ -130,11 +143,15 @@ REPLAN_WAIT_SECONDS = 5.0
 class _Attempt:
     """One Generate call to the head worker, its chunks pumped into a queue."""
 
-    def __init__(self, cluster: Cluster, request: pb.GenerateRequest, timeout: float):
-        self.epoch = cluster.epoch
-        self.call = cluster.node.generate(request, timeout=timeout)
+    def __init__(self, deployment: Deployment, request: pb.GenerateRequest, timeout: float):
+        self.deployment, self.epoch = deployment, deployment.epoch
+        self.call = deployment.node.generate(request, timeout=timeout)
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.backlog: deque = deque()  # taken from the queue, not handled yet
         self.task = asyncio.create_task(self._pump())
+        self.open = True
+        deployment.inflight += 1
+        deployment.requests += 1
 
     async def _pump(self) -> None:
         try:
@@ -149,6 +166,9 @@ class _Attempt:
     def close(self) -> None:
         self.call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
         self.task.cancel()
+        if self.open:
+            self.deployment.inflight -= 1
+            self.open = False
 
 
 @dataclass(frozen=True)
@@ -171,18 +191,66 @@ def _lost(item) -> _Lost | None:
     return None
 
 
-async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewaySettings,
-                   req: GenerationRequest) -> AsyncIterator[Delta | KeepAlive | Done]:
+async def _replica(manager: ModelManager, model: ServedModel, tokens: list[int],
+                   lost: tuple[Deployment, int] | None, deadline: float,
+                   settings: GatewaySettings) -> AsyncIterator[KeepAlive | Deployment]:
+    """Yields KeepAlive while `model` loads, recovers or drains, then (last) the replica to run
+    `tokens` on: not the plan `lost` (a replica at an epoch) a request just lost, while another
+    replica can take it or for a little while, waiting for that one's new plan."""
+    waited = 0.0
+    while True:
+        main = manager.replicas[model.name][0]
+        if time.monotonic() > deadline:
+            raise APIError(504, "the request ran past the server's time limit while the model "
+                                f"loaded or the cluster recovered ({main.status})",
+                           type="server_error", code="timeout")
+        if model.state != LOADED:
+            task = manager.load_task(model)
+            done, _ = await asyncio.wait({task}, timeout=min(settings.keepalive_seconds, 0.5))
+            if not done:
+                yield KeepAlive()
+            elif isinstance(e := task.exception(), NoCapacity):
+                raise APIError(503, f"the model {model.name} cannot be loaded: {e}",
+                               type="server_error", code="no_capacity")
+            elif e is not None:
+                raise APIError(503, f"loading the model {model.name} failed: {e}",
+                               type="server_error", code="load_failed")
+            continue
+        d = manager.route(model, tokens, avoid=lost)
+        if model.name in manager.draining:  # a waiting load needs it gone: let it go first
+            await asyncio.sleep(0.5)
+            yield KeepAlive()
+            continue
+        if d.ready and not (lost == (d, d.epoch) and waited < REPLAN_WAIT_SECONDS):
+            yield d
+            return
+        try:
+            await d.wait_ready(min(settings.keepalive_seconds, 0.5))
+        except NoCapacity as e:
+            raise APIError(503, f"the model cannot be served now: {e}",
+                           type="server_error", code="no_capacity") from None
+        except asyncio.TimeoutError:
+            yield KeepAlive()
+        if d.ready and lost == (d, d.epoch):
+            await asyncio.sleep(0.2)
+            waited += 0.2
+
+
+async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMetrics,
+                   settings: GatewaySettings, req: GenerationRequest
+                   ) -> AsyncIterator[Delta | KeepAlive | Done]:
     """Yields Delta, KeepAlive (while waiting) and finally Done; raises APIError on failure.
 
-    If the pipeline loses a node mid-request, the request waits for the cluster's new plan and
-    goes on there: the prompt plus the tokens already streamed are prefilled again and
-    generation continues, so the client sees a pause, not an error (and greedy output is the
-    same as without the failure)."""
+    An unloaded model is loaded first (the client sees keep-alives). The request holds a lease
+    on its model from the replica it is given to its end, so that the model is not evicted
+    under it. If the pipeline loses a node mid-request, the request goes on on another replica
+    or the replica's new plan: the prompt plus the tokens already streamed are prefilled again
+    and generation continues, so the client sees a pause, not an error (and greedy output is
+    the same as without the failure)."""
     prompt, max_tokens = req.prompt, req.max_tokens
     # top_k over the whole vocabulary or more keeps every token: the same as off, and what
     # OpenAI-compatible servers (vLLM, llama.cpp) do, rather than a k mlx-lm cannot take.
-    top_k = 0 if req.top_k >= cluster.vocab_size else req.top_k
+    top_k = 0 if req.top_k >= model.vocab_size else req.top_k
     sampling = pb.SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                  top_k=top_k, min_p=req.min_p,
                                  presence_penalty=req.presence_penalty,
@@ -190,68 +258,68 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
                                  repetition_penalty=req.repetition_penalty)
     if req.seed is not None:
         sampling.has_seed, sampling.seed = True, req.seed
-    stop_ids = [] if req.ignore_eos else sorted(cluster.tokenizer.eos_token_ids)
-    detok = cluster.tokenizer.detokenizer(prompt)
+    stop_ids = [] if req.ignore_eos else sorted(model.tokenizer.eos_token_ids)
+    detok = model.tokenizer.detokenizer(prompt)
     stops = StopMatcher(req.stop)
     started = last = time.perf_counter()
     deadline = time.monotonic() + settings.request_timeout
     generated: list[int] = []
     first, cached, attempts = True, 0, 0
     attempt: _Attempt | None = None
-    lost_epoch = -1  # the plan a failed attempt ran on
-    broke_epoch: int | None = None  # the plan an attempt of it broke, the first time
+    lost_plan: tuple[Deployment, int] | None = None  # the plan (replica, epoch) an attempt lost
+    broke: tuple[Deployment, int] | None = None  # the plan an attempt of it broke, first time
+    leased = False
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
     try:
         while True:
             if attempt is None:
-                # Wait (with keep-alives) for a plan newer than the one that failed, for a
-                # little while; then try whatever serves.
-                waited = 0.0
-                while not cluster.ready or (cluster.epoch == lost_epoch
-                                            and waited < REPLAN_WAIT_SECONDS):
-                    if time.monotonic() > deadline:
-                        raise APIError(504, "the request ran past the server's time limit "
-                                            f"while the cluster recovered ({cluster.status})",
-                                       type="server_error", code="timeout")
-                    try:
-                        await cluster.wait_ready(min(settings.keepalive_seconds, 0.5))
-                    except NoCapacity as e:
-                        raise APIError(503, f"the model cannot be served now: {e}",
-                                       type="server_error", code="no_capacity") from None
-                    except asyncio.TimeoutError:
-                        yield KeepAlive()
-                    if cluster.ready and cluster.epoch == lost_epoch:
-                        await asyncio.sleep(0.2)
-                        waited += 0.2
+                deployment = None
+                async for ev in _replica(manager, model, prompt + generated, lost_plan, deadline,
+                                         settings):
+                    if isinstance(ev, KeepAlive):
+                        yield ev
+                    else:
+                        deployment = ev
+                if not leased:  # no await since the replica was chosen: it is still loaded
+                    model.acquire()
+                    leased = True
                 attempts += 1
                 request = pb.GenerateRequest(
                     request_id=uuid.uuid4().hex, prompt_tokens=prompt + generated,
                     sampling=sampling, max_tokens=max_tokens - len(generated),
                     stop_token_ids=stop_ids, grammar=req.grammar, logprobs=req.logprobs,
                     top_logprobs=req.top_logprobs, resumed_tokens=len(generated))
-                attempt = _Attempt(cluster, request, max(1.0, deadline - time.monotonic()))
-            # Not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that arrives
-            # together with a token, and the cancelled request then runs to its end.
-            if getter is None:
-                getter = asyncio.ensure_future(attempt.queue.get())
-            await asyncio.wait({getter}, timeout=settings.keepalive_seconds)
-            if not getter.done():
-                yield KeepAlive()
-                continue
-            item, getter = getter.result(), None
+                attempt = _Attempt(deployment, request, max(1.0, deadline - time.monotonic()))
+                manager.record(deployment, prompt + generated)
+            if not attempt.backlog and getter is None:
+                attempt.backlog.extend(_drain(attempt.queue))
+            if attempt.backlog:
+                item = attempt.backlog.popleft()
+            else:
+                # Not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that
+                # arrives together with a token, and the cancelled request then runs to its end.
+                if getter is None:
+                    getter = asyncio.ensure_future(attempt.queue.get())
+                await asyncio.wait({getter}, timeout=settings.keepalive_seconds)
+                if not getter.done():
+                    yield KeepAlive()
+                    continue
+                item, getter = getter.result(), None
             if (lost := _lost(item)) is not None:
                 attempt.close()
-                if lost.broke and broke_epoch is not None and attempt.epoch > broke_epoch:
-                    log.error("a request broke plan %d after plan %d; it is not run again: %s",
-                              attempt.epoch, broke_epoch, lost.why)
+                if lost.broke and broke is not None and (attempt.deployment is not broke[0]
+                                                         or attempt.epoch > broke[1]):
+                    log.error("a request broke plan %d of %s after plan %d of %s; it is not "
+                              "run again: %s", attempt.epoch, attempt.deployment.name,
+                              broke[1], broke[0].name, lost.why)
                     raise APIError(500, "the node went down under this request on two plans, "
                                         "so it is not run again; last: " + lost.why,
                                    type="server_error", code="request_failed_node")
-                if lost.broke and broke_epoch is None:
-                    broke_epoch = attempt.epoch
-                lost_epoch, attempt = attempt.epoch, None
+                if lost.broke and broke is None:
+                    broke = (attempt.deployment, attempt.epoch)
+                lost_plan, attempt = (attempt.deployment, attempt.epoch), None
                 if attempts >= MAX_ATTEMPTS:
                     raise APIError(503, f"lost the node {attempts} times; last: {lost.why}",
                                    type="server_error")
@@ -260,21 +328,24 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
                 continue
             if isinstance(item, grpc.aio.AioRpcError):
                 raise _rpc_error(item)
+            chunks = _joined(item, attempt)
+            tokens = [t for c in chunks for t in c.tokens]
+            logprobs = [lp for c in chunks for lp in c.logprobs]
+            item = chunks[-1]  # its finish_reason and error end the whole run of chunks
             now = time.perf_counter()
-            cached = max(cached, item.cached_tokens) if attempts == 1 else cached
-            if item.tokens and first:
+            if attempts == 1:
+                cached = max(cached, *(c.cached_tokens for c in chunks))
+            if tokens and first:
                 metrics.waiting.dec()
                 metrics.running.inc()
                 metrics.ttft.observe(now - started)
                 first = False
-            elif item.tokens:
-                metrics.itl.observe((now - last) / len(item.tokens))
+            elif tokens:
+                metrics.itl.observe((now - last) / len(tokens))
             last = now
-            text, tokens, logprobs = "", list(item.tokens), list(item.logprobs)
-            for tok in item.tokens:
-                text += detok.add(tok)
-            generated += item.tokens
-            metrics.generated_tokens.inc(len(item.tokens))
+            text = detok.add_many(tokens) if tokens else ""
+            generated += tokens
+            metrics.generated_tokens.inc(len(tokens))
             if item.finish_reason:
                 text += detok.flush()
             out, hit = stops.feed(text)
@@ -298,9 +369,38 @@ async def generate(cluster: Cluster, metrics: GatewayMetrics, settings: GatewayS
         (metrics.waiting if first else metrics.running).dec()
         metrics.e2e.observe(time.perf_counter() - started)
         if attempt is not None:
+            # What it generated is in that replica's cache now: a follow-up turn goes there.
+            manager.record(attempt.deployment, prompt + generated)
             attempt.close()
         if getter is not None:
             getter.cancel()
+        if leased:
+            model.release()
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+# A chunk ending so joins the chunks before it; one that aborts, fails or is cancelled is
+# handled alone, as it always was (an aborted chunk's tokens are generated again, for one).
+_JOINABLE = ("", "stop", "length")
+
+
+def _joined(first: pb.TokenChunk, attempt: _Attempt) -> list[pb.TokenChunk]:
+    """`first` and the chunks queued right behind it, to be handled as one: a gateway that
+    falls behind its streams then detokenises, matches stops and renders once per run of
+    chunks rather than once per token, and so catches up."""
+    backlog = attempt.backlog
+    backlog.extend(_drain(attempt.queue))  # no get() is pending here: the order holds
+    chunks = [first]
+    while (backlog and not chunks[-1].finish_reason and isinstance(backlog[0], pb.TokenChunk)
+           and backlog[0].finish_reason in _JOINABLE):
+        chunks.append(backlog.popleft())
+    return chunks
 
 
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:

@@ -3,14 +3,20 @@ service discovery that points Prometheus at every node's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omlx_coordinator.planner import Plan
 from omlx_coordinator.weight_transfer import WeightCounters
-from omlx_shared.prometheus import LATENCY_BUCKETS, labelled
+from omlx_shared.prometheus import LATENCY_BUCKETS, labelled, merged
+
+if TYPE_CHECKING:  # the manager imports nothing from here
+    from omlx_coordinator.lifecycle import ModelManager
+
+PRESSURE_LEVELS = {"normal": 0, "warn": 1, "critical": 2}
 
 
 class _WeightCollector:
@@ -70,16 +76,92 @@ class GatewayMetrics:
         """/metrics in Prometheus's text format."""
         return generate_latest(self._exported)
 
+    def register(self, collector) -> None:
+        """Adds a collector read at each scrape (its series' own model label wins)."""
+        self.registry.register(collector)
 
-def prometheus_targets(nodes: list[dict], model: str, plan: Plan | None) -> list[dict]:
+
+def exposition(models: Sequence[GatewayMetrics]) -> bytes:
+    """/metrics of every model's series in Prometheus's text format."""
+    return generate_latest(merged([m._exported for m in models]))
+
+
+class ModelsCollector:
+    """Every model's lifecycle and memory, read from the manager at scrape time: its state,
+    leases, loads and unloads, and per node its workers' real footprint and MLX memory, and
+    the memory each node's OS reports."""
+
+    def __init__(self, manager: ModelManager):
+        self.manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.manager
+        loaded = GaugeMetricFamily("omlx_model_loaded", "1 while the model is loaded (0: "
+                                   "unloaded or loading)", labels=["model"])
+        state = GaugeMetricFamily("omlx_model_state", "1 for the model's state: loaded, "
+                                  "loading, unloaded", labels=["model", "state"])
+        leases = GaugeMetricFamily("omlx_model_leases", "Requests holding the model (never "
+                                   "evicted while > 0)", labels=["model"])
+        pinned = GaugeMetricFamily("omlx_model_pinned", "1 when the model is pinned",
+                                   labels=["model"])
+        loads = CounterMetricFamily("omlx_model_loads", "Loads of the model", labels=["model"])
+        unloads = CounterMetricFamily("omlx_model_unloads", "Unloads of the model, by reason: "
+                                      "evicted, ttl, pressure, request", labels=["model", "reason"])
+        load_s = GaugeMetricFamily("omlx_model_load_seconds", "The model's last load, eviction "
+                                   "included", labels=["model"])
+        footprint = GaugeMetricFamily("omlx_model_footprint_bytes", "Real memory of the model's "
+                                      "worker on a node (PSS / phys_footprint)",
+                                      labels=["model", "node"])
+        active = GaugeMetricFamily("omlx_model_mlx_active_bytes", "MLX active memory of the "
+                                   "model's worker on a node", labels=["model", "node"])
+        for model in m.models:
+            loaded.add_metric([model.name], float(model.state == "loaded"))
+            for s in ("loaded", "loading", "unloaded"):
+                state.add_metric([model.name, s], float(model.state == s))
+            leases.add_metric([model.name], model.leases)
+            pinned.add_metric([model.name], float(model.pinned))
+            loads.add_metric([model.name], model.loads)
+            for reason, n in model.unloads.items():
+                unloads.add_metric([model.name, reason], n)
+            load_s.add_metric([model.name], model.load_seconds)
+        available = GaugeMetricFamily("omlx_cluster_node_memory_available_bytes", "Memory the "
+                                      "node's OS could give now", labels=["node"])
+        total = GaugeMetricFamily("omlx_cluster_node_memory_total_bytes", "The node's memory",
+                                  labels=["node"])
+        pressure = GaugeMetricFamily("omlx_cluster_node_memory_pressure", "The node's memory "
+                                     "pressure: 0 normal, 1 warn, 2 critical", labels=["node"])
+        for node in m.cluster.members:
+            h = node.health
+            if h is None:
+                continue
+            for w in h.workers:
+                footprint.add_metric([w.model_id, node.name], w.footprint_bytes)
+                active.add_metric([w.model_id, node.name], w.mlx_active_bytes)
+            if h.memory_total_bytes:
+                available.add_metric([node.name], h.memory_available_bytes)
+                total.add_metric([node.name], h.memory_total_bytes)
+                pressure.add_metric([node.name], PRESSURE_LEVELS.get(h.memory_pressure, 0))
+        yield from (loaded, state, leases, pinned, loads, unloads, load_s, footprint, active,
+                    available, total, pressure)
+
+
+def prometheus_targets(nodes: list[dict], plans: list[tuple[str, Plan]]) -> list[dict]:
     """Prometheus's HTTP service discovery (`http_sd_configs`) from `Cluster.nodes`: a target
-    group for each stage of the active plan whose shard worker exports metrics, labelled as
-    the node labels its own series (omlx_node.metrics.IDENTITY_LABELS), so that `up` of a
-    stage that stops answering says which one it is."""
-    if plan is None:
-        return []
-    ranks = {s.node: rank for rank, s in enumerate(plan.stages)}
-    return [{"targets": [n["metrics"]],
-             "labels": {"node": n["id"], "model": model, "plan": plan.plan_hash,
-                        "stage": str(ranks[n["id"]]), "layers": "{}:{}".format(*n["layers"])}}
-            for n in nodes if n["alive"] and n["metrics"] and n["layers"] and n["id"] in ranks]
+    group for each stage of each model's active plan (`plans`: model name, plan) whose shard
+    worker exports metrics, labelled as the node labels its own series
+    (omlx_node.metrics.IDENTITY_LABELS), so that `up` of a stage that stops answering says
+    which one it is."""
+    alive = {n["id"]: n for n in nodes if n["alive"]}
+    out = []
+    for model, plan in plans:
+        for rank, s in enumerate(plan.stages):
+            node = alive.get(s.node)
+            worker = next((w for w in node["workers"] if w["model"] == model),
+                          None) if node else None
+            if worker is None or not worker["metrics"]:
+                continue
+            out.append({"targets": [worker["metrics"]],
+                        "labels": {"node": s.node, "model": model, "plan": plan.plan_hash,
+                                   "stage": str(rank),
+                                   "layers": f"{s.layer_start}:{s.layer_end}"}})
+    return out

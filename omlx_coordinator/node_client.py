@@ -92,6 +92,13 @@ class AgentClient:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout,
                                       metadata=self.metadata)
 
+    async def unload_shard(self, model_id: str, grace: float) -> pb.UnloadShardReply:
+        """Stops the worker of `model_id`: SIGTERM, `grace` seconds, SIGKILL; returns once it
+        has exited."""
+        return await self.stub.UnloadShard(
+            pb.UnloadShardRequest(model_id=model_id, grace_seconds=grace),
+            timeout=grace + 30.0, metadata=self.metadata)
+
     async def prepare_weights(self, manifest: pb.WeightManifest,
                               timeout: float = PREPARE_TIMEOUT_SECONDS) -> pb.WeightNeeds:
         return await self.stub.PrepareWeights(manifest, timeout=timeout, metadata=self.metadata)

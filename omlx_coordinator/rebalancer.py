@@ -48,8 +48,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
 
-if TYPE_CHECKING:  # the cluster imports nothing from here; only the I/O half needs it
-    from omlx_coordinator.cluster import Cluster
+if TYPE_CHECKING:  # the manager imports nothing from here; only the I/O half needs it
+    from omlx_coordinator.lifecycle import ModelManager
     from omlx_coordinator.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -407,10 +407,13 @@ def _stage(values: Mapping[str, float], labels: Mapping[str, str]) -> tuple[str,
 
 
 class Rebalancer:
-    """Reads every stage's counters each `tick` seconds, decides, and (mode auto) moves."""
+    """Reads every stage's counters each `tick` seconds, decides, and (mode auto) moves. It
+    balances the main model (the first --model): the one whose pipeline spans the nodes."""
 
-    def __init__(self, cluster: Cluster, metrics: GatewayMetrics, settings: RebalanceSettings):
-        self.cluster, self.metrics, self.settings = cluster, metrics, settings
+    def __init__(self, manager: ModelManager, metrics: GatewayMetrics,
+                 settings: RebalanceSettings):
+        self.cluster, self.metrics, self.settings = manager.cluster, metrics, settings
+        self.deployment = manager.main
         self.policy = policy = settings.policy
         self.prometheus_url = (settings.prometheus_url.rstrip("/") if settings.prometheus_url
                                else None)
@@ -446,8 +449,8 @@ class Rebalancer:
 
     async def step(self) -> Decision | None:
         """One reading and one decision; in auto mode a move when it says so."""
-        plan = self.cluster.plan
-        if not self.cluster.ready or plan is None:
+        plan = self.deployment.plan
+        if not self.deployment.ready or plan is None:
             return None
         reading = await self.read(plan)
         if reading is not None:
@@ -463,7 +466,7 @@ class Rebalancer:
         nodes = [NodeState(m.name, m.budget_bytes, m.speed,
                            self.memory.setdefault(m.name, m.budget_bytes))
                  for m in self.cluster.servable()]
-        decision = decide(self.readings, self.cluster.plan, self.cluster.layout, nodes,
+        decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,
                           left_plan_hash=self.left_plan_hash, remembered=self.remembered,
                           policy=self.policy)
@@ -485,12 +488,12 @@ class Rebalancer:
         assert decision.plan is not None and decision.current is not None
         reason = reason or decision.reason
         async with self._moving:
-            if self.cluster.plan is not decision.current:
+            if self.deployment.plan is not decision.current:
                 return False  # the plan changed under this decision (a node was lost)
             log.warning("rebalancing (%s): %s", reason, decision.why)
             t0 = time.time()
-            moved = await self.cluster.apply_plan(decision.plan, decision.budgets,
-                                                  f"rebalance ({reason}): {decision.why}")
+            moved = await self.deployment.apply_plan(decision.plan, decision.budgets,
+                                                     f"rebalance ({reason}): {decision.why}")
             self.metrics.rebalances.labels(reason).inc()
             self.remembered.update({n: decision.speeds[n] for n in decision.measured})
             self.last_move_at, self.left_plan_hash = time.time(), decision.current.plan_hash
@@ -542,7 +545,9 @@ class Rebalancer:
         return Reading(at, plan.plan_hash, tuple(stages[s.node] for s in plan.stages))
 
     async def _scrape(self, plan: Plan) -> dict[str, StageReading]:
-        endpoints = [n["metrics"] for n in self.cluster.nodes if n["metrics"] and n["layers"]]
+        model = self.deployment.model.name
+        endpoints = [w["metrics"] for n in self.cluster.nodes for w in n["workers"]
+                     if w["model"] == model and w["metrics"]]
         texts = await asyncio.gather(*(self._http.get(f"http://{e}/metrics")
                                        for e in endpoints))
         out = {}

@@ -110,7 +110,12 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def add(self, token: int) -> str:
-        self.ids.append(token)
+        return self.add_many([token])
+
+    def add_many(self, tokens: list[int]) -> str:
+        """The text `tokens` complete: one window decode for a whole chunk of them, which is
+        what keeps a busy stream cheap (a decode call costs the same for one token or ten)."""
+        self.ids += tokens
         return self._advance(final=False)
 
     def flush(self) -> str:

@@ -1,17 +1,21 @@
 """Node agent: the long-lived process of one node. It serves the NodeAgent gRPC service and owns
-the node's shard worker process, replacing it on every new plan. The agent never runs MLX, so it
-survives whatever happens to a worker.
+the node's shard worker processes, one per model, replacing a model's worker on every new plan
+of that model. The agent never runs MLX, so it survives whatever happens to a worker.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import signal
 import socket
 import threading
+import time
+import urllib.request
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
@@ -30,12 +34,101 @@ log = logging.getLogger(__name__)
 WORKER_READY_TIMEOUT_SECONDS = 1800.0  # joining the group and loading a large shard
 PENDING_HANDSHAKES = 16  # begun and not yet admitted; older ones are dropped
 NONCES_REMEMBERED = 4096  # coordinator nonces seen: a replayed Handshake is refused
+UNLOAD_GRACE_SECONDS = 10.0  # UnloadShard's default between SIGTERM and SIGKILL
+# A worker replaced by a new plan of its model: a stage blocked on a dead peer cannot run its
+# SIGTERM handler, so do not wait long (a healthy one flushes its prefix cache well within this).
+REPLACE_GRACE_SECONDS = 1.0
+PROBE_SECONDS = 1.0  # how often Health's view of each worker's memory is refreshed
+PROBE_TIMEOUT_SECONDS = 0.5  # a worker whose /metrics is slower keeps its last reading
+# The gauge the worker exports MLX's active memory as (omlx_node/metrics.py: importing that
+# module would load MLX into the agent).
+MLX_ACTIVE_METRIC = "omlx_node_mlx_active_bytes"
 
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def model_key(request: pb.LoadShardRequest) -> str:
+    """The model a LoadShard is for: its workers are keyed by it."""
+    return request.model_id or os.path.basename(request.model_path)
+
+
+def reachable(host: str) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard: over loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def scrape_gauge(url: str, name: str) -> float | None:
+    """The first sample of gauge `name` on a Prometheus text endpoint; None if the endpoint
+    does not answer in time or lacks it."""
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_SECONDS) as response:
+            text = response.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):  # a worker busy, exiting or stopped
+        return None
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def stop_process(child: ChildProcess, grace: float) -> bool:
+    """SIGTERM, then SIGKILL after `grace` seconds; returns once it has exited, True if it had
+    to be killed."""
+    running = child.alive()
+    child.stop(timeout=grace)
+    return running and child.proc.returncode == -signal.SIGKILL
+
+
+@dataclass
+class Worker:
+    """One model's shard worker, as its LoadShard started it."""
+
+    process: ChildProcess
+    request: pb.LoadShardRequest
+    reply: pb.LoadShardReply
+    metrics_port: int  # the port its /metrics bound
+    footprint_bytes: int = 0  # as last probed
+    mlx_active_bytes: int = 0
+
+    def probe(self, host: str) -> None:
+        """Reads its real footprint and MLX's active memory (from its own /metrics: only the
+        worker may ask MLX). Slow for a large process (PSS walks every mapping's pages): run
+        off Health's path."""
+        try:
+            reading = hardware.process_footprint(self.process.pid)
+        except OSError:  # macOS refused, or it has exited
+            reading = None
+        self.footprint_bytes = reading[1] if reading and self.process.alive() else 0
+        active = scrape_gauge(f"http://{reachable(host)}:{self.metrics_port}/metrics",
+                              MLX_ACTIVE_METRIC) if self.metrics_port else None
+        if active is not None:
+            self.mlx_active_bytes = int(active)
+
+    def status(self) -> pb.WorkerStatus:
+        alive, r, q = self.process.alive(), self.reply, self.request
+        return pb.WorkerStatus(
+            model_id=r.model_id, ready=alive,
+            status="ready" if alive else "the shard worker exited", pid=r.worker_pid,
+            metrics_port=self.metrics_port, worker_address=r.worker_address,
+            layer_start=r.layer_start, layer_end=r.layer_end, num_layers=r.num_layers,
+            rank=q.rank, world_size=max(1, q.world_size), plan_hash=q.plan_hash,
+            footprint_bytes=self.footprint_bytes if alive else 0,
+            mlx_active_bytes=self.mlx_active_bytes if alive else 0)
+
+
+def machine_memory_fields() -> dict:
+    """HealthReply's memory fields, read now (a few small /proc files or sysctls)."""
+    fields: dict = {"memory_total_bytes": hardware.machine_memory()}
+    try:
+        fields["memory_available_bytes"] = hardware.available_memory() or 0
+        fields["memory_pressure"] = hardware.pressure_level()
+    except OSError:  # a sysctl macOS refused: left out of this reply
+        pass
+    return fields
 
 
 class NodeAgent(pb_grpc.NodeAgentServicer):
@@ -67,13 +160,16 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self._seen_nonces: dict[bytes, None] = {}  # insertion-ordered: oldest first
         self.host = host
         self.data_port = data_port or free_port(host)
-        self.metrics_port = metrics_port  # every worker exports /metrics there (0: any port)
-        self.worker_metrics_port = 0  # the port the worker bound
+        # The first worker exports /metrics there, later ones (while it runs) on any free port:
+        # a port binds once. 0: every worker on any port.
+        self.metrics_port = metrics_port
         self.engine_args = list(engine_args or [])  # passed on to every worker
-        self.worker: ChildProcess | None = None
-        self.reply: pb.LoadShardReply | None = None
-        self.request: pb.LoadShardRequest | None = None
-        self.status = "no shard loaded"
+        # One per model, in load order (a reload moves it last); a worker that exited stays
+        # until it is replaced or unloaded, so Health reports it.
+        self.workers: dict[str, Worker] = {}
+        self._loading = False  # a LoadShard is in flight
+        self._workers_lock = threading.Lock()  # UnloadShard and Health do not wait for a load
+        self.status = "no shard loaded"  # what Health says while no worker is here
         self.awake = StayAwake()  # a power assertion against idle sleep while a shard is loaded
         self.checks: list[pb.NodeCheck] = []  # doctor's checks of this machine, once they ran
         threading.Thread(target=self._check_machine, name="checks", daemon=True).start()
@@ -173,6 +269,11 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         except (ChildError, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
+    def UnloadShard(self, request: pb.UnloadShardRequest, context: grpc.ServicerContext):
+        self._authorize(context)
+        return self.unload(request.model_id, request.grace_seconds if request.grace_seconds > 0
+                           else UNLOAD_GRACE_SECONDS)
+
     def PrepareWeights(self, request: pb.WeightManifest, context: grpc.ServicerContext):
         self._authorize(context)
         try:
@@ -193,19 +294,26 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)
-        w, r = self.worker, self.reply
-        ready = w is not None and w.alive() and r is not None
-        reply = pb.HealthReply(ready=ready, status=self.status if ready or w is None else
-                               "the shard worker exited", version=__version__, pid=os.getpid(),
-                               data_port=self.data_port,
-                               metrics_port=self.worker_metrics_port, checks=self.checks)
-        if r is not None and self.request is not None:
-            reply.model_id = r.model_id
+        with self._workers_lock:
+            workers = [w.status() for w in self.workers.values()]
+        reply = pb.HealthReply(status=self.status, version=__version__, pid=os.getpid(),
+                               data_port=self.data_port, checks=self.checks, workers=workers,
+                               **machine_memory_fields())
+        if workers:  # the top-level fields: the worker loaded last, for single-model readers
+            last = workers[-1]
+            reply.ready, reply.status, reply.model_id = last.ready, last.status, last.model_id
             reply.layer_start, reply.layer_end, reply.num_layers = (
-                r.layer_start, r.layer_end, r.num_layers)
-            reply.worker_pid = r.worker_pid
-            reply.rank, reply.world_size = self.request.rank, max(1, self.request.world_size)
+                last.layer_start, last.layer_end, last.num_layers)
+            reply.worker_pid, reply.metrics_port = last.pid, last.metrics_port
+            reply.rank, reply.world_size = last.rank, last.world_size
         return reply
+
+    @property
+    def reply(self) -> pb.LoadShardReply | None:
+        """The LoadShard reply of the worker loaded last; None while none is here."""
+        with self._workers_lock:
+            last = next(reversed(self.workers.values()), None)
+        return last.reply if last is not None else None
 
     def _check_machine(self) -> None:
         """`omlx-cluster doctor`'s checks of this machine, once (system_profiler takes seconds):
@@ -217,7 +325,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     # ---- plans -----------------------------------------------------------------------------
 
     def load(self, request: pb.LoadShardRequest) -> pb.LoadShardReply:
-        """Replaces the worker with one for `request`'s plan; returns once it can serve."""
+        """Replaces the worker of `request`'s model with one for its plan; returns once it can
+        serve."""
         world = max(1, request.world_size)
         if world > 1 and len(request.peers) != world:
             raise ValueError(f"a plan of {world} stages needs {world} peers, got "
@@ -231,54 +340,103 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         if world > 1 and backend == "jaccl" and not request.rdma_devices_json:
             raise ValueError("a jaccl plan needs its RDMA device matrix (rdma_devices_json)")
         with self._lock:
-            self._stop_worker()
-            self.awake.hold()
-            self.status = f"loading {request.model_path}"
-            argv = ["--model", request.model_path,
-                    "--model-id", request.model_id or os.path.basename(request.model_path),
-                    "--layers", f"{request.layer_start}:{request.layer_end or ''}",
-                    "--rank", str(request.rank), "--host", self.host,
-                    "--plan-hash", request.plan_hash,
-                    "--micro-batches", str(request.micro_batches),
-                    "--node-id", self.node_id, "--metrics-port", str(self.metrics_port)]
-            if world > 1:
-                argv += ["--peers", ",".join(request.peers), "--backend", backend]
-            if world > 1 and backend == "jaccl":
-                argv += ["--rdma-devices", request.rdma_devices_json]
-            # Its callers must present the same session, over TLS with these credentials.
-            env = {auth.SESSION_ENV: self.session} if self.session else {}
-            if self.tls is not None:
-                env.update(self.tls.to_env())
-            worker = self._take_standby()
-            what = f"the shard worker (rank {request.rank})"
-            if worker is not None:
-                worker.what = what
-                worker.send_line(json.dumps({"argv": argv, "env": env}))
-            else:
-                worker = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,
-                                      env=blas_env({**os.environ, **env}))
+            self._set_loading(True)
             try:
-                info = worker.wait_ready(WORKER_READY_TIMEOUT_SECONDS)
-            except ChildError as e:
-                self.status = f"load failed: {e}"
-                self.awake.release()  # nothing is loaded now
-                raise
+                return self._replace(model_key(request), request)
             finally:
-                # The next plan's group gets a fresh port: the last one may linger in TIME_WAIT.
-                self.data_port = free_port(self.host)
-                self._spawn_standby()
-            self.worker, self.request = worker, request
-            self.worker_metrics_port = info.get("metrics_port") or 0
-            self.reply = pb.LoadShardReply(
-                model_id=request.model_id or os.path.basename(request.model_path),
-                layer_start=info["layer_start"], layer_end=info["layer_end"],
-                num_layers=info["num_layers"], dtype=info["dtype"],
-                load_seconds=info["load_seconds"], worker_pid=info["pid"],
-                worker_address=f"{self.host}:{info['port']}" if info["port"] else "")
-            self.status = "ready"
-            log.info("worker %d serves layers [%d, %d) as rank %d of %d", info["pid"],
-                     info["layer_start"], info["layer_end"], request.rank, world)
-            return self.reply
+                self._set_loading(False)
+
+    def _replace(self, model_id: str, request: pb.LoadShardRequest) -> pb.LoadShardReply:
+        """Stops `model_id`'s worker, if any, and starts one for `request`; the other models'
+        workers run on, whether this load succeeds or not."""
+        with self._workers_lock:
+            old = self.workers.pop(model_id, None)
+        if old is not None:
+            old.process.stop(timeout=REPLACE_GRACE_SECONDS)
+        self.status = f"loading {request.model_path}"
+        world = max(1, request.world_size)
+        argv = ["--model", request.model_path, "--model-id", model_id,
+                "--layers", f"{request.layer_start}:{request.layer_end or ''}",
+                "--rank", str(request.rank), "--host", self.host,
+                "--plan-hash", request.plan_hash,
+                "--micro-batches", str(request.micro_batches),
+                "--node-id", self.node_id, "--metrics-port", str(self._free_metrics_port())]
+        if world > 1:
+            argv += ["--peers", ",".join(request.peers), "--backend", request.backend or "ring"]
+        if world > 1 and request.backend == "jaccl":
+            argv += ["--rdma-devices", request.rdma_devices_json]
+        # Its callers must present the same session, over TLS with these credentials.
+        env = {auth.SESSION_ENV: self.session} if self.session else {}
+        if self.tls is not None:
+            env.update(self.tls.to_env())
+        process = self._take_standby()
+        what = f"the shard worker of {model_id} (rank {request.rank})"
+        if process is not None:
+            process.what = what
+            process.send_line(json.dumps({"argv": argv, "env": env}))
+        else:
+            process = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,
+                                   env=blas_env({**os.environ, **env}))
+        try:
+            info = process.wait_ready(WORKER_READY_TIMEOUT_SECONDS)
+        except ChildError as e:
+            self.status = f"load failed: {e}"
+            raise
+        finally:
+            # The next plan's group gets a fresh port: the last one may linger in TIME_WAIT,
+            # or be this worker's for as long as it runs.
+            self.data_port = free_port(self.host)
+            self._spawn_standby()
+        worker = Worker(process, request, pb.LoadShardReply(
+            model_id=model_id, layer_start=info["layer_start"], layer_end=info["layer_end"],
+            num_layers=info["num_layers"], dtype=info["dtype"],
+            load_seconds=info["load_seconds"], worker_pid=info["pid"],
+            worker_address=f"{self.host}:{info['port']}" if info["port"] else ""),
+            info.get("metrics_port") or 0)
+        worker.probe(self.host)  # the first Health after LoadShard already shows its memory
+        with self._workers_lock:
+            self.workers[model_id] = worker
+        self.status = "no shard loaded"  # for when every worker is unloaded again
+        log.info("worker %d serves layers [%d, %d) of %s as rank %d of %d", info["pid"],
+                 info["layer_start"], info["layer_end"], model_id, request.rank, world)
+        return worker.reply
+
+    def _free_metrics_port(self) -> int:
+        """The agent's --metrics-port unless a running worker holds it; then 0 (any port)."""
+        with self._workers_lock:
+            taken = any(w.metrics_port == self.metrics_port and w.process.alive()
+                        for w in self.workers.values())
+        return 0 if taken else self.metrics_port
+
+    def _set_loading(self, loading: bool) -> None:
+        with self._workers_lock:
+            self._loading = loading
+            self._keep_awake()
+
+    def _keep_awake(self) -> None:
+        """The power assertion holds while any worker is loaded or loading (called with
+        _workers_lock held, after either changed)."""
+        if self._loading or self.workers:
+            self.awake.hold()
+        else:
+            self.awake.release()
+
+    def unload(self, model_id: str, grace: float = UNLOAD_GRACE_SECONDS) -> pb.UnloadShardReply:
+        """Stops `model_id`'s worker (SIGTERM, SIGKILL after `grace` seconds) and returns once
+        it has exited, so its memory is free. It does not wait for a load in flight: a model
+        whose load is in flight has no worker here yet."""
+        with self._workers_lock:
+            worker = self.workers.pop(model_id, None)
+        if worker is None:
+            return pb.UnloadShardReply(was_loaded=False)
+        t0 = time.monotonic()
+        killed = stop_process(worker.process, grace)
+        seconds = time.monotonic() - t0
+        with self._workers_lock:
+            self._keep_awake()
+        log.info("unloaded %s: worker %d %s after %.1fs", model_id, worker.process.pid,
+                 "killed" if killed else "exited", seconds)
+        return pb.UnloadShardReply(was_loaded=True, killed=killed, seconds=seconds)
 
     def _spawn_standby(self) -> None:
         """Starts the next plan's worker now, up to where it waits for its plan: importing MLX
@@ -293,12 +451,23 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         worker, self._standby = self._standby, None
         return worker if worker is not None and worker.alive() else None
 
-    def _stop_worker(self) -> None:
-        if self.worker is not None:
-            # A stage blocked on a dead peer cannot run its SIGTERM handler: do not wait long
-            # (a healthy one flushes its prefix cache and exits well within this).
-            self.worker.stop(timeout=1.0)
-        self.worker = self.reply = self.request = None
+    def _stop_workers(self) -> None:
+        with self._workers_lock:
+            workers, self.workers = list(self.workers.values()), {}
+        for w in workers:  # all at once: each flushes its prefix cache meanwhile
+            if w.process.alive():
+                w.process.proc.terminate()
+        for w in workers:
+            w.process.stop(timeout=REPLACE_GRACE_SECONDS)
+
+    def _probe_workers(self) -> None:
+        """Keeps Health's view of each worker's memory fresh, so that Health never waits on a
+        busy worker's /metrics or a large process's page tables."""
+        while not self._shutdown.wait(PROBE_SECONDS):
+            with self._workers_lock:
+                workers = list(self.workers.values())
+            for w in workers:
+                w.probe(self.host)
 
     def shutdown(self) -> None:
         self._shutdown.set()
@@ -312,13 +481,14 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.server.start()
         with self._lock:
             self._spawn_standby()
+        threading.Thread(target=self._probe_workers, name="probe-workers", daemon=True).start()
         log.info("node agent listening on %s:%d (%s; data plane port %d)", self.host, self.port,
                  "mutual TLS under the cluster secret" if self.tls else "no TLS", self.data_port)
         while not self._shutdown.wait(0.5):  # a bare wait() would not let signal handlers run
             pass
         self.server.stop(grace=2).wait(5)
         with self._lock:
-            self._stop_worker()
+            self._stop_workers()
             self.awake.release()
             if self._standby is not None:
                 self._standby.stop(timeout=1.0)

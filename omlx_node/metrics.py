@@ -223,6 +223,10 @@ class NodeMetrics:
                                 registry=r)
         self.mlx_peak = Gauge("omlx_node_mlx_peak_bytes", "MLX's peak allocated memory",
                               registry=r)
+        # Made once the shard's weights are loaded (worker.run_worker), on the engine's thread:
+        # a later stage, idle until its first step, exports its weights rather than 0.
+        self.mlx_active.set(mx.get_active_memory())
+        self.mlx_peak.set(mx.get_peak_memory())
         self.profile = StageProfile(r)
         Gauge("omlx_node_prompt_tokens_seconds",
               f"Prompt tokens this stage prefilled per second of prefill, last {WINDOW_SECONDS} s",

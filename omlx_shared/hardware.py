@@ -8,6 +8,14 @@ import platform
 import subprocess
 import sys
 
+# Linux PSI "some avg10" grades: a tenth of the time with a task stalled on memory is where the
+# rebalancer starts shedding layers (omlx_coordinator/rebalancer.py); stalled 40% of the time,
+# the machine is thrashing.
+PSI_WARN = 0.10
+PSI_CRITICAL = 0.40
+# kern.memorystatus_vm_pressure_level's values (<sys/kern_memorystatus.h> kVMPressure*).
+_DARWIN_PRESSURE = {1: "normal", 2: "warn", 4: "critical"}
+
 
 def machine_memory() -> int:
     """Total memory in bytes (unified memory on a Mac)."""
@@ -32,19 +40,37 @@ def chip() -> str:
     return platform.processor() or platform.machine()
 
 
-def process_footprint() -> tuple[str, int] | None:
-    """This process's real memory footprint in bytes, and what measured it: Linux's PSS (its
-    share of every page it maps, a page shared by n processes counting 1/n, so weights mapped
-    by several processes are not counted twice), macOS's phys_footprint (what Activity Monitor
-    shows as a process's Memory). None where neither can be read."""
+def process_footprint(pid: int | None = None) -> tuple[str, int] | None:
+    """A process's real memory footprint in bytes (this process's by default), and what
+    measured it: Linux's PSS (its share of every page it maps, a page shared by n processes
+    counting 1/n, so weights mapped by several processes are not counted twice), macOS's
+    phys_footprint (what Activity Monitor shows as a process's Memory). None where neither can
+    be read or the process is gone (macOS raises OSError then)."""
     if sys.platform == "darwin":
-        return "phys_footprint", _darwin().footprint()
+        return "phys_footprint", _darwin().footprint(pid or os.getpid())
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(f"/proc/{pid or 'self'}/smaps_rollup") as f:
             for line in f:
                 if line.startswith("Pss:"):
                     return "pss", int(line.split()[1]) * 1024  # the kernel writes kB
-    except OSError:  # not Linux, or a kernel before 4.14
+    except OSError:  # not Linux, a kernel before 4.14, or no such process
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes the OS could give a process now without swapping: Linux's MemAvailable (free
+    memory plus the page cache and reclaimable slabs it can drop), on macOS the share of memory
+    kern.memorystatus_level counts as available (free, inactive and purgeable pages). None
+    where neither can be read."""
+    if sys.platform == "darwin":
+        return machine_memory() * _darwin().sysctl_int(b"kern.memorystatus_level") // 100
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
         pass
     return None
 
@@ -55,13 +81,29 @@ def memory_pressure() -> tuple[str, float] | None:
     avg10"), on macOS 1 - kern.memorystatus_level / 100 (that level is the share of memory the
     kernel counts as available). None where neither can be read."""
     if sys.platform == "darwin":
-        return "memorystatus_level", 1 - _darwin().memorystatus_level() / 100
+        return "memorystatus_level", 1 - _darwin().sysctl_int(b"kern.memorystatus_level") / 100
     try:
         with open("/proc/pressure/memory") as f:
             some = f.readline().split()  # "some avg10=0.12 avg60=... avg300=... total=..."
         return "psi_some_avg10", float(some[1].partition("=")[2]) / 100
     except (OSError, IndexError, ValueError):  # no PSI (kernel < 4.20, or disabled)
         return None
+
+
+def pressure_level() -> str:
+    """The machine's memory pressure as the OS grades it: "normal", "warn" or "critical"; ""
+    where it cannot be read. macOS says it itself (kern.memorystatus_vm_pressure_level, what
+    Activity Monitor's pressure graph and the kernel's memory-pressure notifications use); on
+    Linux it is graded from PSI's stall share (memory_pressure)."""
+    if sys.platform == "darwin":
+        return _DARWIN_PRESSURE.get(_darwin().sysctl_int(b"kern.memorystatus_vm_pressure_level"),
+                                    "normal")
+    reading = memory_pressure()
+    if reading is None:
+        return ""
+    stalled = reading[1]
+    return ("critical" if stalled >= PSI_CRITICAL else "warn" if stalled >= PSI_WARN
+            else "normal")
 
 
 class _Darwin:
@@ -84,19 +126,18 @@ class _Darwin:
 
         self.rusage_info = RusageInfoV0
 
-    def footprint(self) -> int:
+    def footprint(self, pid: int) -> int:
         info = self.rusage_info()
-        if self.lib.proc_pid_rusage(os.getpid(), 0, self.ctypes.byref(info)) != 0:
+        if self.lib.proc_pid_rusage(pid, 0, self.ctypes.byref(info)) != 0:
             raise OSError(self.ctypes.get_errno(), "proc_pid_rusage failed")
         return info.ri_phys_footprint
 
-    def memorystatus_level(self) -> int:
+    def sysctl_int(self, name: bytes) -> int:
         c = self.ctypes
-        level, size = c.c_int(0), c.c_size_t(c.sizeof(c.c_int))
-        if self.lib.sysctlbyname(b"kern.memorystatus_level", c.byref(level), c.byref(size),
-                                 None, c.c_size_t(0)) != 0:
-            raise OSError(c.get_errno(), "sysctlbyname(kern.memorystatus_level) failed")
-        return level.value
+        value, size = c.c_int(0), c.c_size_t(c.sizeof(c.c_int))
+        if self.lib.sysctlbyname(name, c.byref(value), c.byref(size), None, c.c_size_t(0)) != 0:
+            raise OSError(c.get_errno(), f"sysctlbyname({name.decode()}) failed")
+        return value.value
 
 
 @functools.cache

@@ -9,7 +9,7 @@ for the colon name finds nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -40,4 +40,30 @@ def labelled(source: CollectorRegistry, labels: Mapping[str, str]) -> CollectorR
     tests read a registry's values by their own labels."""
     exported = CollectorRegistry(auto_describe=False)
     exported.register(_Labelled(source, labels))
+    return exported
+
+
+class _Merged:
+    """The series of several registries; families of the same name become one."""
+
+    def __init__(self, sources: Sequence[CollectorRegistry]):
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for source in self.sources:
+            for family in source.collect():
+                out = families.get(family.name)
+                if out is None:
+                    out = families[family.name] = Metric(family.name, family.documentation,
+                                                         family.type, family.unit)
+                out.samples.extend(family.samples)
+        yield from families.values()
+
+
+def merged(sources: Sequence[CollectorRegistry]) -> CollectorRegistry:
+    """One registry to export several from (each model's, each labelled with its model): the
+    text format allows one HELP and TYPE per name, so same-named families are joined."""
+    exported = CollectorRegistry(auto_describe=False)
+    exported.register(_Merged(sources))
     return exported

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import Cluster, ClusterOptions
+from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.gateway import create_app
 from omlx_coordinator.node_client import AdmissionError, AgentClient
 from omlx_node.agent import NodeAgent
@@ -23,7 +23,7 @@ from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
-from tests.tiny_models import build_model
+from tests.tiny_models import build_model, serving
 
 SECRET = "the office's cluster secret"
 NODE = "mac-a"
@@ -349,9 +349,10 @@ def test_a_registration_never_displaces_a_live_member(node, model, caplog):
     relay = TcpRelay(address)
 
     async def scenario():
-        cluster = Cluster(model, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
+        manager = serving(model, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
                                                             os_reserve_bytes=0))
-        app = create_app(cluster, start_cluster=False)
+        cluster, served = manager.cluster, manager.main
+        app = create_app(manager, start_cluster=False)
         transport = httpx.ASGITransport(app=app)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
@@ -367,8 +368,8 @@ def test_a_registration_never_displaces_a_live_member(node, model, caplog):
 
                 signed = auth.registration(SECRET, address, NODE)
                 assert (await register(signed)).status_code == 202
-                assert cluster.ready, cluster.status
-                epoch = cluster.epoch
+                assert served.ready, served.status
+                epoch = served.epoch
                 replayed = await register(signed)
                 assert replayed.status_code == 401 and "replayed" in replayed.text
                 with mock.patch.object(auth.time, "time", return_value=time.time() - 3600):
@@ -383,12 +384,12 @@ def test_a_registration_never_displaces_a_live_member(node, model, caplog):
                 assert (await register(auth.registration(SECRET, relay.address, NODE))
                         ).status_code == 202
                 assert [(m.name, m.agent.address) for m in cluster.members] == [(NODE, address)]
-                assert cluster.ready and cluster.epoch == epoch
-                assert (await cluster.node.stats()).running == 0  # it still serves
+                assert served.ready and served.epoch == epoch
+                assert (await served.node.stats()).running == 0  # it still serves
                 assert (await register(auth.registration(SECRET, address, NODE))
                         ).json() == {"status": "member"}
         finally:
-            await cluster.stop()
+            await manager.stop()
 
     with caplog.at_level(logging.WARNING, logger="omlx_coordinator"):
         try:

@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from omlx_coordinator.backend import BackendError, choose_backend
-from omlx_coordinator.cluster import Cluster, ClusterOptions
+from omlx_coordinator.cluster import ClusterOptions
 from omlx_node import thunderbolt
 from proto import omlx_pb2 as pb
 from tests.conftest import REPO, free_port, start_server
-from tests.tiny_models import build_model
+from tests.tiny_models import build_model, serving
 
 # ---- recorded formats ------------------------------------------------------------------------
 # The shapes of macOS 26's tool output (identifiers made up). This Mac ("mac-a") has three
@@ -294,11 +294,12 @@ def test_jaccl_that_does_not_form_falls_back_to_ring(model):
     workers refuse jaccl at once (this MLX build has none), and the plan loads over ring."""
 
     async def main():
-        cluster = Cluster(model, "tiny-be", ClusterOptions(nodes=2, secret="s"))
-        await cluster.start()
+        manager = serving(model, "tiny-be", ClusterOptions(nodes=2, secret="s"))
+        await manager.start()
+        cluster = manager.main
         try:
             assert cluster.backend.backend == "ring"
-            a, b = cluster.members
+            a, b = manager.cluster.members
             a.rdma_ports = [pb.RdmaPort(device="rdma_en2", uuid="A2", peer_uuid="B5")]
             b.rdma_ports = [pb.RdmaPort(device="rdma_en5", uuid="B5", peer_uuid="A2")]
             t0 = time.monotonic()
@@ -311,7 +312,7 @@ def test_jaccl_that_does_not_form_falls_back_to_ring(model):
             await cluster.recover("test: again", always=True)
             return fell_back, tokens, cluster.backend
         finally:
-            await cluster.stop()
+            await manager.stop()
 
     (ready, choice, seconds), tokens, again = asyncio.run(main())
     assert ready and choice.backend == "ring"

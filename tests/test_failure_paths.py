@@ -16,7 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import Cluster, ClusterOptions
+from omlx_coordinator.cluster import ClusterOptions
+from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
     MAX_ATTEMPTS,
@@ -43,7 +44,7 @@ from tests.test_weight_transfer import (
     chunk,
     push,
 )
-from tests.tiny_models import build_model
+from tests.tiny_models import build_model, serving
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def big(tmp_path_factory) -> Path:
 
 # ---- the gateway's generation core against a real cluster -------------------------------------
 
-async def run_request(cluster: Cluster, req: GenerationRequest, settings: GatewaySettings,
-                      on_first_delta: Callable[[Cluster], None] | None = None
+async def run_request(manager: ModelManager, req: GenerationRequest, settings: GatewaySettings,
+                      on_first_delta: Callable[[ModelManager], None] | None = None
                       ) -> tuple[list[int], Done | APIError]:
     """One request through the generation core: its tokens and how it ended. `on_first_delta`
     runs on the first tokens of the request on each plan (each attempt, where every attempt
@@ -70,12 +71,12 @@ async def run_request(cluster: Cluster, req: GenerationRequest, settings: Gatewa
     tokens: list[int] = []
     epochs: set[int] = set()
     try:
-        async for ev in generate(cluster, GatewayMetrics(), settings, req):
+        async for ev in generate(manager, manager.models[0], GatewayMetrics(), settings, req):
             if isinstance(ev, Delta) and ev.tokens:
                 tokens += ev.tokens
-                if on_first_delta and cluster.epoch not in epochs:
-                    epochs.add(cluster.epoch)
-                    on_first_delta(cluster)
+                if on_first_delta and manager.main.epoch not in epochs:
+                    epochs.add(manager.main.epoch)
+                    on_first_delta(manager)
             elif isinstance(ev, Done):
                 return tokens, ev
     except APIError as e:
@@ -83,20 +84,20 @@ async def run_request(cluster: Cluster, req: GenerationRequest, settings: Gatewa
     raise AssertionError("the generation ended without Done")
 
 
-def serve(model: Path, scenario: Callable[[Cluster], Awaitable], **options):
+def serve(model: Path, scenario: Callable[[ModelManager], Awaitable], **options):
     async def main():
-        cluster = Cluster(model, model.name, ClusterOptions(secret=SECRET, **options))
-        await cluster.start()
+        manager = serving(model, model.name, ClusterOptions(secret=SECRET, **options))
+        await manager.start()
         try:
-            return await scenario(cluster)
+            return await scenario(manager)
         finally:
-            await cluster.stop()
+            await manager.stop()
 
     return asyncio.run(main())
 
 
-def head_worker(cluster: Cluster) -> int:
-    return cluster.members[0].health.worker_pid
+def head_worker(manager: ModelManager) -> int:
+    return manager.cluster.members[0].health.worker_pid
 
 
 def long_request(max_tokens: int = 1500) -> GenerationRequest:
@@ -108,14 +109,14 @@ def test_node_status_codes_map_to_http(model):
     """INVALID_ARGUMENT (the node refuses the request) is the client's 400; any other status
     that is not a lost node (here UNAUTHENTICATED: the worker does not take this session) is a
     503 naming the code."""
-    async def scenario(cluster: Cluster):
+    async def scenario(cluster: ModelManager):
         settings = GatewaySettings(keepalive_seconds=0.5)
         bad = await run_request(cluster, GenerationRequest(prompt=[5, 6], max_tokens=0),
                                 settings)
-        session = cluster.node.metadata
-        cluster.node.metadata = ((auth.SESSION_METADATA, "not-the-session"),)
+        session = cluster.main.node.metadata
+        cluster.main.node.metadata = ((auth.SESSION_METADATA, "not-the-session"),)
         refused = await run_request(cluster, long_request(4), settings)
-        cluster.node.metadata = session
+        cluster.main.node.metadata = session
         fine = await run_request(cluster, long_request(4), settings)
         return bad, refused, fine
 
@@ -128,32 +129,33 @@ def test_node_status_codes_map_to_http(model):
 
 
 def test_a_recovery_that_outlasts_the_request_is_a_504(model):
-    async def scenario(cluster: Cluster):
-        replan = asyncio.create_task(cluster.recover("test: a new plan", always=True))
+    async def scenario(cluster: ModelManager):
+        replan = asyncio.create_task(cluster.main.recover("test: a new plan", always=True))
         for _ in range(1000):  # recover() takes the cluster out of service first
-            if not cluster.ready:
+            if not cluster.main.ready:
                 break
             await asyncio.sleep(0.01)
-        assert not cluster.ready
+        assert not cluster.main.ready
         ended = await run_request(cluster, long_request(4), GatewaySettings(
             request_timeout=0.05, keepalive_seconds=0.1))
         await replan
         after = await run_request(cluster, long_request(4), GatewaySettings())
-        return ended, after, cluster.epoch
+        return ended, after, cluster.main.epoch
 
     (tokens, ended), (_, after), epoch = serve(model, scenario)
     assert isinstance(ended, APIError) and ended.status == 504 and not tokens
-    assert "ran past the server's time limit while the cluster recovered" in ended.message
+    assert "ran past the server's time limit while the model loaded or the cluster recovered" \
+        in ended.message
     assert isinstance(after, Done) and epoch == 2
 
 
 def test_a_request_whose_plans_keep_changing_gives_up(model):
     """Every attempt's worker is stopped for a new plan: each is resumed (a clean stop is never
     the request's fault), until MAX_ATTEMPTS: a 503 that says so."""
-    async def scenario(cluster: Cluster):
+    async def scenario(cluster: ModelManager):
         replans: list[asyncio.Task] = []
         ended = await run_request(cluster, long_request(), GatewaySettings(), lambda c: (
-            replans.append(asyncio.create_task(c.recover("test: a new plan", always=True)))))
+            replans.append(asyncio.create_task(c.main.recover("test: a new plan", always=True)))))
         await asyncio.gather(*replans)
         return ended
 
@@ -167,12 +169,12 @@ def test_a_request_whose_plans_keep_changing_gives_up(model):
 def test_a_request_that_breaks_two_plans_is_not_run_again(model):
     """Its worker dies under it (SIGKILL), and again on the plan that replaced it: the request
     is refused with its own error, and the cluster, re-planned, serves the next one."""
-    async def scenario(cluster: Cluster):
+    async def scenario(cluster: ModelManager):
         ended = await run_request(cluster, long_request(), GatewaySettings(),
                                   lambda c: os.kill(head_worker(c), signal.SIGKILL))
-        epoch = cluster.epoch
+        epoch = cluster.main.epoch
         after = await run_request(cluster, long_request(8), GatewaySettings())
-        return ended, epoch, after, cluster.epoch
+        return ended, epoch, after, cluster.main.epoch
 
     (tokens, ended), epoch, (_, after), final = serve(model, scenario)
     assert isinstance(ended, APIError) and ended.status == 500, ended
@@ -238,22 +240,24 @@ def test_a_node_without_disk_room_is_left_out_of_the_plan(big, tmp_path):
     with agent_process(tmp_path / "a", "mac-a") as (_, a), \
             tmpfs_agent(tmp_path / "b", "70m", "mac-b") as (_, b):
         async def main():
-            cluster = Cluster(big, "wide-fp", ClusterOptions(nodes=0, secret=SECRET,
+            manager = serving(big, "wide-fp", ClusterOptions(nodes=0, secret=SECRET,
                                                              os_reserve_bytes=0))
-            await cluster.start()
+            await manager.start()
+            cluster = manager.cluster
             try:
                 await cluster.add_remote(a, "mac-a")
                 await cluster.add_remote(b, "mac-b")
-                done = await run_request(cluster, long_request(4), GatewaySettings())
-                return cluster.ready, cluster.plan, cluster.nodes, done
+                done = await run_request(manager, long_request(4), GatewaySettings())
+                return manager.main.ready, manager.main.plan, cluster.nodes, done
             finally:
-                await cluster.stop()
+                await manager.stop()
 
         ready, plan, nodes, (tokens, done) = asyncio.run(main())
     assert ready and [s.node for s in plan.stages] == ["mac-a"]
     by_id = {n["id"]: n for n in nodes}
     assert "not enough disk space on this node for wide-fp" in by_id["mac-b"]["weights_error"]
-    assert by_id["mac-b"]["layers"] is None and by_id["mac-a"]["layers"] == [0, 4]
+    assert by_id["mac-b"]["workers"] == []
+    assert [w["layers"] for w in by_id["mac-a"]["workers"]] == [[0, 4]]
     assert isinstance(done, Done) and len(tokens) == 4
 
 

@@ -21,7 +21,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from prometheus_client import generate_latest
 
-from omlx_coordinator.cluster import Cluster, ClusterOptions
+from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.node_client import AgentClient
 from omlx_coordinator.weight_transfer import SourceFile, WeightSource, ensure_weights
@@ -34,7 +34,7 @@ from omlx_shared.model_store import ModelError, list_models, read_shard_record
 from omlx_shared.safetensors_header import read_header
 from proto import omlx_pb2 as pb
 from tests.conftest import parse_metrics
-from tests.tiny_models import build_model
+from tests.tiny_models import build_model, serving
 
 SECRET = "weights travel only to admitted nodes"
 
@@ -192,22 +192,23 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     with agent_process(tmp_path / "a", "mac-a") as (_, a), \
             agent_process(tmp_path / "b", "mac-b") as (_, b):
         async def main():
-            cluster = Cluster(small, "tiny-wt", ClusterOptions(nodes=0, secret=SECRET,
+            manager = serving(small, "tiny-wt", ClusterOptions(nodes=0, secret=SECRET,
                                                                os_reserve_bytes=0))
-            await cluster.start()
+            await manager.start()
+            cluster = manager.cluster
             try:
                 await cluster.add_remote(a, "mac-a")  # mac-a alone: it receives the whole model
                 whole = cluster.weight_counters.bytes_sent
                 await cluster.add_remote(b, "mac-b")  # the split: mac-b receives only its range
-                assert cluster.ready, cluster.status
-                layers = {m.name: m.layers for m in cluster.members}
-                call = cluster.node.generate(pb.GenerateRequest(
+                assert manager.main.ready, manager.main.status
+                layers = manager.main.stages_on()
+                call = manager.main.node.generate(pb.GenerateRequest(
                     request_id="r", prompt_tokens=prompt, max_tokens=16), timeout=60)
                 tokens = [t async for chunk in call for t in chunk.tokens]
                 counters = cluster.weight_counters
                 return whole, counters.bytes_sent - whole, layers, tokens, counters
             finally:
-                await cluster.stop()
+                await manager.stop()
 
         whole, second, layers, tokens, counters = run(main())
     assert tokens == reference

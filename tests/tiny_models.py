@@ -221,3 +221,15 @@ def qwen_tokenizer(dest: Path) -> Path:
     tok.chat_template = QWEN_TEMPLATE
     tok.save_pretrained(str(dest))
     return dest
+
+
+def serving(model: Path, name: str, options, **config):
+    """A model manager serving `model` alone as `name` over a cluster with `options` (a
+    ClusterOptions): what `serve --model` builds, for tests that drive it in-process."""
+    from omlx_coordinator.cluster import Cluster
+    from omlx_coordinator.lifecycle import ModelManager
+    from omlx_coordinator.model_config import ModelConfig
+    from omlx_coordinator.served_model import ServedModel
+
+    return ModelManager(Cluster(options), [ServedModel(ModelConfig(name, str(model), **config),
+                                                       model)])

@@ -50,7 +50,6 @@ from omlx_coordinator.api.anthropic_schema import (
     ToolUseBlock,
 )
 from omlx_coordinator.api.common import check_text, collect_unless_gone, sse
-from omlx_coordinator.cluster import Cluster
 from omlx_coordinator.constraints import grammar_for_tool_call, validate
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
@@ -63,6 +62,7 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
+from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
@@ -412,14 +412,15 @@ def _tool_use(tok: ChatTokenizer, body: MessagesRequest, tools: list[dict] | Non
     return fmt, grammar
 
 
-def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
+def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, GatewayMetrics],
                settings: GatewaySettings, keyed: list[Depends]) -> None:
+    """`metrics_of`: each model's, by name."""
     @app.post(PATH, dependencies=keyed)
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        check_servable(cluster, body.model)
-        tok = cluster.tokenizer
+        served = check_servable(manager, body.model)
+        metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(_encode, tok, body)
-        max_tokens = token_budget(cluster, prompt, body.max_tokens, settings, clamp=True)
+        max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
         fmt, grammar = await asyncio.to_thread(_tool_use, tok, body, tools)
         one_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         # One call only: its end marker ends generation (the parser takes a call without it).
@@ -430,9 +431,9 @@ def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
                                 top_k=body.top_k,
                                 stop=body.stop_sequences + ([call_end] if call_end else []),
                                 grammar=grammar)
-        reply = _Reply(cluster.model_id, len(prompt),
+        reply = _Reply(served.name, len(prompt),
                        ToolCallStream(fmt, tools) if fmt else None, one_call, call_end)
-        events = generate(cluster, metrics, settings, req)
+        events = generate(manager, served, metrics, settings, req)
 
         if body.stream:
             return StreamingResponse(_stream(reply, events, metrics),
@@ -452,8 +453,8 @@ def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
 
     @app.post(PATH + "/count_tokens", dependencies=keyed)
     async def count_tokens(body: PromptBody) -> dict:
-        check_servable(cluster, body.model)
-        prompt, _ = await asyncio.to_thread(_encode, cluster.tokenizer, body)
+        served = check_servable(manager, body.model)
+        prompt, _ = await asyncio.to_thread(_encode, served.tokenizer, body)
         return {"input_tokens": len(prompt)}
 
 

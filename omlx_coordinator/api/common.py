@@ -4,10 +4,10 @@ client going away."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -27,8 +27,10 @@ def check_text(text: str, param: str) -> None:
 
 
 def sse(obj: dict, event: str | None = None) -> str:
+    """One server-sent event (orjson: several times faster than json, which at many streams
+    is felt per token)."""
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"{head}data: {orjson.dumps(obj).decode()}\n\n"
 
 
 async def collect_unless_gone(request: Request, collect: Callable[[], Awaitable[T]],

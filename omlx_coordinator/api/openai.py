@@ -30,7 +30,6 @@ from omlx_coordinator.api.openai_schema import (
     CompletionRequest,
     _Common,
 )
-from omlx_coordinator.cluster import Cluster
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
     Delta,
@@ -42,7 +41,9 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
+from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
 from proto import omlx_pb2 as pb
@@ -236,8 +237,14 @@ class _Choices:
         self.queue.put_nowait((i, None))
 
     async def merged(self) -> AsyncIterator[tuple[int, Delta | KeepAlive | Done]]:
+        if len(self.gens) == 1:
+            # Nothing to merge: no task and queue between the generation and its client,
+            # which at many streams is a good part of the gateway's work per token.
+            async for ev in self.gens[0]:
+                yield 0, ev
+            return
         self._start(0)
-        live, waiting = set(range(len(self.gens))), len(self.gens) > 1
+        live, waiting = set(range(len(self.gens))), True
         while live:
             i, ev = await self.queue.get()
             if isinstance(ev, Exception):
@@ -267,15 +274,16 @@ class _Choices:
                 await gen.aclose()
 
 
-async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
+async def _respond(request: Request, manager: ModelManager, model: ServedModel,
+                   metrics: GatewayMetrics,
                    settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
                    endpoint: str, output: _Output, grammar: str = "",
                    echo: str = "") -> Response:
     limit_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
                    else "max_tokens")
-    max_tokens = token_budget(cluster, prompt, body.token_limit, settings,
+    max_tokens = token_budget(model, prompt, body.token_limit, settings,
                               "messages" if chat else "prompt", limit_param)
-    shape = _Shape(chat, cluster.model_id)
+    shape = _Shape(chat, model.name)
     stop = body.stop
     if output.single_call and output.tool_format and output.tool_format.end:
         stop = stop + [output.tool_format.end]
@@ -289,24 +297,23 @@ async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
     def start(i: int) -> AsyncIterator:
         # Seeded choices differ from one another yet are each reproducible.
         seed = None if body.seed is None else body.seed + i
-        return generate(cluster, metrics, settings, replace(base, seed=seed))
+        return generate(manager, model, metrics, settings, replace(base, seed=seed))
 
     events = _Choices(start, body.n)
-    choices = [_Choice(i, chat, cluster.tokenizer, output) for i in range(body.n)]
+    choices = [_Choice(i, chat, model.tokenizer, output) for i in range(body.n)]
 
-    async def chunks() -> AsyncIterator[tuple[int, dict, str | None] | None]:
-        """(choice index, delta, finish_reason) per stream chunk; None for a keep-alive."""
+    async def chunks() -> AsyncIterator[list[tuple[int, dict, str | None]] | None]:
+        """Each core event's stream chunks, as (choice index, delta, finish_reason); None for a
+        keep-alive."""
         async for i, ev in events.merged():
             choice = choices[i]
             if isinstance(ev, KeepAlive):
                 yield None
             elif isinstance(ev, Delta):
-                for d in choice.delta(ev):
-                    yield i, d, None
+                yield [(i, d, None) for d in choice.delta(ev)]
             else:
-                for d in choice.finish(ev):
-                    yield i, d, None
-                yield i, {}, choice.done.finish_reason
+                last = choice.finish(ev)
+                yield [(i, d, None) for d in last] + [(i, {}, choice.done.finish_reason)]
 
     if body.stream:
         async def stream() -> AsyncIterator[str]:
@@ -317,8 +324,11 @@ async def _respond(request: Request, cluster: Cluster, metrics: GatewayMetrics,
                         yield sse(shape.chunk(i, {"role": "assistant", "content": ""}))
                     elif echo:
                         yield sse(shape.chunk(i, {"text": echo}))
-                async for item in chunks():
-                    yield ": keep-alive\n\n" if item is None else sse(shape.chunk(*item))
+                async for items in chunks():
+                    if items is None:
+                        yield ": keep-alive\n\n"
+                    elif items:  # one write for all of an event's chunks
+                        yield "".join(sse(shape.chunk(*item)) for item in items)
                 if body.include_usage:
                     yield sse(shape.usage_chunk([c.done for c in choices]))
                 outcome = "ok"
@@ -389,57 +399,62 @@ def _response_grammar(body: ChatCompletionRequest) -> str:
     return grammar
 
 
-def add_routes(app: FastAPI, cluster: Cluster, metrics: GatewayMetrics,
+def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMetrics],
                settings: GatewaySettings, keyed: list[Depends]) -> None:
-    def model_card() -> dict:
-        return {"id": cluster.model_id, "object": "model", "created": 0,
-                "owned_by": "omlx-cluster"}
+    """`metrics`: each model's, by name."""
+    def model_card(model: ServedModel) -> dict:
+        # OpenAI's fields, and what a client choosing a model wants to know besides.
+        d = manager.describe(model)
+        return {"object": "model", "created": 0, "owned_by": "omlx-cluster", **d,
+                "replicas": len(d["replicas"]), "context_length": model.max_context or None}
 
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in manager.models]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=keyed)
     async def model(model_id: str) -> dict:
-        if model_id != cluster.model_id:
-            raise APIError(404, f"model {model_id!r} is not served here; available: "
-                                f"{cluster.model_id!r}", param="model", code="model_not_found")
-        return model_card()
+        found = manager.resolve(model_id)
+        if found is None:
+            names = ", ".join(repr(m.name) for m in manager.models)
+            raise APIError(404, f"model {model_id!r} is not served here; available: {names}",
+                           param="model", code="model_not_found")
+        return model_card(found)
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        check_servable(cluster, body.model)
+        served = check_servable(manager, body.model)
         messages = body.template_messages()
         for i, m in enumerate(messages):
             check_text(m["content"], f"messages.{i}.content")
-        tools, output, grammar = await asyncio.to_thread(_tool_setup, body, cluster.tokenizer)
+        tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
         try:
-            prompt = await asyncio.to_thread(cluster.tokenizer.encode_chat, messages, tools)
+            prompt = await asyncio.to_thread(served.tokenizer.encode_chat, messages, tools)
         except APIError:
             raise
         except Exception as e:  # a template that rejects these messages (roles, order...)
             raise APIError(400, f"the chat template rejected the messages: {e}",
                            param="messages") from e
-        return await _respond(request, cluster, metrics, settings, prompt, body, True, "chat",
-                              output, grammar)
+        return await _respond(request, manager, served, metrics[served.name], settings, prompt,
+                              body, True, "chat", output, grammar)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_servable(cluster, body.model)
+        served = check_servable(manager, body.model)
         if isinstance(body.prompt, str):
             check_text(body.prompt, "prompt")
-            prompt = await asyncio.to_thread(cluster.tokenizer.encode, body.prompt)
+            prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:
             prompt = list(body.prompt)
-            bad = [t for t in prompt if not 0 <= t < cluster.vocab_size]
+            bad = [t for t in prompt if not 0 <= t < served.vocab_size]
             if bad:
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside the model's "
-                                    f"vocabulary [0, {cluster.vocab_size})", param="prompt")
+                                    f"vocabulary [0, {served.vocab_size})", param="prompt")
         if not prompt:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         echo = ""
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else cluster.tokenizer.decode(prompt)
+            echo = body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(prompt)
         output = _Output(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
-        return await _respond(request, cluster, metrics, settings, prompt, body, False,
-                              "completions", output, echo=echo)
+        return await _respond(request, manager, served, metrics[served.name], settings, prompt,
+                              body, False, "completions", output, echo=echo)

@@ -1,0 +1,361 @@
+"""One replica of one model: a plan over some of the cluster's nodes, its workers, its epochs.
+
+A model runs as one deployment (one node, or a pipeline) or as several replicas, each on nodes
+of its own (omlx_coordinator/placement.py decides). A deployment plans within what the other
+models leave free on each node, asks every stage's agent at once to load its range (the
+data-plane group forms only when all ranks join) and sends sequences to its head worker. When a
+node or worker of its plan dies it re-plans over the nodes left, and `wait_ready` lets in-flight
+requests resume on the new plan; an unload stops its workers and frees their memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
+from omlx_coordinator.cluster import Cluster, Member, NoCapacity
+from omlx_coordinator.node_client import WorkerClient
+from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
+from omlx_coordinator.routing import PrefixIndex
+from omlx_coordinator.served_model import ServedModel
+from omlx_coordinator.weight_transfer import TransferProgress, ensure_weights
+from proto import omlx_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
+
+
+class Deployment:
+    def __init__(self, cluster: Cluster, model: ServedModel, replica: int = 0,
+                 plan: Plan | None = None):
+        self.cluster, self.model, self.replica = cluster, model, replica
+        self.name = model.name if replica == 0 else f"{model.name}#{replica}"
+        self.node: WorkerClient | None = None  # the head worker of the active plan
+        self.plan: Plan | None = None
+        self.placed = plan  # the plan placement chose, loaded first
+        self.epoch = 0  # plans loaded so far
+        self.ready = False
+        self.status = "unloaded"
+        self.capacity_error = ""
+        self.last_recovery: dict | None = None
+        self.load_seconds = 0.0  # the slowest stage's weight load in the last plan
+        self.backend: BackendChoice | None = None  # the data plane of the active plan
+        self.inflight = 0  # requests on it now: what routing balances
+        self.requests = 0  # attempts it has run (a resumed request counts again)
+        self.prefixes = PrefixIndex()  # block hashes of what it served: cache-aware routing
+        self.unloaded = False  # stopped on purpose: never re-planned
+        self.siblings: list[Deployment] = []  # the model's other replicas (disjoint nodes)
+        self._ready_event = asyncio.Event()
+        self._replanning = asyncio.Lock()
+
+    # ---- where it may run -------------------------------------------------------------------
+
+    def stages_on(self) -> dict[str, tuple[int, int]]:
+        """The layer range of the active plan on each of its nodes."""
+        if self.plan is None:
+            return {}
+        return {s.node: (s.layer_start, s.layer_end) for s in self.plan.stages}
+
+    def held_bytes(self) -> dict[str, int]:
+        """What its plan holds on each node (weights and KV, as the planner counts them)."""
+        plan = self.plan or self.placed
+        return {s.node: s.memory_bytes for s in plan.stages} if plan else {}
+
+    def usable(self) -> list[Member]:
+        """The live members it may plan over: not those of its sibling replicas."""
+        taken = {n for d in self.siblings for n in d.held_bytes()}
+        return [m for m in self.cluster.servable() if m.name not in taken]
+
+    def make_plan(self, members: list[Member] | None = None) -> Plan:
+        """Plans over `members` (default: the local nodes `serve` is about to start), each
+        within what the other deployments leave free on it."""
+        if members is None:
+            nodes = [NodeSpec(f"local{i}", self.cluster.local_budget())
+                     for i in range(self.cluster.options.nodes)]
+        else:
+            nodes = [NodeSpec(m.name, self.cluster.free_budget(m.name, self), m.speed)
+                     for m in members]
+        split = self.model.config.split
+        return make_plan(self.model.layout, nodes, os_reserve_bytes=0,
+                         split=split if split and len(split) == len(nodes) else None)
+
+    def _next_plan(self) -> tuple[list[Member], Plan | None]:
+        """The members that may serve, and a plan over them (None: none fits)."""
+        live = self.usable()
+        try:
+            return live, self.make_plan(live) if live else None
+        except PlanError as e:
+            self.capacity_error = str(e)
+            return live, None
+
+    def _staged(self, plan: Plan | None) -> tuple[list[Member], Plan | None]:
+        """The members that run `plan` in rank order, and the plan; a new plan over the usable
+        members when none is given or one of its nodes cannot serve."""
+        by_name = {m.name: m for m in self.usable()}
+        if plan is None or any(s.node not in by_name for s in plan.stages):
+            live, plan = self._next_plan()
+            by_name = {m.name: m for m in live}
+        return ([by_name[s.node] for s in plan.stages] if plan else []), plan
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Loads its placed plan (or a new one); raises NoCapacity, or the failed load's error."""
+        self.unloaded = False
+        await self._load_plan(self.placed)
+
+    async def _load_plan(self, plan: Plan | None = None) -> None:
+        """Has each member of `plan` (default: a new plan over the usable members) load its
+        range; every agent at once, since the data-plane group forms only when all ranks have
+        joined. A jaccl group chosen automatically that fails to form is loaded again over
+        ring: RDMA that misbehaves must not leave the model down."""
+        members, plan = self._staged(plan)
+        if plan is None:
+            self.capacity_error = self.capacity_error or "no node is left to run the model"
+            self.status = f"no capacity: {self.capacity_error}"
+            raise NoCapacity(self.capacity_error)
+        try:
+            choice = self._choose_backend(members)
+        except BackendError as e:
+            self.capacity_error = str(e)
+            self.status = f"cannot serve: {e}"
+            raise NoCapacity(str(e)) from None
+        self.placed = plan  # what it holds from now on, for the other models' budgets
+        paths = await self._transfer_weights(members, plan)
+        self.status = f"loading {self.name} (plan {plan.plan_hash})"
+        try:
+            replies = await self._load_stages(plan, members, paths, choice)
+        except grpc.aio.AioRpcError as e:
+            if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
+                raise
+            error = _error_line(e.details() or str(e.code()))
+            log.warning("the jaccl group of plan %s did not form (%s): loading it over ring",
+                        plan.plan_hash, error)
+            self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
+            choice = BackendChoice("ring", f"jaccl did not form: {error}")
+            replies = await self._load_stages(plan, members, paths, choice)
+        if self.node is not None:
+            await self.node.close()
+        self.node = members[0].agent.worker(replies[0].worker_address)
+        for m in members:
+            m.health = await m.agent.health()
+        self.plan, self.backend, self.capacity_error = plan, choice, ""
+        self.load_seconds = max(r.load_seconds for r in replies)
+        self.epoch += 1
+        log.info("serving %s on %d stage(s) over %s (%s), split %s (plan %s, epoch %d)",
+                 self.name, len(members), choice.backend, choice.reason, plan.split,
+                 plan.plan_hash, self.epoch)
+        self.ready, self.status = True, "ready"
+        self._ready_event.set()
+
+    def _choose_backend(self, members: list[Member]) -> BackendChoice:
+        """The data plane for `members` (in rank order); raises BackendError."""
+        failed = self.cluster.jaccl_failed.get(tuple(m.name for m in members))
+        if failed is not None and self.cluster.options.backend == "auto":
+            return BackendChoice("ring", f"jaccl did not form on these nodes before: {failed}")
+        return choose_backend(self.cluster.options.backend, [m.rdma_ports for m in members],
+                              [m.name for m in members])
+
+    async def _load_stages(self, plan: Plan, members: list[Member], paths: dict[str, str],
+                           choice: BackendChoice) -> list[pb.LoadShardReply]:
+        """Has every stage load its range over `choice`'s backend. Waits for every agent to
+        answer before raising: a retry must not find an agent still busy with this attempt, nor
+        name a data port it is about to replace. Raises the first failure, usually the cause:
+        the other ranks then wait for the failed one until their watchdog ends them."""
+        world = len(members)
+        peers: list[str] = []
+        if world > 1:
+            healths = await asyncio.gather(*(m.agent.health() for m in members))
+            peers = [f"{m.agent.address.rsplit(':', 1)[0]}:{h.data_port}"
+                     for m, h in zip(members, healths)]
+        failures: list[BaseException] = []
+
+        async def load(rank: int, m: Member, stage: Stage) -> pb.LoadShardReply:
+            try:
+                return await m.agent.load_shard(pb.LoadShardRequest(
+                    model_path=paths.get(m.name, str(self.model.path)),
+                    model_id=self.model.name, layer_start=stage.layer_start,
+                    layer_end=stage.layer_end, rank=rank, world_size=world, peers=peers,
+                    backend=choice.backend if world > 1 else "",
+                    rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
+                    micro_batches=self.cluster.options.micro_batches))
+            except BaseException as e:
+                failures.append(e)
+                raise
+
+        replies = await asyncio.gather(*(load(rank, m, stage) for rank, (m, stage)
+                                         in enumerate(zip(members, plan.stages))),
+                                       return_exceptions=True)
+        if failures:
+            raise failures[0]
+        return replies
+
+    async def _transfer_weights(self, members: list[Member], plan: Plan) -> dict[str, str]:
+        """Sends every remote stage the tensors of its range it lacks, all nodes at once;
+        returns each remote node's folder to load from. Local nodes read the model's folder."""
+        remote = [(m, s) for m, s in zip(members, plan.stages) if m.process is None]
+        if not remote:
+            return {}
+        source = await self.model.weight_source()
+        progress: dict[str, TransferProgress] = {}
+        before = self.status
+
+        def show(p: TransferProgress) -> None:
+            progress[p.node] = p
+            self.status = "transferring weights: " + ", ".join(
+                f"{q.node} {q.bytes_sent / 1e6:.0f}/{q.bytes_to_send / 1e6:.0f} MB"
+                for q in progress.values())
+
+        async def one(m: Member, stage: Stage) -> str:
+            try:
+                result = await ensure_weights(m.agent, source, stage.layer_start,
+                                              stage.layer_end, show,
+                                              self.cluster.weight_counters, label=m.name)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    m.weights_error = e.details()
+                    log.error("node %s cannot take %s: %s", m.name, self.name, e.details())
+                raise
+            return result.local_path
+
+        self.status = (f"transferring weights of {self.name} to "
+                       f"{', '.join(m.name for m, _ in remote)}")
+        # Every transfer runs to its end before a failure is raised: a retry must not race a
+        # transfer still writing into the same node folder.
+        results = await asyncio.gather(*(one(m, s) for m, s in remote), return_exceptions=True)
+        self.status = before
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return {m.name: path for (m, _), path in zip(remote, results)}
+
+    # ---- failures, moves and unloads --------------------------------------------------------
+
+    def broken_by(self, lost: set[str]) -> bool:
+        """Whether its active plan lost a stage: a node in `lost`, or a stage's worker of this
+        model that its agent no longer reports ready (not while a plan of it loads: then every
+        worker is being replaced)."""
+        if self.plan is None or self.unloaded or self._replanning.locked():
+            return False
+        by_name = {m.name: m for m in self.cluster.members}
+        for s in self.plan.stages:
+            m = by_name.get(s.node)
+            if s.node in lost or m is None or not m.alive:
+                return True
+            if m.health is not None and not any(w.model_id == self.model.name and w.ready
+                                                for w in m.health.workers):
+                log.warning("node %s: the shard worker of %s is gone", m.name, self.name)
+                return True
+        return False
+
+    async def recover(self, reason: str, always: bool = False, plan: Plan | None = None) -> None:
+        """Loads a new plan over the usable members (once, however many ask, unless `always`:
+        a node that joined must be planned in even right after another re-plan); `plan`: that
+        one instead, unless one of its nodes is gone or its load fails."""
+        epoch = self.epoch
+        async with self._replanning:
+            if self.unloaded or (self.epoch != epoch and self.ready and not always):
+                return  # unloaded on purpose, or someone else recovered already
+            if self.ready:
+                await self._prefetch_weights(plan)
+            self.ready = False
+            self._ready_event.clear()
+            self.status = f"recovering: {reason}"
+            log.warning("re-planning %s: %s", self.name, reason)
+            t0, started_at = time.monotonic(), time.time()
+            while True:
+                try:
+                    await self._load_plan(plan)
+                    break
+                except NoCapacity as e:
+                    log.error("cannot serve %s: %s", self.name, e)
+                    return  # new and in-flight requests get 503 until a node joins
+                except (grpc.aio.AioRpcError, OSError) as e:
+                    log.warning("re-plan failed, retrying: %s", e)
+                    plan = None  # what failed may be a node of that plan: plan afresh
+                    await asyncio.sleep(1.0)
+                    await self.cluster.check_members()
+            self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
+                                  "started_at": started_at, "epoch": self.epoch,
+                                  "load_seconds": self.load_seconds}
+            log.info("recovered in %.2fs", self.last_recovery["seconds"])
+
+    async def apply_plan(self, plan: Plan, budgets: dict[str, int], reason: str) -> bool:
+        """Moves to `plan` (the rebalancer's) through the re-plan path: weights first while
+        the current plan serves, then the switch, in-flight requests resuming on it. `budgets`
+        (lowered for a node short of memory) stay for later plans; whether `plan` serves."""
+        for m in self.cluster.members:
+            m.budget_bytes = budgets.get(m.name, m.budget_bytes)
+        await self.recover(reason, always=True, plan=plan)
+        return self.plan is not None and self.plan.plan_hash == plan.plan_hash
+
+    async def _prefetch_weights(self, plan: Plan | None = None) -> None:
+        """While the current plan still serves (a node joined, a rebalance), sends the next
+        plan's remote stages their weights: clients then wait only for the load, not for the
+        transfer. A failure here is only logged: _load_plan transfers (and reports) again."""
+        members, plan = self._staged(plan)
+        if plan is None:
+            return
+        try:
+            await self._transfer_weights(members, plan)
+        except (grpc.aio.AioRpcError, OSError) as e:
+            log.warning("weights for the next plan: %s", e)
+
+    async def unload(self, grace: float = UNLOAD_GRACE_SECONDS) -> None:
+        """Stops its workers (SIGTERM, `grace`, then SIGKILL), every stage at once; returns once
+        each agent saw its worker exit, so the memory is free. Never re-planned afterwards."""
+        async with self._replanning:
+            self.unloaded, self.ready = True, False
+            self._ready_event.clear()
+            self.status = "unloading"
+            by_name = {m.name: m for m in self.cluster.members}
+            stages = [by_name[n] for n in self.stages_on() if n in by_name
+                      and by_name[n].alive]
+            # The head first: its STOP ends the later stages, which wait for it rather than
+            # for a SIGTERM (omlx_node/pipeline.py).
+            results = [await _settled(m.agent.unload_shard(self.model.name, grace))
+                       for m in stages[:1]]
+            results += await asyncio.gather(*(m.agent.unload_shard(self.model.name, grace)
+                                              for m in stages[1:]), return_exceptions=True)
+            for m, r in zip(stages, results):
+                if isinstance(r, BaseException):
+                    log.warning("unloading %s on %s: %s", self.name, m.name, r)
+                elif r.killed:
+                    log.warning("the worker of %s on %s outlived %.0fs after SIGTERM and was "
+                                "killed", self.name, m.name, grace)
+            if self.node is not None:
+                await self.node.close()
+            self.node, self.plan, self.placed, self.backend = None, None, None, None
+            self.status = "unloaded"
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Returns once a plan serves; raises NoCapacity at once when nothing can serve, or
+        TimeoutError."""
+        if self.capacity_error and not self.ready:
+            raise NoCapacity(self.capacity_error)
+        await asyncio.wait_for(self._ready_event.wait(), timeout)
+
+    async def close(self) -> None:
+        if self.node is not None:
+            await self.node.close()
+
+
+async def _settled(call):
+    """`call`'s result, or the exception it raised (as asyncio.gather's return_exceptions)."""
+    try:
+        return await call
+    except Exception as e:
+        return e
+
+
+def _error_line(details: str) -> str:
+    """The line that says what went wrong in a failed LoadShard's details (which end with the
+    worker's log): its last "error:" line, else its last line."""
+    lines = [line.strip() for line in details.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or [details])[-1].removeprefix("error:").strip()

@@ -1,0 +1,173 @@
+"""Which models a cluster serves and how: names, aliases, pinning, idle TTL, replicas.
+
+From the command line (`--model NAME=PATH` repeated, `--alias`, `--pin`, `--ttl`, `--replicas`)
+or a small TOML file (`--models-config`, the format below). Pure: paths are resolved and checked
+by the caller (omlx_shared/model_spec.py), so a config naming a missing folder fails at start.
+
+    [[model]]
+    name = "coder"                 # what clients send as "model"
+    path = "/models/Qwen2.5-Coder-7B-4bit"
+    aliases = ["gpt-4o-mini"]      # other names that reach it
+    pin = true                     # never evicted
+    ttl = 1800                     # seconds idle before it is unloaded (0: never)
+    replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+Replicas = int | str  # a count, or "auto"
+
+
+class ModelConfigError(ValueError):
+    """A model setting that makes no sense; the message names it and says what is expected."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    spec: str  # a folder, or a name in the local model store (resolved by the caller)
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+    ttl_seconds: float = 0.0  # idle time before it is unloaded; 0: never
+    replicas: Replicas = 1
+    split: list[int] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ModelConfigError(f"model name {self.name!r}: must be non-empty, no spaces")
+        if self.ttl_seconds < 0:
+            raise ModelConfigError(f"model {self.name}: ttl must be >= 0 seconds")
+        if self.replicas != "auto" and not (isinstance(self.replicas, int)
+                                            and self.replicas >= 1):
+            raise ModelConfigError(f"model {self.name}: replicas must be a positive integer "
+                                   f"or \"auto\", got {self.replicas!r}")
+
+
+def parse_model_arg(text: str) -> tuple[str | None, str]:
+    """`NAME=PATH` or `PATH` (the name is then the folder's): (name or None, spec)."""
+    name, sep, spec = text.partition("=")
+    # A path may itself hold "=", but a name never holds "/".
+    if sep and name and "/" not in name:
+        return name, spec
+    return None, text
+
+
+def _pair(text: str, flag: str, names: set[str], model_first: bool = True) -> tuple[str, str]:
+    """`NAME=VALUE` (or, not `model_first`, `ALIAS=NAME`) naming a configured model: (the
+    model's name, the other side)."""
+    left, sep, right = text.partition("=")
+    if not sep or not left or not right:
+        raise ModelConfigError(f"{flag} {text!r}: expected "
+                               f"{'NAME=VALUE' if model_first else 'ALIAS=NAME'}")
+    name, other = (left, right) if model_first else (right, left)
+    if name not in names:
+        raise ModelConfigError(f"{flag} {text!r}: no model named {name!r} (models: "
+                               f"{', '.join(sorted(names))})")
+    return name, other
+
+
+def _pairs(values: list[str], flag: str, names: set[str]) -> dict[str, str]:
+    """`NAME=VALUE` flags, each naming a configured model."""
+    return dict(_pair(v, flag, names) for v in values)
+
+
+def _replicas(value: str | int, what: str) -> Replicas:
+    if value == "auto" or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ModelConfigError(f"{what}: replicas must be an integer or \"auto\", "
+                               f"got {value!r}") from None
+
+
+def _ttl(value: str | float, what: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ModelConfigError(f"{what}: ttl must be a number of seconds, got {value!r}") from None
+
+
+def from_flags(models: list[tuple[str, str]], aliases: list[str], pins: list[str],
+               ttls: list[str], replicas: list[str]) -> list[ModelConfig]:
+    """The models named on the command line, in order (the first is the main model: loaded
+    first, and the one the rebalancer balances). `ttls` and `replicas` take NAME=VALUE, or a
+    bare VALUE for every model."""
+    names = {name for name, _ in models}
+    if len(names) != len(models):
+        raise ModelConfigError("two --model flags give the same name: pass NAME=PATH")
+
+    def per_model(values: list[str], flag: str) -> tuple[str | None, dict[str, str]]:
+        bare = [v for v in values if "=" not in v]
+        return (bare[-1] if bare else None), _pairs([v for v in values if "=" in v], flag, names)
+
+    ttl_all, ttl_of = per_model(ttls, "--ttl")
+    rep_all, rep_of = per_model(replicas, "--replicas")
+    alias_of: dict[str, list[str]] = {}
+    for a in aliases:  # several per model
+        target, alias = _pair(a, "--alias", names, model_first=False)
+        alias_of.setdefault(target, []).append(alias)
+    unknown = [p for p in pins if p not in names]
+    if unknown:
+        raise ModelConfigError(f"--pin {unknown[0]}: no model named so (models: "
+                               f"{', '.join(sorted(names))})")
+    out = []
+    for name, spec in models:
+        ttl, reps = ttl_of.get(name, ttl_all), rep_of.get(name, rep_all)
+        out.append(ModelConfig(
+            name, spec, tuple(alias_of.get(name, ())), name in pins,
+            _ttl(ttl, f"--ttl {name}") if ttl is not None else 0.0,
+            _replicas(reps, f"--replicas {name}") if reps is not None else 1))
+    check_names(out)
+    return out
+
+
+def from_file(path: Path) -> list[ModelConfig]:
+    """The `[[model]]` tables of a TOML file (the module docstring shows the format)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ModelConfigError(f"cannot read the models config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ModelConfigError(f"the models config {path} is not valid TOML: {e}") from None
+    tables = data.get("model")
+    if not isinstance(tables, list) or not tables:
+        raise ModelConfigError(f"the models config {path} has no [[model]] table")
+    known = {"name", "path", "aliases", "pin", "ttl", "replicas"}
+    out = []
+    for i, t in enumerate(tables):
+        what = f"{path}: model {i + 1}"
+        extra = sorted(set(t) - known)
+        if extra:
+            raise ModelConfigError(f"{what}: unknown key {extra[0]!r} (known: "
+                                   f"{', '.join(sorted(known))})")
+        if "path" not in t:
+            raise ModelConfigError(f"{what}: has no path")
+        name = t.get("name") or Path(str(t["path"])).name
+        out.append(ModelConfig(str(name), str(t["path"]),
+                               tuple(str(a) for a in t.get("aliases", ())),
+                               bool(t.get("pin", False)), _ttl(t.get("ttl", 0), what),
+                               _replicas(t.get("replicas", 1), what)))
+    check_names(out)
+    return out
+
+
+def check_names(models: list[ModelConfig]) -> None:
+    """Every name and alias reaches exactly one model."""
+    seen: dict[str, str] = {}
+    for m in models:
+        for n in (m.name, *m.aliases):
+            if n in seen:
+                raise ModelConfigError(
+                    f"the name {n!r} is given to both {seen[n]!r} and {m.name!r}"
+                    if seen[n] != m.name else f"model {m.name!r} has the name {n!r} twice")
+            seen[n] = m.name
+
+
+def with_split(models: list[ModelConfig], split: list[int] | None) -> list[ModelConfig]:
+    """`--split` is the main model's layer split."""
+    return [replace(models[0], split=split), *models[1:]] if split else models

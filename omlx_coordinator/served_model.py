@@ -1,0 +1,82 @@
+"""One model the gateway serves, whether loaded or not: its files, tokenizer, limits and use.
+
+What the API adapters need to turn a request into tokens (the tokenizer, the context, the
+vocabulary) never needs the model loaded: a request for an unloaded model is checked and
+encoded first, and only then waits for its load. Leases and the last use drive eviction
+(omlx_coordinator/lifecycle.py): a model with a lease is never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from omlx_coordinator.model_config import ModelConfig
+from omlx_coordinator.model_layout import ModelLayout, read_layout
+from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.weight_transfer import WeightSource
+
+# What /v1/models and `status` show of a model.
+UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+
+def _text_setting(config: dict, key: str) -> int:
+    """A config value; multimodal configs keep the language model's under text_config."""
+    value = config.get(key)
+    if value is None:
+        value = (config.get("text_config") or {}).get(key)
+    return int(value or 0)
+
+
+class ServedModel:
+    def __init__(self, config: ModelConfig, path: Path):
+        self.config, self.path, self.name = config, path, config.name
+        self.tokenizer = ChatTokenizer(path)
+        settings = json.loads((path / "config.json").read_text())
+        self.max_context = _text_setting(settings, "max_position_embeddings")
+        self.vocab_size = (_text_setting(settings, "vocab_size")
+                           or len(self.tokenizer.tokenizer))
+        self.layout: ModelLayout = read_layout(path, model_id=config.name)
+        self.state = UNLOADED
+        self.pinned = config.pinned
+        self.leases = 0  # requests admitted and not yet finished
+        self.last_used = time.monotonic()
+        self.error = ""  # why its last load failed ("" when it did not)
+        self.load_seconds = 0.0  # of its last load, eviction included
+        self.loaded_at = 0.0  # when (time.time()) its last load ended
+        self.loads = 0
+        self.unloads: dict[str, int] = {}  # by reason: evicted, ttl, pressure, request
+        self._released = asyncio.Event()  # set whenever a lease ends
+        self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.config.aliases)
+
+    def acquire(self) -> None:
+        self.leases += 1
+        self.last_used = time.monotonic()
+
+    def release(self) -> None:
+        self.leases -= 1
+        self.last_used = time.monotonic()
+        self._released.set()
+
+    async def lease_ended(self, timeout: float) -> None:
+        """Returns when some lease of this model ends (or after `timeout`)."""
+        self._released.clear()
+        try:
+            await asyncio.wait_for(self._released.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def weight_source(self) -> WeightSource:
+        """The index of its files that remote nodes receive their layers from."""
+        if self._weight_source is None:
+            self._weight_source = await asyncio.to_thread(WeightSource, self.path, self.name)
+        return self._weight_source
+
+    def idle_seconds(self) -> float:
+        return time.monotonic() - self.last_used
