@@ -147,9 +147,9 @@ def predicted(url: str, model: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def rate_during(url: str, model: str, seconds_of, streams: int = 8) -> float:
+def rate_during(url: str, model: str, seconds_of, streams: int = 8) -> tuple[float, float]:
     """tok/s of `model` under `streams` looping requests while `seconds_of()` runs, from the
-    gateway's own token counter over that window."""
+    gateway's own token counter over that window; and the window's length."""
     done = threading.Event()
 
     def loop(i: int) -> None:
@@ -167,25 +167,26 @@ def rate_during(url: str, model: str, seconds_of, streams: int = 8) -> float:
     done.set()
     for t in threads:
         t.join(120)
-    return (after - before) / (t1 - t0)
+    return (after - before) / (t1 - t0), t1 - t0
 
 
-def part_loading_beside(work: Path, a: Path, b: Path) -> dict:
+def part_loading_beside(work: Path, a: Path, b: Path, runs: int) -> dict:
+    """Per run: A's tok/s over 3 s with B unloaded, then over the window in which B loads."""
+    alone, during, windows = [], [], []
     with start_server(a, "--model", f"{b.name}={b}", home=work / "beside",
                       keepalive=None) as server:
-        httpx.post(f"{server.url}/cluster/models/{b.name}/unload", timeout=60).raise_for_status()
-        load_window: list[float] = []
-
-        def load_b() -> None:
-            t0 = time.monotonic()
-            httpx.post(f"{server.url}/cluster/models/{b.name}/load",
-                       timeout=600).raise_for_status()
-            load_window.append(time.monotonic() - t0)
-
-        during = rate_during(server.url, a.name, load_b)
-        alone = rate_during(server.url, a.name, lambda: time.sleep(load_window[0]))
-    return {"alone_tok_s": alone, "while_loading_tok_s": during, "ratio": during / alone,
-            "load_window_s": load_window[0]}
+        for _ in range(runs):
+            httpx.post(f"{server.url}/cluster/models/{b.name}/unload",
+                       timeout=60).raise_for_status()
+            alone.append(rate_during(server.url, a.name, lambda: time.sleep(3.0))[0])
+            rate, window = rate_during(server.url, a.name, lambda: httpx.post(
+                f"{server.url}/cluster/models/{b.name}/load", timeout=600).raise_for_status())
+            during.append(rate)
+            windows.append(window)
+    ratios = [d / a_ for d, a_ in zip(during, alone)]
+    return {"alone_tok_s": statistics.median(alone),
+            "while_loading_tok_s": statistics.median(during),
+            "ratio": statistics.median(ratios), "load_window_s": statistics.median(windows)}
 
 
 def main() -> None:
@@ -198,7 +199,8 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-models-"))
     a = build_model(work / "model-a", "llama", num_layers=8, hidden_size=256, seed=1)
-    b = build_model(work / "model-b", "qwen3", num_layers=16, hidden_size=768, seed=2)
+    # Large enough that its load takes a while (1.2 GB of float32 weights).
+    b = build_model(work / "model-b", "qwen3", num_layers=24, hidden_size=1024, seed=2)
     results: dict = {"machine": args.machine, "runs": args.runs}
     if "replicas" in args.parts:
         results["replicas"] = part_replicas(work, a, args.runs)
@@ -210,7 +212,7 @@ def main() -> None:
         results["switching"] = part_switching(work, a, b, args.runs)
         print("switching:", json.dumps(results["switching"]), flush=True)
     if "beside" in args.parts:
-        results["beside"] = part_loading_beside(work, a, b)
+        results["beside"] = part_loading_beside(work, a, b, args.runs)
         print("A while B loads:", json.dumps(results["beside"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "models_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
