@@ -108,6 +108,8 @@ class ModelManager:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for task in self._loads.values():  # a load half done must not outlive the nodes
+            task.cancel()
         for d in self.deployments():
             await d.close()
         await self.cluster.stop()

@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -213,7 +214,8 @@ class StageState:
         cache keeps the blocks the chunk completed right away: a sliding-window layer still
         holds them now, not at admission."""
         cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
-        out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True))
+        out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
+                               self._prefill_results(cache))
         mx.eval([c.state for c in cache])
         if self.prefix_cache is not None and seq_id in self.tokens:
             self.prefix_cache.store(self.tokens[seq_id], cache)
@@ -230,13 +232,22 @@ class StageState:
             for layer, c in enumerate(cache):
                 keys, values = zip(*(h[layer].keys_and_values() for h in held))
                 c.state = (mx.concatenate(keys), mx.concatenate(values), held[0][layer].offset)
-        self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True))
+        self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
+                         self._prefill_results(cache))
         rows = {s: [_row(c, r) for c in cache] for r, s in enumerate(seq_ids)}
         mx.eval([c.keys_and_values() for kv in rows.values() for c in kv])
         for s, kv in rows.items():
             self.prefilling[s] = kv
             if self.prefix_cache is not None and s in self.tokens:
                 self.prefix_cache.store(self.tokens[s], kv)
+
+    def _prefill_results(self, cache: list) -> Callable[[mx.array], list]:
+        """What a prefill chunk is for: the KV it leaves, and on every stage but the last the
+        hidden states it passes on (the last stage's logits of a prompt chunk go unused: the
+        prompt's last token is decoded as the first step)."""
+        if self.stage.info.is_last:
+            return lambda out: [c.state for c in cache]
+        return lambda out: [out, *(c.state for c in cache)]
 
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:

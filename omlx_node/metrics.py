@@ -100,9 +100,12 @@ class StageProfile:
         self._busy = _Window(1)  # compute seconds
         self._prefill = _Window(2)  # prompt tokens, compute seconds
 
-    def run(self, kind: str, x: mx.array, compute: Callable[[], mx.array]) -> mx.array:
+    def run(self, kind: str, x: mx.array, compute: Callable[[], mx.array],
+            results: Callable[[mx.array], list] = lambda out: [out]) -> mx.array:
         """`compute()`: this stage's layers on input `x` (rows, tokens, ...) in a step of `kind`;
-        returns its output, evaluated if this step was timed."""
+        returns its output. A timed step evaluates `results(output)`: what the step is for
+        (a prefill on the last stage keeps only its KV cache, and computing its unused output
+        would run the last layer over every prompt position)."""
         self._steps[kind].inc()
         rows, tokens = x.shape[0], x.shape[0] * x.shape[1]
         self.tokens += tokens
@@ -117,7 +120,7 @@ class StageProfile:
         mx.eval(x)
         t1 = time.perf_counter()
         out = compute()
-        mx.eval(out)
+        mx.eval(results(out))
         seconds = time.perf_counter() - t1
         if kind in self.peer_inputs:
             self._wait[kind].observe(t1 - t0)
