@@ -32,7 +32,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,10 +44,9 @@ if str(REPO) not in sys.path:
 from bench.bench_single_node import (  # noqa: E402
     LLAMA8B,
     TINYLLAMA,
+    MlxLmServer,
     Server,
-    free_port,
     machine_info,
-    stream_one,
 )
 
 # Small enough that an 8192-token prefill takes seconds on a 2-core CPU, wide enough that it is
@@ -204,41 +202,6 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
 # ---- the HTTP sides -----------------------------------------------------------------------------
 
 
-class MlxLmServer:
-    """`mlx_lm.server` on the same model folder."""
-
-    def __init__(self, model: Path, log_path: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
-             str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited ({self.proc.returncode})")
-            try:
-                httpx.get(self.base + "/v1/models", timeout=2.0)
-                return
-            except httpx.HTTPError:
-                time.sleep(0.25)
-        raise TimeoutError("mlx_lm.server was not ready in time")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-
-
 async def first_sse(client, base: str, model: str, prompt: str) -> float:
     """A streamed greedy /v1/completions of a text prompt: seconds to its first text event."""
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
@@ -287,7 +250,7 @@ def measure_servers(model_path: Path, lengths: list[int], repeats: int, work: Pa
         finally:
             server.stop()
         print(f"  http {name}: {out[name]}", file=sys.stderr, flush=True)
-    server = MlxLmServer(model_path, work / "mlx_lm_server.log")
+    server = MlxLmServer(model_path, work / "mlx_lm_server.log", [])
     try:
         server.wait_ready(600)
         # mlx_lm.server takes the request's model as a path to load: the folder it serves.

@@ -19,6 +19,7 @@ import grpc
 from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
 from omlx_coordinator.cluster import Cluster, Member, NoCapacity
 from omlx_coordinator.node_client import WorkerClient
+from omlx_coordinator.placement import plan_bytes
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
 from omlx_coordinator.routing import PrefixIndex
 from omlx_coordinator.served_model import ServedModel
@@ -61,10 +62,14 @@ class Deployment:
             return {}
         return {s.node: (s.layer_start, s.layer_end) for s in self.plan.stages}
 
+    @property
+    def holding(self) -> Plan | None:
+        """The plan whose memory it holds: the active one, else the one it is loading."""
+        return self.plan or self.placed
+
     def held_bytes(self) -> dict[str, int]:
         """What its plan holds on each node (weights and KV, as the planner counts them)."""
-        plan = self.plan or self.placed
-        return {s.node: s.memory_bytes for s in plan.stages} if plan else {}
+        return plan_bytes(self.holding) if self.holding else {}
 
     def usable(self) -> list[Member]:
         """The live members it may plan over: not those of its sibling replicas."""

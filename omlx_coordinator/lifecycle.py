@@ -215,8 +215,8 @@ class ModelManager:
         """The loaded models but `model`, as placement sees them (`idle`: as if none had a
         lease)."""
         return [placement.LoadedModel(
-            m.name, placement.plan_bytes(*(d.plan or d.placed for d in self.replicas[m.name]
-                                           if d.plan or d.placed)),
+            m.name, placement.plan_bytes(*(d.holding for d in self.replicas[m.name]
+                                           if d.holding)),
             m.last_used, m.pinned, 0 if idle else m.leases)
             for m in self.models if m is not model and m.state != UNLOADED]
 
@@ -276,10 +276,7 @@ class ModelManager:
     async def _watermark(self, plans: list[Plan]) -> None:
         """Waits until every node of `plans` has the memory its stage needs free, as its OS
         reports it (an unloaded worker's pages may take a moment to go back)."""
-        need: dict[str, int] = {}
-        for p in plans:
-            for s in p.stages:
-                need[s.node] = need.get(s.node, 0) + s.memory_bytes
+        need = placement.plan_bytes(*plans)
         by_name = {m.name: m for m in self.cluster.members}
         deadline = time.monotonic() + WATERMARK_WAIT_SECONDS
         while True:
