@@ -242,16 +242,19 @@ class Deployment:
     # ---- failures, moves and unloads --------------------------------------------------------
 
     def broken_by(self, lost: set[str]) -> bool:
-        """Whether its active plan lost a stage: a node in `lost`, or a stage's worker of this
-        model that its agent no longer reports ready (not while a plan of it loads: then every
-        worker is being replaced)."""
-        if self.plan is None or self.unloaded or self._replanning.locked():
+        """Whether its active plan lost a stage: a node in `lost` or gone, or a stage's worker of
+        this model that its agent no longer reports ready (not while a plan of it loads: then
+        every worker is being replaced)."""
+        if self.plan is None or self.unloaded:
             return False
         by_name = {m.name: m for m in self.cluster.members}
         for s in self.plan.stages:
             m = by_name.get(s.node)
+            # A node lost during a re-plan still counts: `recover` runs after that one.
             if s.node in lost or m is None or not m.alive:
                 return True
+            if self._replanning.locked():
+                continue
             if m.health is not None and not any(w.model_id == self.model.name and w.ready
                                                 for w in m.health.workers):
                 log.warning("node %s: the shard worker of %s is gone", m.name, self.name)
@@ -264,7 +267,8 @@ class Deployment:
         one instead, unless one of its nodes is gone or its load fails."""
         epoch = self.epoch
         async with self._replanning:
-            if self.unloaded or (self.epoch != epoch and self.ready and not always):
+            if self.unloaded or (self.epoch != epoch and self.ready and not always
+                                 and not self.broken_by(set())):
                 return  # unloaded on purpose, or someone else recovered already
             if self.ready:
                 await self._prefetch_weights(plan)
