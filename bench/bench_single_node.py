@@ -367,11 +367,20 @@ async def _client_main(spec: dict) -> list[dict]:
     n = len(spec["bodies"])
     async with httpx.AsyncClient(timeout=httpx.Timeout(spec["timeout"]),
                                  limits=httpx.Limits(max_connections=n + 4)) as client:
+        # A fresh process's first request pays for lazy imports and connection setup (~25 ms on
+        # the 2-core VM, ~145 ms on the H200 host, for every server alike): done before the
+        # clock starts, with one kept-alive connection per stream where the server keeps them,
+        # as an agent's SDK client does.
+        models = spec["url"].rsplit("/v1/", 1)[0] + "/v1/models"
+        t = time.monotonic()
+        await asyncio.gather(*(client.get(models) for _ in range(n)))
+        warmup = time.monotonic() - t
         print("ready", flush=True)
         # The parent starts every client process at once, once all are up.
         await asyncio.to_thread(sys.stdin.readline)
-        return list(await asyncio.gather(*(_client_stream(client, spec["url"], b)
-                                           for b in spec["bodies"])))
+        streams = await asyncio.gather(*(_client_stream(client, spec["url"], b)
+                                         for b in spec["bodies"]))
+        return [s | {"client_warmup_s": warmup} for s in streams]
 
 
 def run_clients(url: str, bodies: list[dict], procs: int, work: Path, timeout: float
@@ -424,7 +433,8 @@ def http_workloads(spec: dict, url: str, body, work: Path, procs: int):
         # would make a first-to-last-event rate meaningless.
         s = run_clients(url, [body(prompt, max_tokens)], 1, work, spec["timeout"])[0]
         return {"ttft": s["ttft"], "decode_tps": s["tokens"] / (s["end"] - s["t0"]),
-                "tokens": s["tokens"], "events": s["events"]}
+                "tokens": s["tokens"], "events": s["events"],
+                "client_warmup_s": s["client_warmup_s"]}
 
     return single, batch
 
@@ -447,9 +457,13 @@ class Server:
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def command(self, model: Path, extra: list[str]) -> list[str]:
+        # A fresh SSD tier per start: blocks a previous run stored for the same seeded
+        # prompts would otherwise turn its TTFT runs into cache hits.
+        fresh = [] if "--paged-ssd-cache-dir" in " ".join(extra) else [
+            "--paged-ssd-cache-dir", str(self.log_path.parent / f"kv-cache-{self.port}")]
         return [sys.executable, "-m", "omlx_cluster", "serve", "--model", str(model),
                 "--model-id", "bench", "--port", str(self.port), "--log-level", "warning",
-                *extra]
+                *fresh, *extra]
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -590,6 +604,51 @@ def ours_body(prompt: list[int], max_tokens: int) -> dict:
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
+LATENCY_PARTS = {"gateway": "omlx_time_to_first_token_seconds",
+                 "engine": "omlx_node_time_to_first_token_seconds",
+                 "engine queue": "omlx_node_request_queue_seconds",
+                 "engine prefill": "omlx_node_request_prefill_seconds"}
+
+
+def latency_sums(server: Server) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each LATENCY_PARTS histogram, from the gateway's and the worker's
+    /metrics (the worker's address comes from /cluster/status)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status = httpx.get(server.base + "/cluster/status", timeout=10).json()
+    urls = [server.base + "/metrics"] + [f"http://{w['metrics']}/metrics" for n in status["nodes"]
+                                         for w in n["workers"] if w.get("metrics")]
+    found: dict[str, list[float]] = {}
+    for url in urls:
+        for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            for sample in fam.samples:
+                for suffix in ("_sum", "_count"):
+                    if sample.name.endswith(suffix):
+                        key = sample.name.removesuffix(suffix)
+                        found.setdefault(key, [0.0, 0.0])[suffix == "_count"] += sample.value
+    return {part: tuple(found.get(name, (0.0, 0.0))) for part, name in LATENCY_PARTS.items()}
+
+
+def ttft_breakdown(server: Server, single, lengths: list[int], max_tokens: int, vocab: int
+                   ) -> dict[str, dict[str, float]]:
+    """Where a long prompt's first token goes: the client's TTFT against the gateway's (request
+    in to first token out) and the engine's (submission to first token read, with its queue and
+    prefill parts), ms, on a fresh prompt of each length (no prefix-cache hit)."""
+    rng = random.Random(4321)
+    out = {}
+    for n in lengths:
+        before = latency_sums(server)
+        client = single([rng.randrange(100, vocab - 1) for _ in range(n)], max_tokens)["ttft"]
+        after = latency_sums(server)
+        row = {"client": client * 1000}
+        for part, (s0, c0) in before.items():
+            s1, c1 = after[part]
+            row[part] = (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None
+        out[str(n)] = row
+    return out
+
+
 def measure_ours(spec: dict, model: Path, work: Path, extra: list[str], procs: int,
                  idle_seconds: float) -> dict:
     server = Server(model, work / "server.log", extra)
@@ -601,6 +660,8 @@ def measure_ours(spec: dict, model: Path, work: Path, extra: list[str], procs: i
         out = run_workloads(spec, single, batch)
         top = max(spec["concurrency"])
         prompts = spec["prompts"][f"conc_{top}"][1]
+        out["ttft_breakdown"] = ttft_breakdown(server, single, spec["ttft_prompts"],
+                                               spec["ttft_tokens"], spec["vocab"])
         out["client_check"] = {
             "streams": top, "procs": [procs, 2 * procs],
             "agg_tps": [batch(prompts, spec["conc_tokens"], n)["agg_tps"]
@@ -744,7 +805,7 @@ def markdown(result: dict) -> str:
                    "Ours and mlx_lm.server are measured end to end through HTTP streaming; raw "
                    "mlx-lm in-process (`generate_step`, `BatchGenerator`, no HTTP, no "
                    "detokenising)."), ""]
-    lines += [client_check_line(ours), "", idle_line(ours), ""]
+    lines += [client_check_line(ours), "", breakdown_line(ours), "", idle_line(ours), ""]
     if result["blas"].get("probe"):
         lines.append("BLAS probe (fp32 GFLOP/s): " + "; ".join(
             f"{k}: {v}" for k, v in result["blas"]["probe"].items()))
@@ -760,6 +821,14 @@ def client_check_line(ours: dict) -> str:
         "CHANGED: the client may be the bottleneck"
     return (f"Load-client check (ours, {c['streams']} streams): {p1} client processes "
             f"{fmt(a1)} tok/s, {p2} processes {fmt(a2)} tok/s ({fmt(change)}x): {verdict}.")
+
+
+def breakdown_line(ours: dict) -> str:
+    parts = "; ".join(f"{n} tokens: " + ", ".join(f"{k} {fmt(v)}" for k, v in row.items())
+                      for n, row in ours["ttft_breakdown"].items())
+    return (f"Where our TTFT goes (ms, one fresh prompt each; client = what the load client "
+            f"saw, gateway = request in to first token out, engine = submission to first token "
+            f"read on the worker): {parts}.")
 
 
 def idle_line(ours: dict) -> str:
@@ -788,6 +857,7 @@ def print_table(result: dict) -> None:
     console = Console(width=160)
     console.print(t)
     console.print(client_check_line(result["ours"]))
+    console.print(breakdown_line(result["ours"]))
     console.print(idle_line(result["ours"]))
     console.print(f"BLAS: {result['blas']['used']}")
 
@@ -899,7 +969,7 @@ def main() -> int:
             "decode_tokens": args.decode_tokens, "conc_tokens": args.conc_tokens,
             "concurrency": args.concurrency, "ttft_tokens": args.ttft_tokens,
             "ttft_prompts": args.ttft_prompts, "warmup_tokens": args.warmup_tokens,
-            "timeout": args.timeout}
+            "timeout": args.timeout, "vocab": vocab}
     blas = {"used": blas_of(node_env), "node_env": {k: node_env.get(k) for k in
                                                     ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}}
     if not machine["gpu"] and not args.skip_blas_probe:

@@ -1,0 +1,71 @@
+"""A prompt's prefix-cache store waits for its first token (on a GPU the copy to host memory
+slows the steps that compute that token), and a sequence that ends without one leaves nothing
+held."""
+
+from __future__ import annotations
+
+from mlx_lm import load
+
+from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.kv_cache import PrefixCache
+from omlx_node.metrics import NodeMetrics
+from omlx_node.stage import StageRunner
+from tests.test_engine import drain, reference
+from tests.tiny_models import build_model
+
+BLOCK = 4
+
+
+def step_until(batcher: Batcher, done, limit: int = 200) -> None:
+    for _ in range(limit):
+        if done():
+            return
+        batcher.step()
+    raise AssertionError("the engine did not get there")
+
+
+def test_blocks_are_kept_once_the_first_token_is_out(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, _ = load(str(path))
+    prompt = [(5 * j + 11) % (model.args.vocab_size - 10) + 10 for j in range(14)]
+    ref = reference(model, prompt, 6)
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
+                          prefix_cache=cache)
+        assert batcher.state.defer_stores
+        seq = batcher.submit(SeqRequest("a", prompt, 6))
+        step_until(batcher, lambda: seq in batcher.running_seqs())
+        # Prefilled and decoding, no token out yet: nothing is kept so far.
+        assert seq.generated == 0
+        assert cache.lookup(prompt[:-1]) == 0
+        step_until(batcher, lambda: seq.generated >= 1)
+        assert cache.lookup(prompt[:-1]) == 12  # three whole blocks of the 13 prefilled
+        assert drain(batcher, [seq])[0][0] == ref
+        again = batcher.submit(SeqRequest("again", prompt, 6))
+        assert drain(batcher, [again])[0][0] == ref
+        assert again.cached == 12
+
+
+def test_a_sequence_cancelled_before_its_first_token_holds_nothing(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    prompt = list(range(10, 30))
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
+                          prefix_cache=cache)
+        seq = batcher.submit(SeqRequest("a", prompt, 6))
+        step_until(batcher, lambda: seq in batcher.running_seqs())
+        assert batcher.state.deferred
+        batcher.cancel("a")
+        _, fin = drain(batcher, [seq])[0]
+        assert fin.reason == "cancelled"
+        assert batcher.state.deferred == {}
+        assert cache.lookup(prompt[:-1]) == 0
+
+
+def test_a_sliding_window_family_stores_as_its_prefill_goes(tmp_path):
+    # Its windows may drop blocks before the first token: the store cannot wait.
+    path = build_model(tmp_path / "m", "gemma3_text", num_layers=3)
+    with PrefixCache("tiny/gemma3", (0, 3), block_size=BLOCK) as cache:
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
+                          prefix_cache=cache)
+        assert not batcher.state.defer_stores
