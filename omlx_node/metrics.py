@@ -21,9 +21,14 @@ from omlx_shared.hardware import memory_pressure, process_footprint
 from omlx_shared.prometheus import LATENCY_BUCKETS, labelled
 
 IDENTITY_LABELS = ("node", "model", "plan", "stage", "layers")
-# One decode step in this many is timed, synchronously: timing all of them would put Python
-# between every two device steps, which the engine and the pipeline are built to avoid.
-PROFILE_EVERY = 8
+# One decode step in this many seconds is timed, synchronously: timing all of them would put
+# Python between every two device steps, which the engine and the pipeline are built to avoid.
+# One in 8 steps cost ~8% of an 8B model's batch-1 decode on an H200; by time, a fast device
+# pays for one in ~50 steps and a slow stage is still timed several times a second.
+PROFILE_SECONDS = 0.25
+# The engine's gauges read from MLX (KV bytes, active and peak memory) are refreshed at most
+# this often: read every step they cost a fast device's decode a few percent.
+GAUGE_SECONDS = 0.25
 WINDOW_SECONDS = 30  # what the busy share and the token rates look back over
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -65,7 +70,7 @@ class _Window:
 
 class StageProfile:
     """Times this stage's layers: every prefill chunk (a prefill is synchronous anyway) and one
-    decode step in PROFILE_EVERY, which then runs synchronously: this stage's earlier work
+    decode step in PROFILE_SECONDS, which then runs synchronously: this stage's earlier work
     first, then its input (the wait for the previous stage), then its layers (its compute).
     The other decode steps run as before and count towards the busy share at the mean time of
     the timed ones."""
@@ -77,7 +82,8 @@ class StageProfile:
         compute = Histogram(
             "omlx_node_stage_compute_seconds",
             f"Time this stage's layers take per step, its input already in (every prefill chunk, "
-            f"one decode step in {PROFILE_EVERY})", ["kind"], buckets=STEP_BUCKETS, registry=r)
+            f"one decode step in {PROFILE_SECONDS} s)", ["kind"], buckets=STEP_BUCKETS,
+            registry=r)
         wait = Histogram(
             "omlx_node_stage_receive_wait_seconds",
             "How long a timed step waited for its input from the previous stage (on the head: "
@@ -95,7 +101,8 @@ class StageProfile:
         # pipeline every step of a later stage, the head's decode steps (the tail's tokens).
         self.peer_inputs: frozenset[str] = frozenset()
         self.tokens = 0  # tokens computed since the last `NodeMetrics.iteration_done`
-        self._decode_steps = 0
+        self._timed_decodes = 0
+        self._next_timed = 0.0  # perf_counter time from which the next decode step is timed
         self._decode_mean = 0.0  # seconds, over the recent timed decode steps
         self._busy = _Window(1)  # compute seconds
         self._prefill = _Window(2)  # prompt tokens, compute seconds
@@ -111,10 +118,10 @@ class StageProfile:
         self.tokens += tokens
         if kind == "decode":
             self.rows.observe(rows)
-            self._decode_steps += 1
-            if self._decode_steps % PROFILE_EVERY:
+            if time.perf_counter() < self._next_timed:
                 self._busy.add(self._decode_mean)
                 return compute()
+            self._timed_decodes += 1
         mx.synchronize()  # what this stage still computes belongs to earlier steps
         t0 = time.perf_counter()
         mx.eval(x)
@@ -127,8 +134,8 @@ class StageProfile:
         self._compute[kind].observe(seconds)
         self._busy.add(seconds)
         if kind == "decode":  # the mean of the first 16 timed steps, then a moving one
-            self._decode_mean += (seconds - self._decode_mean) / min(self._decode_steps
-                                                                     // PROFILE_EVERY, 16)
+            self._decode_mean += (seconds - self._decode_mean) / min(self._timed_decodes, 16)
+            self._next_timed = time.perf_counter() + PROFILE_SECONDS
         else:
             self._prefill.add(tokens, seconds)
         return out
@@ -230,6 +237,7 @@ class NodeMetrics:
         # a later stage, idle until its first step, exports its weights rather than 0.
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_peak.set(mx.get_peak_memory())
+        self._gauges_due = 0.0  # monotonic time of the next refresh in iteration_done
         self.profile = StageProfile(r)
         Gauge("omlx_node_prompt_tokens_seconds",
               f"Prompt tokens this stage prefilled per second of prefill, last {WINDOW_SECONDS} s",
@@ -251,9 +259,14 @@ class NodeMetrics:
     def iteration_done(self, state: KVHolder) -> None:
         """After each engine iteration (each step on a later stage), on the engine thread:
         MLX is only asked from there."""
-        if self.profile.tokens:
+        busy = self.profile.tokens
+        if busy:
             self.iteration_tokens.observe(self.profile.tokens)
             self.profile.tokens = 0
+        now = time.monotonic()
+        if busy and now < self._gauges_due:  # an idle iteration leaves them right
+            return
+        self._gauges_due = now + GAUGE_SECONDS
         self.kv_bytes.set(state.kv_bytes())
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_peak.set(mx.get_peak_memory())
