@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_single_node as bsn  # noqa: E402
+from diag_engine import stage_loop  # noqa: E402
 
 
 def rate(times: list[float]) -> float:
@@ -63,20 +64,8 @@ def main() -> int:
             times.append(time.perf_counter())
         return rate(times)
 
-    def stage_loop(n: int) -> float:
-        cache = stage.make_cache()
-        stage(mx.array([prompt[:-1]]), cache, last_only=True)
-        mx.eval([c.state for c in cache])
-        nxt = mx.argmax(stage(mx.array([[prompt[-1]]]), cache)[:, -1, :], axis=-1)
-        mx.async_eval(nxt)
-        times = []
-        for _ in range(n):
-            y = nxt
-            nxt = mx.argmax(stage(y[:, None], cache)[:, -1, :], axis=-1)
-            mx.async_eval(nxt)
-            y.tolist()
-            times.append(time.perf_counter())
-        return rate(times)
+    def our_stage(n: int) -> float:
+        return rate(stage_loop(stage, prompt, n))
 
     count = [0]
 
@@ -96,7 +85,7 @@ def main() -> int:
         return rate(times)
 
     variants = {"R mlx-lm generate_step": reference, "S our stage, generate_step's loop":
-                stage_loop, "D our Batcher + consumer thread": engine}
+                our_stage, "D our Batcher + consumer thread": engine}
     for fn in variants.values():
         fn(args.tokens)
     runs: dict[str, list[float]] = {k: [] for k in variants}

@@ -46,11 +46,34 @@ def measure(fn, repeats: int, warm_tokens: int, tokens: int) -> dict:
     return {"runs": runs, "median_tps": statistics.median([r for r in runs if r] or [0])}
 
 
+def stage_loop(stage, prompt: list[int], n: int, batched: bool = False) -> list[float]:
+    """generate_step's loop (greedy, step n+1 scheduled before step n is read) over our
+    StageRunner; `batched` decodes through a one-row BatchKVCache. Each token's arrival time."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = stage.make_cache()
+    stage(mx.array([prompt[:-1]]), cache, last_only=True)
+    mx.eval([c.state for c in cache])
+    if batched:
+        cache = [BatchKVCache.merge([c]) for c in cache]
+    nxt = mx.argmax(stage(mx.array([[prompt[-1]]]), cache)[:, -1, :], axis=-1)
+    mx.async_eval(nxt)
+    times = []
+    for _ in range(n):
+        y = nxt
+        nxt = mx.argmax(stage(y[:, None], cache)[:, -1, :], axis=-1)
+        mx.async_eval(nxt)
+        y.tolist()
+        times.append(time.perf_counter())
+    return times
+
+
 def in_process(model_path: Path, prompts: list[list[int]], tokens: int, repeats: int,
                warm: int) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import dequantize_model, load_model
 
     from omlx_node.batcher import Batcher, Finish, SeqRequest
@@ -79,22 +102,7 @@ def in_process(model_path: Path, prompts: list[list[int]], tokens: int, repeats:
     stage = StageRunner(model_path)
 
     def loop(n, batched: bool):
-        cache = stage.make_cache()
-        stage(mx.array([prompt[:-1]]), cache, last_only=True)
-        mx.eval([c.state for c in cache])
-        if batched:
-            cache = [BatchKVCache.merge([c]) for c in cache]
-        y = mx.array([prompt[-1]])
-        times = []
-        nxt = mx.argmax(stage(y[:, None], cache)[:, -1, :], axis=-1)
-        mx.async_eval(nxt)
-        for _ in range(n):
-            y = nxt
-            nxt = mx.argmax(stage(y[:, None], cache)[:, -1, :], axis=-1)
-            mx.async_eval(nxt)
-            y.tolist()
-            times.append(time.perf_counter())
-        return rate(times)
+        return rate(stage_loop(stage, prompt, n, batched))
 
     out["B_stage_kvcache"] = measure(lambda n: loop(n, False), repeats, warm, tokens)
     print("B", out["B_stage_kvcache"]["median_tps"], file=sys.stderr, flush=True)
