@@ -89,7 +89,7 @@ class GenerationRequest:
     top_logprobs: int = 0
 
 
-def check_servable(manager: ModelManager, name: str) -> ServedModel:
+async def check_servable(manager: ModelManager, name: str) -> ServedModel:
     """The model a request names; a 404 for one not served here (listing those that are), a
     503 while it cannot be served (and, for an unloaded one, when it fits nowhere even with
     every unpinned model unloaded, naming the shortfall)."""
@@ -103,7 +103,7 @@ def check_servable(manager: ModelManager, name: str) -> ServedModel:
         status = main.status if manager.cluster.ready else manager.cluster.status
         raise APIError(503, f"the model is not ready yet ({status}); retry shortly",
                        type="server_error", code="model_not_ready")
-    if model.state == UNLOADED and (short := manager.shortfall(model)):
+    if model.state == UNLOADED and (short := await manager.shortfall(model)):
         raise APIError(503, f"the model {model.name} cannot be loaded: {short}",
                        type="server_error", code="no_capacity")
     if main.capacity_error and not any(d.ready for d in manager.replicas[model.name]):

@@ -93,7 +93,7 @@ class ModelManager:
             self.started = True
             return
         for i, m in enumerate(self.models):
-            if i and not self._fits(m):
+            if i and not await self._fits(m):
                 log.info("%s does not fit beside the models loaded now: it loads on demand",
                          m.name)
                 continue
@@ -119,13 +119,13 @@ class ModelManager:
     def resolve(self, name: str) -> ServedModel | None:
         return self.by_name.get(name)
 
-    def shortfall(self, model: ServedModel) -> str:
+    async def shortfall(self, model: ServedModel) -> str:
         """Why `model` cannot be placed even with every unpinned model unloaded ("" when it
         can)."""
         if not self.cluster.servable():
             return NO_NODES if not self.cluster.members else "no node is left to run the model"
         try:
-            self._place(model, self._loaded(model, idle=True))
+            await self._place(model, self._loaded(model, idle=True))
         except PlanError as e:
             return str(e)
         return ""
@@ -220,18 +220,20 @@ class ModelManager:
             m.last_used, m.pinned, 0 if idle else m.leases)
             for m in self.models if m is not model and m.state != UNLOADED]
 
-    def _place(self, model: ServedModel, loaded: list[placement.LoadedModel]
-               ) -> tuple[list[Plan], list[str]]:
-        """Where `model` goes beside `loaded`, and which of them to evict first."""
+    async def _place(self, model: ServedModel, loaded: list[placement.LoadedModel]
+                     ) -> tuple[list[Plan], list[str]]:
+        """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
+        at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
+        would pause every stream the gateway serves."""
         nodes = [NodeSpec(m.name, m.budget_bytes, m.speed) for m in self.cluster.servable()]
-        return placement.place_evicting(model.layout, nodes, loaded, model.config.replicas,
-                                        model.config.split, PLAN_SETTINGS)
+        return await asyncio.to_thread(placement.place_evicting, model.layout, nodes, loaded,
+                                       model.config.replicas, model.config.split, PLAN_SETTINGS)
 
-    def _fits(self, model: ServedModel) -> bool:
+    async def _fits(self, model: ServedModel) -> bool:
         """Whether `model` fits beside the loaded models, evicting none."""
         loaded = [replace(m, pinned=True) for m in self._loaded(model)]
         try:
-            self._place(model, loaded)
+            await self._place(model, loaded)
             return True
         except PlanError:
             return False
@@ -249,12 +251,12 @@ class ModelManager:
             if not evict:
                 loaded = [replace(m, pinned=True) for m in loaded]
             try:
-                plans, victims = self._place(model, loaded)
+                plans, victims = await self._place(model, loaded)
             except PlanError as e:
                 if not evict:
                     raise NoCapacity(str(e)) from None
                 try:  # would it fit once the requests on the others end?
-                    _, victims = self._place(model, self._loaded(model, idle=True))
+                    _, victims = await self._place(model, self._loaded(model, idle=True))
                 except PlanError as e2:
                     raise NoCapacity(str(e2)) from None
                 busy = [self.by_name[v] for v in victims if self.by_name[v].leases]

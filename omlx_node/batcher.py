@@ -262,6 +262,12 @@ class StageState:
             if (held := self.deferred.pop(s, None)) is not None:
                 self.prefix_cache.store(*held)
 
+    def flush_admitted(self) -> None:
+        """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
+        a pipeline, once a decode step has run them (it never sees their tokens)."""
+        admitted = {s for rows in self.rows.values() for s in rows}
+        self.flush_stores([s for s in self.deferred if s in admitted])
+
     def _prefill_results(self, cache: list) -> Callable[[mx.array], list]:
         """What a prefill chunk is for: the KV it leaves, and on every stage but the last the
         hidden states it passes on (the last stage's logits of a prompt chunk go unused: the

@@ -286,7 +286,9 @@ class StageLoop:
         """`grammars`: the tail compiles every constrained sequence's grammar with it.
         `doorbells`: the one the previous stage rings after an IDLE step, and the next stage's
         (None on the tail)."""
-        self.state = StageState(stage, metrics.profile, prefix_cache)
+        # Its prompts' stores wait for their first decode step here (flush_admitted), as the
+        # head's wait for their first token: a later prefill chunk is not slowed by them.
+        self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
         self.metrics = metrics
         self.grammars = grammars
         self.group, self.plan = group, plan
@@ -309,6 +311,8 @@ class StageLoop:
                     wire.send_tokens(out, 0, self.group)
             else:
                 wire.send_rung(step, out, self.plan, self.rank + 1, self.group, self.downstream)
+            if self.state.deferred and step.op == wire.DECODE:
+                self.state.flush_admitted()  # after the send too
             self.metrics.iteration_done(self.state)  # after the send: off the next stage's path
             if step.op == wire.STOP:
                 wire.flush()

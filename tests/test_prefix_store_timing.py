@@ -69,3 +69,26 @@ def test_a_sliding_window_family_stores_as_its_prefill_goes(tmp_path):
         batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
                           prefix_cache=cache)
         assert not batcher.state.defer_stores
+
+
+def test_a_later_stage_keeps_a_prompt_once_a_decode_step_has_run_it(tmp_path):
+    """A pipeline's later stage never sees tokens: its stores wait for the sequence's admission
+    to a micro-batch (the decode step that runs it), then go to the cache."""
+    import mlx.core as mx
+
+    from omlx_node.batcher import StageState
+
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    prompt = list(range(10, 23))
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        state = StageState(StageRunner(path), NodeMetrics().profile, cache, defer_stores=True)
+        waiting = StageState(StageRunner(path), NodeMetrics().profile, cache, defer_stores=True)
+        for s in (state, waiting):
+            assert s.lookup(1, prompt[:-1]) == 0
+            s.prefill(1, mx.array([prompt[:-1]]))
+        state.update(0, None, [1])
+        waiting.flush_admitted()  # prefilled, not admitted: it waits
+        assert cache.lookup(prompt[:-1]) == 0
+        state.flush_admitted()
+        assert state.deferred == {} and cache.lookup(prompt[:-1]) == 12
+        assert list(waiting.deferred) == [1]

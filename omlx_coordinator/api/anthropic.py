@@ -417,7 +417,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     """`metrics_of`: each model's, by name."""
     @app.post(PATH, dependencies=keyed)
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        served = check_servable(manager, body.model)
+        served = await check_servable(manager, body.model)
         metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(_encode, tok, body)
         max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
@@ -453,7 +453,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
 
     @app.post(PATH + "/count_tokens", dependencies=keyed)
     async def count_tokens(body: PromptBody) -> dict:
-        served = check_servable(manager, body.model)
+        served = await check_servable(manager, body.model)
         prompt, _ = await asyncio.to_thread(_encode, served.tokenizer, body)
         return {"input_tokens": len(prompt)}
 

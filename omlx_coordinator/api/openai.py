@@ -423,7 +423,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        served = check_servable(manager, body.model)
+        served = await check_servable(manager, body.model)
         messages = body.template_messages()
         for i, m in enumerate(messages):
             check_text(m["content"], f"messages.{i}.content")
@@ -440,7 +440,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served = check_servable(manager, body.model)
+        served = await check_servable(manager, body.model)
         if isinstance(body.prompt, str):
             check_text(body.prompt, "prompt")
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
