@@ -286,9 +286,10 @@ def run_workloads(spec: dict, single, batch) -> dict:
         print(f"  [{spec['side']}] {msg}", file=sys.stderr, flush=True)
 
     note("warm-up")
-    single(p["decode"][0], min(warm, spec["decode_tokens"]))
-    for n in spec["ttft_prompts"]:
-        single(p[f"ttft_{n}"][0], spec["ttft_tokens"])
+    for _ in range(spec["warmup_runs"]):
+        single(p["decode"][0], min(warm, spec["decode_tokens"]))
+        for n in spec["ttft_prompts"]:
+            single(p[f"ttft_{n}"][0], spec["ttft_tokens"])
     runs = [single(p["decode"][i + 1], spec["decode_tokens"]) for i in range(reps)]
     out["decode_b1"] = {"runs": runs, "median_tps": median([r["decode_tps"] for r in runs]),
                         "median_ttft": median([r["ttft"] for r in runs])}
@@ -301,7 +302,8 @@ def run_workloads(spec: dict, single, batch) -> dict:
         note(f"TTFT at {n} prompt tokens: {out[name]['median_s'] * 1000:.1f} ms")
     for c in spec["concurrency"]:
         sets = p[f"conc_{c}"]
-        batch(sets[0], min(warm, spec["conc_tokens"]))
+        for _ in range(spec["warmup_runs"]):
+            batch(sets[0], min(warm, spec["conc_tokens"]))
         runs = [batch(sets[i + 1], spec["conc_tokens"]) for i in range(reps)]
         out[f"agg_{c}"] = {"runs": runs, "median_tps": median([r["agg_tps"] for r in runs]),
                            "median_ttft_mean": median([r["ttft_mean"] for r in runs])}
@@ -788,8 +790,8 @@ def markdown(result: dict) -> str:
         f"- BLAS (every MLX process): {result['blas']['used']}",
         (f"- settings: prompt {s['prompt_tokens']} tok, decode max_tokens {s['decode_tokens']}, "
          f"concurrent max_tokens {s['conc_tokens']}, TTFT max_tokens {s['ttft_tokens']}, "
-         f"medians of {s['repeats']} runs after a warm-up, {s['client_procs']} load-client "
-         f"processes; our server's flags `{' '.join(s['server_args']) or '(defaults)'}`, "
+         f"medians of {s['repeats']} runs after {s.get('warmup_runs', 1)} warm-up run(s), "
+         f"{s['client_procs']} load-client processes; our server's flags `{' '.join(s['server_args']) or '(defaults)'}`, "
          f"mlx_lm.server `--decode-concurrency {max(s['concurrency'])}`"),
         "",
         ("| metric | omlx-cluster | mlx_lm.server | raw mlx-lm | ours/raw | ours/mlx_lm.server "
@@ -917,6 +919,11 @@ def main() -> int:
     ap.add_argument("--warmup-tokens", type=int, default=16,
                     help="max_tokens of warm-up runs (on a GPU use the full length: new shapes "
                          "JIT-compile)")
+    ap.add_argument("--warmup-runs", type=int, default=1,
+                    help="warm-up runs of each workload before the timed ones; on a GPU use 2: "
+                         "on the H200 the first timed run after one warm-up was up to 30%% "
+                         "slower than the second (each side, some rows; likely the first steps "
+                         "at batch sizes the warm-up did not reach)")
     ap.add_argument("--client-procs", type=int, default=4,
                     help="load-client processes the streams of a run are split over")
     ap.add_argument("--idle-seconds", type=float, default=5.0,
@@ -969,6 +976,7 @@ def main() -> int:
             "decode_tokens": args.decode_tokens, "conc_tokens": args.conc_tokens,
             "concurrency": args.concurrency, "ttft_tokens": args.ttft_tokens,
             "ttft_prompts": args.ttft_prompts, "warmup_tokens": args.warmup_tokens,
+            "warmup_runs": args.warmup_runs,
             "timeout": args.timeout, "vocab": vocab}
     blas = {"used": blas_of(node_env), "node_env": {k: node_env.get(k) for k in
                                                     ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}}
@@ -996,7 +1004,8 @@ def main() -> int:
     rows = summarize(sides, args.concurrency, args.ttft_prompts)
     settings = {k: getattr(args, k) for k in ("repeats", "decode_tokens", "conc_tokens",
                                               "concurrency", "prompt_tokens", "ttft_prompts",
-                                              "ttft_tokens", "warmup_tokens", "client_procs")}
+                                              "ttft_tokens", "warmup_tokens", "warmup_runs",
+                                              "client_procs")}
     settings["server_args"] = args.server_arg
     result = {"tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
               "machine_note": args.machine_note,
