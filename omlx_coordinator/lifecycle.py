@@ -260,6 +260,8 @@ class ModelManager:
                 except PlanError as e2:
                     raise NoCapacity(str(e2)) from None
                 busy = [self.by_name[v] for v in victims if self.by_name[v].leases]
+                if not busy:  # their requests ended while the planner ran: plan again
+                    continue
                 # Drained, so that their leases end; then look again.
                 self.draining.update(b.name for b in busy)
                 self.replicas[model.name][0].status = (
@@ -270,10 +272,20 @@ class ModelManager:
                 finally:
                     self.draining.difference_update(b.name for b in busy)
                 continue
+            # The planner ran on a thread: what it was shown may have changed meanwhile.
+            if self._changed(plans, victims):
+                continue
             if not victims:
                 return plans
             for v in victims:
                 await self.unload(self.by_name[v], reason=f"room for {model.name}")
+
+    def _changed(self, plans: list[Plan], victims: list[str]) -> bool:
+        """Whether a node of `plans` is no longer servable or a victim got a request since
+        they were planned."""
+        servable = {m.name for m in self.cluster.servable()}
+        return (any(s.node not in servable for p in plans for s in p.stages)
+                or any(self.by_name[v].leases for v in victims))
 
     async def _watermark(self, plans: list[Plan]) -> None:
         """Waits until every node of `plans` has the memory its stage needs free, as its OS

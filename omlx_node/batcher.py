@@ -199,6 +199,10 @@ class StageState:
         if self.prefix_cache is None:
             return 0
         self.tokens[seq_id] = tokens
+        if self.deferred:  # a prompt still waiting to be kept may be this one's prefix
+            bs = self.prefix_cache.block_size
+            self.flush_stores([s for s, (t, _) in self.deferred.items()
+                               if len(tokens) >= bs and t[:bs] == tokens[:bs]])
         kv = self.stage.from_blocks(
             self.prefix_cache.restore(tokens, self.prefix_cache.lookup(tokens)))
         held = kv[0].offset
@@ -257,10 +261,14 @@ class StageState:
             self.prefix_cache.store(self.tokens[seq_id], cache)
 
     def flush_stores(self, seq_ids: list[int]) -> None:
-        """The deferred stores of `seq_ids`' prompts (any not deferred are skipped)."""
+        """The deferred stores of `seq_ids`' prompts (any not deferred are skipped). A store
+        that fails is logged: it costs a later prefill, never the step."""
         for s in seq_ids:
             if (held := self.deferred.pop(s, None)) is not None:
-                self.prefix_cache.store(*held)
+                try:
+                    self.prefix_cache.store(*held)
+                except Exception:
+                    log.exception("KV cache: storing a prompt's blocks failed")
 
     def flush_admitted(self) -> None:
         """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
@@ -277,10 +285,10 @@ class StageState:
         return lambda out: [out, *(c.state for c in cache)]
 
     def free(self, seq_ids: list[int]) -> None:
+        self.flush_stores(seq_ids)  # what they prefilled is still worth keeping
         for s in seq_ids:
             self.prefilling.pop(s, None)
             self.tokens.pop(s, None)
-            self.deferred.pop(s, None)
 
     def update(self, mb: int, keep: list[int] | None, admit: list[int]) -> None:
         """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences.
@@ -604,8 +612,9 @@ class Engine:
         return dict(zip(asking, unpack_logprobs(ints, [s.req.sampling.logprobs for s in asking])))
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
-        if seq.generated == 0:  # no first token: its deferred store would never run
-            self.state.deferred.pop(seq.sid, None)
+        # Ended before its first token (a stop token, a cancel, a failure, a shutdown): what
+        # it prefilled is kept now, as it would have been then.
+        self.state.flush_stores([seq.sid])
         seq.finished = True
         seq.events.put(finish)
         self.metrics.finished.labels(reason=finish.reason).inc()

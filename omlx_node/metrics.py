@@ -103,6 +103,7 @@ class StageProfile:
         self.tokens = 0  # tokens computed since the last `NodeMetrics.iteration_done`
         self._timed_decodes = 0
         self._next_timed = 0.0  # perf_counter time from which the next decode step is timed
+        self._last_kind = ""
         self._decode_mean = 0.0  # seconds, over the recent timed decode steps
         self._busy = _Window(1)  # compute seconds
         self._prefill = _Window(2)  # prompt tokens, compute seconds
@@ -116,9 +117,14 @@ class StageProfile:
         self._steps[kind].inc()
         rows, tokens = x.shape[0], x.shape[0] * x.shape[1]
         self.tokens += tokens
+        last, self._last_kind = self._last_kind, kind
         if kind == "decode":
             self.rows.observe(rows)
-            if time.perf_counter() < self._next_timed:
+            # Due, and preferably one that follows a decode step: the first after a prefill
+            # (or an idle spell) also merges new rows into the batch, and picking it because
+            # the deadline passed during that prefill would overstate the step.
+            wait = self._next_timed - time.perf_counter()
+            if wait > 0 or (last != "decode" and wait > -PROFILE_SECONDS):
                 self._busy.add(self._decode_mean)
                 return compute()
             self._timed_decodes += 1

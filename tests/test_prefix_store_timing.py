@@ -1,6 +1,6 @@
 """A prompt's prefix-cache store waits for its first token (on a GPU the copy to host memory
-slows the steps that compute that token), and a sequence that ends without one leaves nothing
-held."""
+slows the steps that compute that token), unless a prompt that starts alike needs it first; a
+sequence that ends without one keeps what it prefilled and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -46,7 +46,58 @@ def test_blocks_are_kept_once_the_first_token_is_out(tmp_path):
         assert again.cached == 12
 
 
-def test_a_sequence_cancelled_before_its_first_token_holds_nothing(tmp_path):
+def test_a_prompt_that_starts_alike_finds_the_blocks_still_waiting(tmp_path):
+    """Agents often send the same long system prompt at once: the second must not prefill it
+    again because the first has no token yet."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, _ = load(str(path))
+    vocab = model.args.vocab_size
+    shared = [(5 * j + 11) % (vocab - 10) + 10 for j in range(12)]
+    first, second = shared + [21, 22], shared + [31, 32, 33, 34, 35]
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
+                          prefix_cache=cache)
+        a = batcher.submit(SeqRequest("a", first, 4))
+        step_until(batcher, lambda: a in batcher.running_seqs())
+        assert a.generated == 0
+        b = batcher.submit(SeqRequest("b", second, 4))
+        results = drain(batcher, [a, b])
+        assert b.cached == 12
+        assert [r[0] for r in results] == [reference(model, first, 4), reference(model, second, 4)]
+
+
+def test_a_first_token_that_stops_still_keeps_the_prompt(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, _ = load(str(path))
+    prompt = [(7 * j + 3) % (model.args.vocab_size - 10) + 10 for j in range(14)]
+    stop = reference(model, prompt, 1)[0]
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
+                          prefix_cache=cache)
+        seq = batcher.submit(SeqRequest("a", prompt, 6, stop_token_ids=frozenset({stop})))
+        toks, fin = drain(batcher, [seq])[0]
+        assert toks == [] and fin.reason == "stop"
+        assert cache.lookup(prompt[:-1]) == 12
+
+
+def test_a_sequence_cancelled_while_prefilling_keeps_what_it_prefilled(tmp_path):
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    prompt = list(range(10, 30))
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        # Chunks of 8 tokens: the prompt is cut while its first blocks are done.
+        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=8,
+                          prefix_cache=cache)
+        seq = batcher.submit(SeqRequest("a", prompt, 6))
+        step_until(batcher, lambda: seq.prefilled >= 8)
+        assert seq not in batcher.running_seqs()
+        batcher.cancel("a")
+        _, fin = drain(batcher, [seq])[0]
+        assert fin.reason == "cancelled"
+        assert batcher.state.deferred == {}
+        assert cache.lookup(prompt[:-1]) >= 8
+
+
+def test_a_sequence_cancelled_before_its_first_token_is_kept_and_holds_nothing(tmp_path):
     path = build_model(tmp_path / "m", "llama", num_layers=3)
     prompt = list(range(10, 30))
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
@@ -58,8 +109,8 @@ def test_a_sequence_cancelled_before_its_first_token_holds_nothing(tmp_path):
         batcher.cancel("a")
         _, fin = drain(batcher, [seq])[0]
         assert fin.reason == "cancelled"
-        assert batcher.state.deferred == {}
-        assert cache.lookup(prompt[:-1]) == 0
+        assert batcher.state.deferred == {}  # nothing left behind
+        assert cache.lookup(prompt[:-1]) == 16  # what it prefilled is kept
 
 
 def test_a_sliding_window_family_stores_as_its_prefill_goes(tmp_path):
