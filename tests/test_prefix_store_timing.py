@@ -16,6 +16,10 @@ from tests.tiny_models import build_model
 BLOCK = 4
 
 
+def engine(path, cache: PrefixCache, chunk: int = 512) -> Batcher:
+    return Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=chunk, prefix_cache=cache)
+
+
 def step_until(batcher: Batcher, done, limit: int = 200) -> None:
     for _ in range(limit):
         if done():
@@ -30,8 +34,7 @@ def test_blocks_are_kept_once_the_first_token_is_out(tmp_path):
     prompt = [(5 * j + 11) % (model.args.vocab_size - 10) + 10 for j in range(14)]
     ref = reference(model, prompt, 6)
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
-                          prefix_cache=cache)
+        batcher = engine(path, cache)
         assert batcher.state.defer_stores
         seq = batcher.submit(SeqRequest("a", prompt, 6))
         step_until(batcher, lambda: seq in batcher.running_seqs())
@@ -55,8 +58,7 @@ def test_a_prompt_that_starts_alike_finds_the_blocks_still_waiting(tmp_path):
     shared = [(5 * j + 11) % (vocab - 10) + 10 for j in range(12)]
     first, second = shared + [21, 22], shared + [31, 32, 33, 34, 35]
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
-                          prefix_cache=cache)
+        batcher = engine(path, cache)
         a = batcher.submit(SeqRequest("a", first, 4))
         step_until(batcher, lambda: a in batcher.running_seqs())
         assert a.generated == 0
@@ -72,8 +74,7 @@ def test_a_first_token_that_stops_still_keeps_the_prompt(tmp_path):
     prompt = [(7 * j + 3) % (model.args.vocab_size - 10) + 10 for j in range(14)]
     stop = reference(model, prompt, 1)[0]
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
-                          prefix_cache=cache)
+        batcher = engine(path, cache)
         seq = batcher.submit(SeqRequest("a", prompt, 6, stop_token_ids=frozenset({stop})))
         toks, fin = drain(batcher, [seq])[0]
         assert toks == [] and fin.reason == "stop"
@@ -85,8 +86,7 @@ def test_a_sequence_cancelled_while_prefilling_keeps_what_it_prefilled(tmp_path)
     prompt = list(range(10, 30))
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
         # Chunks of 8 tokens: the prompt is cut while its first blocks are done.
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=8,
-                          prefix_cache=cache)
+        batcher = engine(path, cache, 8)
         seq = batcher.submit(SeqRequest("a", prompt, 6))
         step_until(batcher, lambda: seq.prefilled >= 8)
         assert seq not in batcher.running_seqs()
@@ -101,8 +101,7 @@ def test_a_sequence_cancelled_before_its_first_token_is_kept_and_holds_nothing(t
     path = build_model(tmp_path / "m", "llama", num_layers=3)
     prompt = list(range(10, 30))
     with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
-                          prefix_cache=cache)
+        batcher = engine(path, cache)
         seq = batcher.submit(SeqRequest("a", prompt, 6))
         step_until(batcher, lambda: seq in batcher.running_seqs())
         assert batcher.state.deferred
@@ -117,8 +116,7 @@ def test_a_sliding_window_family_stores_as_its_prefill_goes(tmp_path):
     # Its windows may drop blocks before the first token: the store cannot wait.
     path = build_model(tmp_path / "m", "gemma3_text", num_layers=3)
     with PrefixCache("tiny/gemma3", (0, 3), block_size=BLOCK) as cache:
-        batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512,
-                          prefix_cache=cache)
+        batcher = engine(path, cache)
         assert not batcher.state.defer_stores
 
 
