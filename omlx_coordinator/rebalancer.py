@@ -56,14 +56,14 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "advise", "off"]
 MODES: tuple[Mode, ...] = ("auto", "advise", "off")
-# Timed decode steps (about four a second are timed) a stage needs in an interval for its mean to count.
+# Timed decode steps (one in 8 is timed) a stage needs in an interval for its mean to count.
 MIN_STEPS = 2
 FOOTPRINT_SHARE = 0.9
 SHED_SHARE = 0.75
 BACK_FACTOR = 2.0
 # The window is judged in this many parts, each on its own: a slowdown must show in all of
 # them (a spike, or noise, in one holds), while each part spans enough readings to average out
-# the timing of single steps (a few a second).
+# the one-in-8 timing of single steps.
 SUSTAIN_PARTS = 3
 # What each memory_pressure source reads at the OS's "warning": Linux PSI, a tenth of the last
 # 10 s with some task stalled on memory; macOS, under a quarter of memory available (the level
@@ -113,7 +113,7 @@ class StageReading:
 
     node: str
     decode_seconds: float  # omlx_node_stage_compute_seconds_sum{kind="decode"}
-    decode_steps: float  # ..._count (the timed steps, a few a second)
+    decode_steps: float  # ..._count (the timed steps, one in 8)
     footprint_bytes: float | None = None
     pressure: float | None = None
     pressure_source: str = ""

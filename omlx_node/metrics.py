@@ -21,10 +21,14 @@ from omlx_shared.hardware import memory_pressure, process_footprint
 from omlx_shared.prometheus import LATENCY_BUCKETS, labelled
 
 IDENTITY_LABELS = ("node", "model", "plan", "stage", "layers")
-# One decode step in this many seconds is timed, synchronously: timing all of them would put
-# Python between every two device steps, which the engine and the pipeline are built to avoid.
-# One in 8 steps cost ~8% of an 8B model's batch-1 decode on an H200; by time, a fast device
-# pays for one in ~50 steps and a slow stage is still timed several times a second.
+# Some decode steps are timed, synchronously: timing all of them would put Python between
+# every two device steps, which the engine and the pipeline are built to avoid. In a pipeline
+# every stage times the same steps, one in PROFILE_EVERY: a timed step drains the stages before
+# it, so each one's wait for its input is the previous stages' own time, which the rebalancer
+# tells compute from (timed at different steps, a stage next to a slow one looked as slow). A
+# single stage times one step in PROFILE_SECONDS: one in 8 cost ~8% of an 8B model's batch-1
+# decode on an H200, and by time a fast device pays for one in ~50 steps.
+PROFILE_EVERY = 8
 PROFILE_SECONDS = 0.25
 # The engine's gauges read from MLX (KV bytes, active and peak memory) are refreshed at most
 # this often: read every step they cost a fast device's decode a few percent.
@@ -70,7 +74,8 @@ class _Window:
 
 class StageProfile:
     """Times this stage's layers: every prefill chunk (a prefill is synchronous anyway) and one
-    decode step in PROFILE_SECONDS, which then runs synchronously: this stage's earlier work
+    decode step in PROFILE_EVERY in a pipeline (PROFILE_SECONDS alone), which then runs
+    synchronously: this stage's earlier work
     first, then its input (the wait for the previous stage), then its layers (its compute).
     The other decode steps run as before and count towards the busy share at the mean time of
     the timed ones."""
@@ -82,8 +87,8 @@ class StageProfile:
         compute = Histogram(
             "omlx_node_stage_compute_seconds",
             f"Time this stage's layers take per step, its input already in (every prefill chunk, "
-            f"one decode step in {PROFILE_SECONDS} s)", ["kind"], buckets=STEP_BUCKETS,
-            registry=r)
+            f"one decode step in {PROFILE_EVERY} in a pipeline, one per {PROFILE_SECONDS} s "
+            f"alone)", ["kind"], buckets=STEP_BUCKETS, registry=r)
         wait = Histogram(
             "omlx_node_stage_receive_wait_seconds",
             "How long a timed step waited for its input from the previous stage (on the head: "
@@ -101,6 +106,7 @@ class StageProfile:
         # pipeline every step of a later stage, the head's decode steps (the tail's tokens).
         self.peer_inputs: frozenset[str] = frozenset()
         self.tokens = 0  # tokens computed since the last `NodeMetrics.iteration_done`
+        self._decode_steps = 0
         self._timed_decodes = 0
         self._next_timed = 0.0  # perf_counter time from which the next decode step is timed
         self._last_kind = ""
@@ -120,11 +126,8 @@ class StageProfile:
         last, self._last_kind = self._last_kind, kind
         if kind == "decode":
             self.rows.observe(rows)
-            # Due, and preferably one that follows a decode step: the first after a prefill
-            # (or an idle spell) also merges new rows into the batch, and picking it because
-            # the deadline passed during that prefill would overstate the step.
-            wait = self._next_timed - time.perf_counter()
-            if wait > 0 or (last != "decode" and wait > -PROFILE_SECONDS):
+            self._decode_steps += 1
+            if not self._due(last):
                 self._busy.add(self._decode_mean)
                 return compute()
             self._timed_decodes += 1
@@ -145,6 +148,16 @@ class StageProfile:
         else:
             self._prefill.add(tokens, seconds)
         return out
+
+    def _due(self, last: str) -> bool:
+        """Whether this decode step is timed (`last`: the kind of the step before it)."""
+        if self.peer_inputs:  # a pipeline: the same steps on every stage
+            return self._decode_steps % PROFILE_EVERY == 0
+        # Preferably one that follows a decode step: the first after a prefill (or an idle
+        # spell) also merges new rows into the batch, and picking it because the deadline
+        # passed during that prefill would overstate the step.
+        wait = self._next_timed - time.perf_counter()
+        return wait <= 0 and (last == "decode" or wait <= -PROFILE_SECONDS)
 
     def busy_ratio(self) -> float:
         (busy,), span = self._busy.sums()
