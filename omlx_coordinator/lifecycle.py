@@ -64,6 +64,8 @@ class ModelManager:
         self.evictions: list[dict] = []  # the last few unloads, for /cluster/status
         self._last_pressure_evict = 0.0
         self._loads: dict[str, asyncio.Task] = {}
+        # Requests that find a model unloaded at once share one answer to "does it fit?".
+        self._shortfalls: dict[str, asyncio.Task] = {}
         self.started = False  # the models that fit at start are loaded (or failed)
         self._task: asyncio.Task | None = None
         self._sync_holders()
@@ -121,7 +123,16 @@ class ModelManager:
 
     async def shortfall(self, model: ServedModel) -> str:
         """Why `model` cannot be placed even with every unpinned model unloaded ("" when it
-        can)."""
+        can). Calls while one is planning share its answer: a burst of requests to an unloaded
+        model runs the planner once, not once each."""
+        task = self._shortfalls.get(model.name)
+        if task is None:
+            task = asyncio.create_task(self._shortfall(model))
+            self._shortfalls[model.name] = task
+            task.add_done_callback(lambda _: self._shortfalls.pop(model.name, None))
+        return await asyncio.shield(task)
+
+    async def _shortfall(self, model: ServedModel) -> str:
         if not self.cluster.servable():
             return NO_NODES if not self.cluster.members else "no node is left to run the model"
         try:
