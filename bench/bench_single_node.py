@@ -151,10 +151,17 @@ def steady_rate(streams: list[list[float]]) -> float | None:
 
 
 def build_random_llama(dest: Path, layers: int | None, size: str = "1b") -> None:
-    """A random-weight llama of RANDOM_LLAMAS[size]'s shape and dtype, as an mlx-lm folder with a
-    32000-token word-level tokenizer (every id decodes to text, so streamed tokens are never
-    held back, and "t5 t77" encodes back to exactly [5, 77] for a server that takes text)."""
+    """A random-weight llama of RANDOM_LLAMAS[size]'s shape and dtype (write_random_llama)."""
     _, _, shape, dtype = RANDOM_LLAMAS[size]
+    # Room for the 8192-token TTFT prompt: a server refuses prompts past this context.
+    write_random_llama(dest, shape, dtype, layers, 16384)
+
+
+def write_random_llama(dest: Path, shape: dict, dtype: str, layers: int | None,
+                       context: int) -> None:
+    """A random-weight llama of `shape` in `dtype`, `context` tokens long, as an mlx-lm folder
+    with a word-level tokenizer (every id decodes to text, so streamed tokens are never held
+    back, and "t5 t77" encodes back to exactly [5, 77] for a server that takes text)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -170,8 +177,7 @@ def build_random_llama(dest: Path, layers: int | None, size: str = "1b") -> None
                             unk_token="<unk>", pad_token="<unk>").save_pretrained(dest)
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], **shape,
-        # Room for the 8192-token TTFT prompt: a server refuses prompts past this context.
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 16384, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": context, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": dtype,
     }

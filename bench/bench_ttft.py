@@ -47,6 +47,7 @@ from bench.bench_single_node import (  # noqa: E402
     MlxLmServer,
     Server,
     machine_info,
+    write_random_llama,
 )
 
 # Small enough that an 8192-token prefill takes seconds on a 2-core CPU, wide enough that it is
@@ -59,37 +60,6 @@ CONTEXT = 32768  # the random llama's context: the longest prompt a run (or a re
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def build_model(dest: Path, shape: dict, layers: int | None, context: int) -> None:
-    """A random-weight llama of `shape` in bf16 with a word-level tokenizer ("t<id>" is token
-    <id>, so a text prompt and a token-id prompt are the same tokens on every server)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    dest.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, shape["vocab_size"])})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>", pad_token="<unk>").save_pretrained(dest)
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **shape,
-              "rms_norm_eps": 1e-5, "max_position_embeddings": context, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-              "torch_dtype": "bfloat16"}
-    if layers:
-        config["num_hidden_layers"] = layers
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
 
 
 # ---- the in-process sides -----------------------------------------------------------------------
@@ -335,7 +305,7 @@ def main() -> int:
         work = Path(tmp)
         model = args.model_dir or work / "model"
         if not (model / "config.json").exists():
-            build_model(model, shape, args.random_layers, CONTEXT)
+            write_random_llama(model, shape, "bfloat16", args.random_layers, CONTEXT)
             print(f"model built in {model}", file=sys.stderr, flush=True)
         result = {
             "tag": tag, "lengths": args.lengths, "repeats": args.repeats,

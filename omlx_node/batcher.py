@@ -199,10 +199,9 @@ class StageState:
         if self.prefix_cache is None:
             return 0
         self.tokens[seq_id] = tokens
-        if self.deferred:  # a prompt still waiting to be kept may be this one's prefix
-            bs = self.prefix_cache.block_size
-            self.flush_stores([s for s, (t, _) in self.deferred.items()
-                               if len(tokens) >= bs and t[:bs] == tokens[:bs]])
+        bs = self.prefix_cache.block_size
+        if self.deferred and len(tokens) >= bs:  # a prompt waiting to be kept may be its prefix
+            self.flush_stores([s for s, (t, _) in self.deferred.items() if t[:bs] == tokens[:bs]])
         kv = self.stage.from_blocks(
             self.prefix_cache.restore(tokens, self.prefix_cache.lookup(tokens)))
         held = kv[0].offset

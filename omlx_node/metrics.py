@@ -74,9 +74,9 @@ class _Window:
 
 class StageProfile:
     """Times this stage's layers: every prefill chunk (a prefill is synchronous anyway) and one
-    decode step in PROFILE_EVERY in a pipeline (PROFILE_SECONDS alone), which then runs
-    synchronously: this stage's earlier work
-    first, then its input (the wait for the previous stage), then its layers (its compute).
+    decode step in PROFILE_EVERY in a pipeline (one per PROFILE_SECONDS alone), which then runs
+    synchronously: this stage's earlier work first, then its input (the wait for the previous
+    stage), then its layers (its compute).
     The other decode steps run as before and count towards the busy share at the mean time of
     the timed ones."""
 
@@ -280,7 +280,7 @@ class NodeMetrics:
         MLX is only asked from there."""
         busy = self.profile.tokens
         if busy:
-            self.iteration_tokens.observe(self.profile.tokens)
+            self.iteration_tokens.observe(busy)
             self.profile.tokens = 0
         now = time.monotonic()
         if busy and now < self._gauges_due:  # an idle iteration leaves them right

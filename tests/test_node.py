@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -29,13 +31,15 @@ def model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("node-model"), "qwen3", num_layers=3)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    ready = tmp_path_factory.mktemp("node") / "ready.json"
+@contextmanager
+def running_node(folder: Path, *flags: str) -> Iterator[tuple[subprocess.Popen,
+                                                              pb_grpc.NodeAgentStub]]:
+    """`omlx-cluster node` with `flags`, started in `folder`; it must shut down cleanly (every
+    worker stopped, no abort)."""
+    ready = folder / "ready.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "omlx_cluster", "node", "--port", "0", "--ready-file",
-         str(ready), "--metrics-port", "0", "--prefill-chunk", "4"],
-    )
+         str(ready), *flags])
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None, "node exited during start-up"
@@ -45,7 +49,14 @@ def node(tmp_path_factory):
     yield proc, pb_grpc.NodeAgentStub(channel)
     channel.close()
     proc.terminate()
-    assert proc.wait(15) == 0  # clean shutdown, no abort
+    assert proc.wait(15) == 0
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with running_node(tmp_path_factory.mktemp("node"), "--metrics-port", "0",
+                      "--prefill-chunk", "4") as node:
+        yield node
 
 
 def test_load_generate_cancel_stats(node, model):

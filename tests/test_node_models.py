@@ -3,12 +3,9 @@ unloads each on its own, and reports each in Health (proto/omlx.proto WorkerStat
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from mlx_lm.generate import generate_step
 
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
+from tests.test_node import running_node
 from tests.tiny_models import build_model
 
 PROMPT = "The capital of France is"
@@ -54,20 +52,9 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, metrics_port):
-    ready = tmp_path_factory.mktemp("node") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omlx_cluster", "node", "--port", "0", "--ready-file",
-         str(ready), "--metrics-port", str(metrics_port)])
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None, "node exited during start-up"
-        assert time.monotonic() < deadline, "node did not start"
-        time.sleep(0.05)
-    channel = grpc.insecure_channel(f"127.0.0.1:{json.loads(ready.read_text())['port']}")
-    yield pb_grpc.NodeAgentStub(channel)
-    channel.close()
-    proc.terminate()
-    assert proc.wait(15) == 0  # every worker stopped, no abort
+    with running_node(tmp_path_factory.mktemp("node"), "--metrics-port",
+                      str(metrics_port)) as (_, stub):
+        yield stub
 
 
 def load_model(agent, models, name: str, plan_hash: str = "") -> pb.LoadShardReply:
