@@ -548,7 +548,11 @@ class Rebalancer:
         model = self.deployment.model.name
         endpoints = [w["metrics"] for n in self.cluster.nodes for w in n["workers"]
                      if w["model"] == model and w["metrics"]]
-        texts = await asyncio.gather(*(self._http.get(f"http://{e}/metrics")
+        # Only the series decide() reads, not the whole render. A lone node has nowhere to shed
+        # layers to, so its memory (a walk of the worker's pages each reading) is left unread.
+        memory = (FOOTPRINT, PRESSURE) if len(self.cluster.servable()) > 1 else ()
+        names = {"name[]": [*DECODE_SERIES, *memory]}
+        texts = await asyncio.gather(*(self._http.get(f"http://{e}/metrics", params=names)
                                        for e in endpoints))
         out = {}
         for r in texts:

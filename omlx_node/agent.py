@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent import futures
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ def reachable(host: str) -> str:
 def scrape_gauge(url: str, name: str) -> float | None:
     """The first sample of gauge `name` on a Prometheus text endpoint; None if the endpoint
     does not answer in time or lacks it."""
+    query = urllib.parse.urlencode({"name[]": name})  # that gauge alone: a cheap render
     try:
-        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_SECONDS) as response:
+        with urllib.request.urlopen(f"{url}?{query}", timeout=PROBE_TIMEOUT_SECONDS) as response:
             text = response.read().decode(errors="replace")
     except (OSError, http.client.HTTPException):  # a worker busy, exiting or stopped
         return None

@@ -183,6 +183,11 @@ class _MachineCollector:
          memory_pressure),
     )
 
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Names it, so that a scrape asking for other series (`name[]=`) skips its probes.
+        for name, documentation, _ in self.PROBES:
+            yield GaugeMetricFamily(name, documentation, labels=["source"])
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for name, documentation, probe in self.PROBES:
             try:

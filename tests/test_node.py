@@ -127,6 +127,12 @@ def test_load_generate_cancel_stats(node, model):
     # Every series names its stage; this agent is one node holding every layer.
     for label in ('model="m"', 'node="', 'plan=""', 'stage="0"', 'layers="0:3"'):
         assert label in text
+    # A scrape that names its series (the agent's probe, the rebalancer) gets those alone.
+    named = ["omlx_node_mlx_active_bytes", "omlx_node_requests_finished_total"]
+    only = httpx.get(f"http://127.0.0.1:{health.metrics_port}/metrics",
+                     params={"name[]": named}, timeout=5).text
+    assert {key.split("{")[0] for key in parse_metrics(only)} == set(named)
+    assert 'stage="0"' in only and 'reason="cancelled"' in only
 
     agent_health = agent.Health(pb.HealthRequest(), timeout=5)
     assert agent_health.ready and agent_health.worker_pid == reply.worker_pid
@@ -149,3 +155,27 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return not open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] in "ZX"
+
+
+def test_a_named_scrape_skips_the_memory_probes(monkeypatch):
+    """The worker's PSS walk runs only for a scrape that asks for its series: an idle node's
+    agent probes MLX's memory every few seconds, and must not pay for the walk each time."""
+    from omlx_node import metrics as node_metrics
+    from omlx_shared.prometheus import labelled
+
+    calls = []
+    probes = tuple((name, doc, lambda probe=probe, name=name: calls.append(name) or probe())
+                   for name, doc, probe in node_metrics._MachineCollector.PROBES)
+    monkeypatch.setattr(node_metrics._MachineCollector, "PROBES", probes)
+    exported = labelled(node_metrics.NodeMetrics().registry, {"node": "n"})
+
+    def names(registry) -> set[str]:
+        return {s.name for family in registry.collect() for s in family.samples}
+
+    assert names(exported.restricted_registry(["omlx_node_mlx_active_bytes"])) == {
+        "omlx_node_mlx_active_bytes"}
+    assert calls == []
+    footprint = "omlx_node_process_footprint_bytes"
+    assert names(exported.restricted_registry([footprint])) == {footprint}
+    assert calls == [footprint, "omlx_node_memory_pressure"]
+    assert footprint in names(exported)  # a plain scrape still has everything
