@@ -2,6 +2,7 @@
 """Where does batch-1 decode time go? Peels our serving stack layer by layer on one model.
 
     A  mlx-lm generate_step                              (the reference)
+    A8 mlx-lm BatchGenerator, 8 rows, decode phase       (the reference at 8 streams)
     B  our StageRunner + KVCache, generate_step's loop   (stage code)
     C  our StageRunner + a 1-row BatchKVCache            (+ the batched cache the batcher uses)
     D  our Batcher in-process, a consumer thread         (+ scheduler, events, metrics)
@@ -72,7 +73,7 @@ def stage_loop(stage, prompt: list[int], n: int, batched: bool = False) -> list[
 def in_process(model_path: Path, prompts: list[list[int]], tokens: int, repeats: int,
                warm: int) -> dict:
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import BatchGenerator, generate_step
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import dequantize_model, load_model
 
@@ -97,6 +98,22 @@ def in_process(model_path: Path, prompts: list[list[int]], tokens: int, repeats:
 
     out["A_mlx_lm_generate_step"] = measure(a, repeats, warm, tokens)
     print("A", out["A_mlx_lm_generate_step"]["median_tps"], file=sys.stderr, flush=True)
+
+    def a8(n):
+        gen = BatchGenerator(model, max_tokens=n, completion_batch_size=32)
+        uids = gen.insert(prompts[:8], max_tokens=[n] * 8)
+        times: dict[int, list[float]] = {u: [] for u in uids}
+        done = set()
+        while len(done) < len(uids):
+            for r in gen.next_generated():
+                times[r.uid].append(time.perf_counter())
+                if r.finish_reason is not None:
+                    done.add(r.uid)
+        gen.close()
+        return bsn.steady_rate(list(times.values()))
+
+    out["A8_mlx_lm_batch_generator"] = measure(a8, repeats, warm, tokens)
+    print("A8", out["A8_mlx_lm_batch_generator"]["median_tps"], file=sys.stderr, flush=True)
     del model
 
     stage = StageRunner(model_path)
