@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_single_node as bsn  # noqa: E402
+import bench_single_node as bsn
 
 
 def hottest(raw: Path, top: int) -> list[tuple[str, int]]:

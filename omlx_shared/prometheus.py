@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.registry import RestrictedRegistry
 from prometheus_client.core import Metric
+from prometheus_client.registry import RestrictedRegistry
 
 # 5 ms (a decode step on a Mac) to 2 min (a cold long prefill); shared, so that dashboards can
 # put the node's and the gateway's latencies on one panel.
