@@ -3,9 +3,11 @@
 
     R  mlx-lm generate_step on mlx-lm's model             (the reference)
     S  our StageRunner + KVCache in generate_step's loop  (the stage code alone)
+    S' the same on a stream of its own                    (as generate_step runs: does the
+                                                           default stream cost the gap?)
     D  our Batcher, a consumer thread reading its events  (+ scheduler, sampling, metrics)
 
-Every variant runs once as a warm-up, then `--rounds` times in turn (R S D R S D ...), so a
+Every variant runs once as a warm-up, then `--rounds` times in turn (R S S' D R ...), so a
 device whose speed drifts during the run (a shared GPU's clocks) moves all of them alike.
 Prints each variant's median decode rate and its ratio to R.
 
@@ -67,6 +69,12 @@ def main() -> int:
     def our_stage(n: int) -> float:
         return rate(stage_loop(stage, prompt, n))
 
+    own = mx.new_stream(mx.default_device())
+
+    def our_stage_own_stream(n: int) -> float:
+        with mx.stream(own):
+            return rate(stage_loop(stage, prompt, n))
+
     count = [0]
 
     def engine(n: int) -> float:
@@ -85,7 +93,8 @@ def main() -> int:
         return rate(times)
 
     variants = {"R mlx-lm generate_step": reference, "S our stage, generate_step's loop":
-                our_stage, "D our Batcher + consumer thread": engine}
+                our_stage, "S' the same, on a stream of its own": our_stage_own_stream,
+                "D our Batcher + consumer thread": engine}
     for fn in variants.values():
         fn(args.tokens)
     runs: dict[str, list[float]] = {k: [] for k in variants}
