@@ -41,15 +41,14 @@ class _Exported(CollectorRegistry):
     export them: a full render, and the worker's PSS walk, cost an idle node's CPU at every
     probe."""
 
-    def __init__(self, source: CollectorRegistry, labels: Mapping[str, str]):
+    def __init__(self, source: CollectorRegistry | RestrictedRegistry,
+                 labels: Mapping[str, str]):
         super().__init__(auto_describe=False)
         self.source, self.labels = source, labels
         self.register(_Labelled(source, labels))
 
     def restricted_registry(self, names: Iterable[str]) -> CollectorRegistry:
-        restricted = CollectorRegistry(auto_describe=False)
-        restricted.register(_Labelled(self.source.restricted_registry(names), self.labels))
-        return restricted
+        return _Exported(self.source.restricted_registry(names), self.labels)
 
 
 def labelled(source: CollectorRegistry, labels: Mapping[str, str]) -> CollectorRegistry:
