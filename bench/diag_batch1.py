@@ -2,6 +2,7 @@
 """Batch-1 decode of our engine against mlx-lm's, in one process, runs interleaved.
 
     R  mlx-lm generate_step on mlx-lm's model             (the reference)
+    R' mlx-lm's model in the loop S runs                  (does the loop itself cost?)
     S  our StageRunner + KVCache in generate_step's loop  (the stage code alone)
     S' the same on a stream of its own                    (as generate_step runs: does the
                                                            default stream cost the gap?)
@@ -9,7 +10,9 @@
 
 Every variant runs once as a warm-up, then `--rounds` times in turn (R S S' D R ...), so a
 device whose speed drifts during the run (a shared GPU's clocks) moves all of them alike.
-Prints each variant's median decode rate and its ratio to R.
+Prints each variant's median decode rate and its ratio to R; for the loops it times (R', S,
+S'), the median milliseconds a step spends building its graph and then waiting for the device:
+a loop that never waits is bound by its Python, one that waits by the device.
 
     python bench/diag_batch1.py --random-llama 8b [--tokens 128] [--rounds 5]
 """
@@ -66,14 +69,25 @@ def main() -> int:
             times.append(time.perf_counter())
         return rate(times)
 
-    def our_stage(n: int) -> float:
-        return rate(stage_loop(stage, prompt, n))
+    class MlxLmModel:
+        """mlx-lm's model as stage_loop calls a stage."""
+
+        def make_cache(self) -> list:
+            return make_prompt_cache(model)
+
+        def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
+            out = model(x, cache=cache)
+            return out[:, -1:, :] if last_only else out
+
+    phases: dict[str, list[tuple[float, float]]] = {}
+
+    def looped(name: str, runner, stream=None):
+        def run(n: int) -> float:
+            with mx.stream(stream or mx.default_stream(mx.default_device())):
+                return rate(stage_loop(runner, prompt, n, phases=phases.setdefault(name, [])))
+        return run
 
     own = mx.new_stream(mx.default_device())
-
-    def our_stage_own_stream(n: int) -> float:
-        with mx.stream(own):
-            return rate(stage_loop(stage, prompt, n))
 
     count = [0]
 
@@ -92,11 +106,14 @@ def main() -> int:
             batcher.step()
         return rate(times)
 
-    variants = {"R mlx-lm generate_step": reference, "S our stage, generate_step's loop":
-                our_stage, "S' the same, on a stream of its own": our_stage_own_stream,
+    variants = {"R mlx-lm generate_step": reference,
+                "R' mlx-lm's model, S's loop": looped("R'", MlxLmModel()),
+                "S our stage, generate_step's loop": looped("S", stage),
+                "S' the same, on a stream of its own": looped("S'", stage, own),
                 "D our Batcher + consumer thread": engine}
     for fn in variants.values():
         fn(args.tokens)
+    phases.clear()
     runs: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
@@ -106,6 +123,9 @@ def main() -> int:
     for name, r in runs.items():
         m = statistics.median(r)
         print(f"{name:36s} {m:8.1f} tok/s  {m / base:5.2f}x  runs {[round(x) for x in r]}")
+    for name, steps in phases.items():
+        build, wait = (statistics.median(p[i] for p in steps) * 1e3 for i in (0, 1))
+        print(f"{name:3s} a step: {build:.2f} ms building its graph, then {wait:.2f} ms waiting")
     return 0
 
 

@@ -47,9 +47,12 @@ def measure(fn, repeats: int, warm_tokens: int, tokens: int) -> dict:
     return {"runs": runs, "median_tps": statistics.median([r for r in runs if r] or [0])}
 
 
-def stage_loop(stage, prompt: list[int], n: int, batched: bool = False) -> list[float]:
+def stage_loop(stage, prompt: list[int], n: int, batched: bool = False,
+               phases: list[tuple[float, float]] | None = None) -> list[float]:
     """generate_step's loop (greedy, step n+1 scheduled before step n is read) over our
-    StageRunner; `batched` decodes through a one-row BatchKVCache. Each token's arrival time."""
+    StageRunner; `batched` decodes through a one-row BatchKVCache. Each token's arrival time;
+    `phases` gets each step's (seconds building its graph, seconds then waiting for the token
+    before it): a loop whose waits are ~0 is bound by its Python, not by the device."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -63,10 +66,14 @@ def stage_loop(stage, prompt: list[int], n: int, batched: bool = False) -> list[
     times = []
     for _ in range(n):
         y = nxt
+        t0 = time.perf_counter()
         nxt = mx.argmax(stage(y[:, None], cache)[:, -1, :], axis=-1)
         mx.async_eval(nxt)
+        t1 = time.perf_counter()
         y.tolist()
         times.append(time.perf_counter())
+        if phases is not None:
+            phases.append((t1 - t0, times[-1] - t1))
     return times
 
 

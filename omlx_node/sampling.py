@@ -4,10 +4,10 @@ Every row of a batch may carry its own temperature, top-p, top-k, min-p and seed
 the argmax of the raw logits, exactly what mlx-lm's default sampler picks. The other rows are drawn
 together, in one batched computation with their parameters as per-row arrays, from the tokens
 mlx-lm's sampler chain would keep (top-k, then top-p, then min-p), by the Gumbel-max draw of
-mx.random.categorical: a sampled batch costs about what a greedy one does. Unseeded rows share one
-draw from mx.random's global key. A seeded row owns a PRNG key that is split once per token and
-draws its own noise, so its output depends only on its seed and its logits, never on which other
-sequences shared the batch (up to exact ties between its logits).
+mx.random.categorical, in one compiled computation: a sampled batch costs about what a greedy one
+does. Unseeded rows share one draw from mx.random's global key. A seeded row owns a PRNG key that
+is split once per token and draws its own noise, so its output depends only on its seed and its
+logits, never on which other sequences shared the batch (up to exact ties between its logits).
 
 A row may also ask for, each costing only the rows that ask:
 - penalties: mlx-lm's own logits processors (`make_logits_processors`: repetition, presence,
@@ -34,6 +34,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -275,45 +276,42 @@ def _draw(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     """logits: (n, V) of sampled (not greedy) rows, unseeded rows first -> (n,) token ids, each
     row drawn at its temperature from the tokens its filters keep, all rows at once."""
     params = [s.params for s in samplers]
-    ids, x, keep = _filter(logits, params)
-    inv_temp = mx.array([1.0 / p.temperature for p in params])
-    noise = _noise(samplers, logits.shape[-1], x.shape[-1], ids)
-    choice = _choose(x, keep, inv_temp, noise)
-    if ids is None:
-        return choice
-    return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(mx.uint32)
+    ids, x, limits = _filter(logits, params)
+    unseeded = sum(s.key is None for s in samplers)
+    seeded = (_seeded_noise(samplers[unseeded:], logits.shape[-1], x.shape[-1],
+                            None if ids is None else ids[unseeded:])
+              if unseeded < len(samplers) else None)
+    return _pick(x, ids, *limits, mx.array([1.0 / p.temperature for p in params]), seeded)
 
 
 def _filter(logits: mx.array, params: list[SamplingParams]
-            ) -> tuple[mx.array | None, mx.array, mx.array]:
-    """What mlx-lm's chain (top-k, then top-p, then min-p, over the log-softmax) keeps of each
-    row of logits (n, V), as (ids, x, keep): the candidates' token ids (None: every token, in
-    token order), their logits in float32, and which of them are kept. When every row has a
-    top-k, the candidates are each row's K highest logits, K the batch's largest top-k, so all
-    the work past finding them is over (n, K), not the vocabulary."""
+            ) -> tuple[mx.array | None, mx.array, tuple]:
+    """The candidates mlx-lm's chain (top-k, then top-p, then min-p, over the log-softmax)
+    chooses among for each row of logits (n, V), as (ids, x, limits): their token ids (None:
+    every token, in token order), their logits (in float32 when ranked, else as given), and
+    the per-row arrays `_keep` filters them by. When every row has a top-k, the candidates are
+    each row's K highest logits, K the batch's largest top-k, so all the work past finding
+    them is over (n, K), not the vocabulary."""
     vocab = logits.shape[-1]
     for p in params:
         _check(p, vocab)
     top_k = [max(0, p.top_k) for p in params]
     ranked = any(top_k) or any(0.0 < p.top_p < 1.0 for p in params)
-    x = logits.astype(mx.float32)
     if all(top_k):
-        ids, x = _top_candidates(x, max(top_k))
+        ids, x = _top_candidates(logits, max(top_k))
     elif ranked:
-        ids = mx.argsort(-x, axis=-1)
-        x = mx.take_along_axis(x, ids, axis=-1)
+        ids, x = _ranked(logits)
     else:
-        ids = None
-    keep = mx.array(True)  # of every candidate
-    if ranked:
-        width = x.shape[-1]
-        keep = _ranked_keep(x, mx.array([k or width for k in top_k]),
-                            mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]),
-                            mx.array([0.0 < p.top_p < 1.0 for p in params]))
-    if any(p.min_p > 0.0 for p in params):
-        keep = keep & _min_p_keep(x, mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf
-                                               for p in params]))
-    return ids, x, keep
+        ids, x = None, logits
+    width = x.shape[-1]
+    limits = (
+        mx.array([k or width for k in top_k]) if ranked else None,
+        mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]) if ranked else None,
+        mx.array([0.0 < p.top_p < 1.0 for p in params]) if ranked else None,
+        mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
+        if any(p.min_p > 0.0 for p in params) else None,
+    )
+    return ids, x, limits
 
 
 # Candidates for top-k are found through groups of this many logits: the k groups with the
@@ -324,16 +322,20 @@ TOP_K_GROUP = 32
 
 
 # The functions below are compiled: a decode step samples through a few dozen small ops, and
-# their dispatch, not their arithmetic, is most of what sampling costs a small batch.
+# their dispatch, not their arithmetic, is most of what sampling costs a small batch (on a GPU
+# each op is a kernel launch: one compiled draw fuses what separate calls launch one by one).
 @mx.compile
-def _top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """x: (n, V) -> the ids and values of each row's k highest logits, highest first."""
-    n, vocab = x.shape
+def _top_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """logits: (n, V) -> the ids and float32 values of each row's k highest logits, highest
+    first. Found in the logits' own dtype (a float32 cast orders them alike): only the
+    candidates are cast, not the vocabulary."""
+    n, vocab = logits.shape
     groups = -(-vocab // TOP_K_GROUP)
+    x = logits
     if groups > k:
         padded = groups * TOP_K_GROUP
         if padded > vocab:  # -inf past the vocabulary: never above a real logit
-            x = mx.concatenate([x, mx.full((n, padded - vocab), -mx.inf)], axis=-1)
+            x = mx.concatenate([x, mx.full((n, padded - vocab), -mx.inf, x.dtype)], axis=-1)
         best = mx.argpartition(-x.reshape(n, groups, TOP_K_GROUP).max(axis=-1), k - 1,
                                axis=-1)[:, :k]
         ids = (best[:, :, None] * TOP_K_GROUP + mx.arange(TOP_K_GROUP)).reshape(n, -1)
@@ -343,48 +345,61 @@ def _top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     top = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
     ids, values = mx.take_along_axis(ids, top, axis=-1), mx.take_along_axis(values, top, axis=-1)
     order = mx.argsort(-values, axis=-1)
-    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    return (mx.take_along_axis(ids, order, axis=-1),
+            mx.take_along_axis(values, order, axis=-1).astype(mx.float32))
 
 
 @mx.compile
-def _ranked_keep(x: mx.array, top_k: mx.array, top_p: mx.array, top_p_on: mx.array) -> mx.array:
-    """x: (n, W) sorted, highest first -> which tokens mlx-lm's apply_top_k and then apply_top_p
-    keep: the row's first top_k, and of those every token at least as likely as the least
-    likely one that the probability mass before it leaves under top_p (a row whose top_p is not
-    on keeps them all)."""
-    keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
-    x = mx.where(keep, x, -mx.inf)
-    probs = mx.exp(x - x[:, :1])  # unnormalised: top-p compares masses with the total's share
-    mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
-    total = mass_before[:, -1:] + probs[:, -1:]
-    kept = (mass_before < top_p[:, None] * total).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(x, mx.maximum(kept - 1, 0), axis=-1)
-    return keep & (~top_p_on[:, None] | (x >= threshold))
+def _ranked(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """logits: (n, V) -> every token's id and float32 logit, each row highest first."""
+    x = logits.astype(mx.float32)
+    ids = mx.argsort(-x, axis=-1)
+    return ids, mx.take_along_axis(x, ids, axis=-1)
 
 
-@mx.compile
-def _min_p_keep(x: mx.array, log_min_p: mx.array) -> mx.array:
-    """Which tokens mlx-lm's apply_min_p keeps: those at least min_p times the likeliest."""
-    return x >= x.max(axis=-1, keepdims=True) + log_min_p[:, None]
+def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
+          top_p_on: mx.array | None, log_min_p: mx.array | None) -> mx.array:
+    """Which candidates x (n, W) mlx-lm's apply_top_k, apply_top_p and apply_min_p keep, by
+    `_filter`'s limits (None: that filter is off for every row). Ranked (top_k given), x is
+    sorted, highest first: the row's first top_k, and of those every token at least as likely
+    as the least likely one that the probability mass before it leaves under top_p (a row whose
+    top_p is not on keeps them all); min-p keeps tokens at least min_p times the likeliest."""
+    x = x.astype(mx.float32)
+    keep = mx.array(True)
+    if top_k is not None:
+        keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
+        ranked = mx.where(keep, x, -mx.inf)
+        probs = mx.exp(ranked - ranked[:, :1])  # unnormalised: top-p compares shares of a total
+        mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
+        total = mass_before[:, -1:] + probs[:, -1:]
+        kept = (mass_before < top_p[:, None] * total).sum(axis=-1, keepdims=True)
+        threshold = mx.take_along_axis(ranked, mx.maximum(kept - 1, 0), axis=-1)
+        keep = keep & (~top_p_on[:, None] | (ranked >= threshold))
+    if log_min_p is not None:
+        keep = keep & (x >= x.max(axis=-1, keepdims=True) + log_min_p[:, None])
+    return keep
 
 
-@mx.compile
-def _choose(x: mx.array, keep: mx.array, inv_temp: mx.array, noise: mx.array) -> mx.array:
-    """The Gumbel-max draw mx.random.categorical makes, over the kept candidates at each row's
-    temperature."""
-    return mx.argmax(mx.where(keep, x * inv_temp[:, None], -mx.inf) + noise, axis=-1)
-
-
-def _noise(samplers: list[RowSampler], vocab: int, width: int,
-           ids: mx.array | None) -> mx.array:
-    """Gumbel noise for the candidates (n, width): one draw from the global key for the
-    unseeded rows (first), then the seeded rows' own (`_seeded_noise`)."""
-    unseeded = sum(s.key is None for s in samplers)
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def _pick(x: mx.array, ids: mx.array | None, top_k: mx.array | None, top_p: mx.array | None,
+          top_p_on: mx.array | None, log_min_p: mx.array | None, inv_temp: mx.array,
+          seeded: mx.array | None) -> mx.array:
+    """The Gumbel-max draw mx.random.categorical makes, over the candidates `_keep` keeps, at
+    each row's temperature: the unseeded rows' noise drawn here from mx.random's global key,
+    the seeded rows' (last) given. Returns token ids, uint32."""
+    x = x.astype(mx.float32)
+    keep = _keep(x, top_k, top_p, top_p_on, log_min_p)
+    n, width = x.shape
+    unseeded = n - (0 if seeded is None else seeded.shape[0])
+    # No draw of zero rows: MLX's CUDA backend dies of a floating point exception on one.
     parts = [mx.random.gumbel((unseeded, width))] if unseeded else []
-    if unseeded < len(samplers):
-        parts.append(_seeded_noise(samplers[unseeded:], vocab, width,
-                                   None if ids is None else ids[unseeded:]))
-    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    if seeded is not None:
+        parts.append(seeded)
+    noise = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    choice = mx.argmax(mx.where(keep, x * inv_temp[:, None], -mx.inf) + noise, axis=-1)
+    if ids is None:
+        return choice
+    return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(mx.uint32)
 
 
 _split_keys = mx.vmap(mx.random.split)
