@@ -597,6 +597,11 @@ class Engine:
             else:
                 keep.append(i)
         if firsts:
+            # A first token is what a client waits longest for: the thread that streams it gets
+            # the GIL now. Otherwise it waits for the engine's next blocking call, and where the
+            # device never makes the engine wait (small models on a GPU) that is the
+            # interpreter's switch interval, 5 ms. Later tokens keep that batching.
+            time.sleep(0)
             self.state.flush_stores(firsts)
         self._rate.append((now, emitted))
         self.generated_total += emitted
