@@ -121,7 +121,7 @@ def in_process(model_path: Path, prompts: list[list[int]], tokens: int, repeats:
 
     out["A8_mlx_lm_batch_generator"] = measure(a8, repeats, warm, tokens)
     print("A8", out["A8_mlx_lm_batch_generator"]["median_tps"], file=sys.stderr, flush=True)
-    del model
+    model = None  # its weights go before our stage loads its own (a and a8 are done with it)
 
     stage = StageRunner(model_path)
 
