@@ -303,15 +303,12 @@ def _filter(logits: mx.array, params: list[SamplingParams]
         ids, x = _ranked(logits)
     else:
         ids, x = None, logits
-    width = x.shape[-1]
-    limits = (
-        mx.array([k or width for k in top_k]) if ranked else None,
-        mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]) if ranked else None,
-        mx.array([0.0 < p.top_p < 1.0 for p in params]) if ranked else None,
-        mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
-        if any(p.min_p > 0.0 for p in params) else None,
-    )
-    return ids, x, limits
+    ranks = (mx.array([k or x.shape[-1] for k in top_k]),
+             mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]),
+             mx.array([0.0 < p.top_p < 1.0 for p in params])) if ranked else (None, None, None)
+    min_p = (mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
+             if any(p.min_p > 0.0 for p in params) else None)
+    return ids, x, (*ranks, min_p)
 
 
 # Candidates for top-k are found through groups of this many logits: the k groups with the
@@ -359,12 +356,12 @@ def _ranked(logits: mx.array) -> tuple[mx.array, mx.array]:
 
 def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
           top_p_on: mx.array | None, log_min_p: mx.array | None) -> mx.array:
-    """Which candidates x (n, W) mlx-lm's apply_top_k, apply_top_p and apply_min_p keep, by
-    `_filter`'s limits (None: that filter is off for every row). Ranked (top_k given), x is
-    sorted, highest first: the row's first top_k, and of those every token at least as likely
-    as the least likely one that the probability mass before it leaves under top_p (a row whose
-    top_p is not on keeps them all); min-p keeps tokens at least min_p times the likeliest."""
-    x = x.astype(mx.float32)
+    """Which candidates x (n, W, float32) mlx-lm's apply_top_k, apply_top_p and apply_min_p
+    keep, by `_filter`'s limits (None: that filter is off for every row). Ranked (top_k given),
+    x is sorted, highest first: the row's first top_k, and of those every token at least as
+    likely as the least likely one that the probability mass before it leaves under top_p (a row
+    whose top_p is not on keeps them all); min-p keeps tokens at least min_p times the
+    likeliest."""
     keep = mx.array(True)
     if top_k is not None:
         keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
