@@ -613,9 +613,13 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
                      rebalance=_rebalance_settings(args))
     # uvloop and httptools, named rather than "auto" (which quietly falls back to asyncio's
     # loop and h11): at many streams the gateway's event loop is a bottleneck of its own.
+    # An idle client connection is kept 75 s (nginx's default), longer than clients keep theirs
+    # (httpx and the OpenAI SDK: 5 s). With uvicorn's 5 s, an agent's next turn ~5 s after its
+    # last raced the server closing that connection: "Server disconnected without sending a
+    # response". The client must be the one that lets it go.
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5, loop="uvloop",
-                                           http="httptools"))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=75,
+                                           loop="uvloop", http="httptools"))
     log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
              "is ready)", args.host, sock.getsockname()[1],
              ", ".join(m.name for m in manager.models))

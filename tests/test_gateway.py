@@ -8,6 +8,7 @@ limits, seeds, cancellation, SSE keep-alives and the Prometheus metrics.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -594,6 +595,22 @@ def test_keepalive_comments_while_the_node_has_not_answered(pausable_server: Ser
 
 
 # ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_an_idle_client_connection_outlives_the_clients_own_keep_alive(server: Server) -> None:
+    """A client keeps an idle connection 5 s (httpx, the OpenAI SDK) and reuses it until then:
+    the server must not close it first, or the next request on it is lost in the race."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        for pause in (6, 0):  # past uvicorn's default keep-alive (5 s), then none
+            conn.request("GET", "/health")
+            reply = conn.getresponse()
+            reply.read()
+            assert reply.status == 200
+            time.sleep(pause)
+    finally:
+        conn.close()
 
 
 def test_metrics_names_and_counters(server: Server, client: openai.OpenAI, tok) -> None:
