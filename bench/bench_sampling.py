@@ -2,7 +2,7 @@
 """Sampled against greedy decode through the single-node engine, in process.
 
 A batch of B rows (32 and 8) decodes `--tokens` tokens each, greedy (temperature 0) and then
-sampled (temperature 0.8, top_p 0.95, top_k 50, unseeded). The rate is decode tok/s: tokens
+sampled (temperature 0.8, top_p 0.95, top_k 50 or `--top-k`, 0 for top-p alone; unseeded). The rate is decode tok/s: tokens
 streamed after every row's first one / time from the last first token to the last token, so
 prefill is left out; and the same per second of the process's CPU time. Each is the median of
 `--repeats` runs (greedy and sampled alternated) after a warm-up; the ratio sampled/greedy is
@@ -13,6 +13,7 @@ The model is a random llama with a large vocabulary and a small hidden size, so 
 sampler, not the layers, are most of a step: where sampling costs show.
 
     python bench/bench_sampling.py [--vocab 65536] [--hidden 128] [--tokens 128] [--repeats 3]
+                                   [--top-k 50] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import mlx.core as mx
+
 from omlx_node.batcher import Batcher, Finish, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
@@ -38,7 +41,6 @@ from omlx_shared.blas import blas_env
 from tests.tiny_models import build_model
 
 GREEDY = SamplingParams()
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
 PROMPT_LEN = 16
 
 
@@ -75,7 +77,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 8])
+    ap.add_argument("--top-k", type=int, default=50, help="the sampled rows' top-k; 0: off")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the model's weights (so its logits): a GPU serves bfloat16")
     args = ap.parse_args()
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=args.top_k)
     env = blas_env()
     if env != dict(os.environ):  # the BLAS a node's shard worker runs with, preloaded at start
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
@@ -83,15 +89,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "m", "llama", num_layers=args.layers,
                            hidden_size=args.hidden, extra_config={"vocab_size": args.vocab})
+        if args.dtype != "float32":
+            weights = path / "model.safetensors"
+            mx.save_safetensors(str(weights), {k: v.astype(getattr(mx, args.dtype))
+                                               for k, v in mx.load(str(weights)).items()})
         batcher = Batcher(StageRunner(path), NodeMetrics(), max_batch=max(args.batches))
         print(f"machine: {platform.machine()}, model: random llama, vocab {args.vocab}, hidden "
-              f"{args.hidden}, {args.layers} layers; {args.tokens} tokens a row; median of "
+              f"{args.hidden}, {args.layers} layers, {args.dtype}; {args.tokens} tokens a row; "
+              f"sampled: temperature 0.8, top-p 0.95, top-k {args.top_k or 'off'}; median of "
               f"{args.repeats}")
         print("| rows | greedy tok/s | sampled tok/s | sampled/greedy | greedy tok/CPU-s | "
               "sampled tok/CPU-s | sampled/greedy (CPU) |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for rows in args.batches:
-            modes = {"greedy": GREEDY, "sampled": SAMPLED}
+            modes = {"greedy": GREEDY, "sampled": sampled}
             for params in modes.values():
                 decode_rate(batcher, rows, 8, params)  # warm-up: this batch size's kernels
             # Alternated, so that load from elsewhere on a shared machine hits both alike.

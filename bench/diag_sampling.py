@@ -9,10 +9,12 @@ On random logits (B, V) in the model's dtype, each variant is timed as a step of
                   the same with every row seeded; temperature 0.8 alone
     mlx-lm        mlx-lm's make_sampler with the same settings, one call for the batch
     + its parts   the top-k candidates, then the draw among them (filters, noise, choice)
+    top-p alone   temperature 0.8 and top-p 0.95 without top-k: ours (a bisection for the
+                  threshold), ours as it was (sorting the vocabulary), mlx-lm's (sorting too)
 
 Prints each one's milliseconds and its cost over greedy.
 
-    python bench/diag_sampling.py [--rows 32 8] [--vocab 128256] [--iters 200]
+    python bench/diag_sampling.py [--rows 32 8] [--vocab 128256] [--iters 200] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="the logits' dtype (default: float32 on a CPU, else bfloat16)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -39,7 +43,8 @@ def main() -> int:
     from omlx_node import sampling as smp
 
     params = smp.SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
-    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+    dtype = (getattr(mx, args.dtype) if args.dtype
+             else mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
     print(f"{mx.default_device()}, vocab {args.vocab}, {dtype}, median of {args.iters}")
     for rows in args.rows:
         logits = (mx.random.normal((rows, args.vocab)) * 3).astype(dtype)
@@ -48,10 +53,20 @@ def main() -> int:
         seeded = [smp.RowSampler(smp.SamplingParams(**{**params.__dict__, "seed": i}))
                   for i in range(rows)]
         plain = [smp.RowSampler(smp.SamplingParams(temperature=0.8)) for _ in range(rows)]
+        nucleus = smp.SamplingParams(temperature=0.8, top_p=0.95)
+        nucleus_rows = [smp.RowSampler(nucleus) for _ in range(rows)]
         reference = make_sampler(0.8, 0.95, top_k=50)
+        nucleus_reference = make_sampler(0.8, 0.95)
+        whole = mx.array([args.vocab] * rows)
+        _, _, (_, top_p, top_p_on, _) = smp._filter(logits, [nucleus] * rows)
+
+        def sorted_nucleus() -> mx.array:  # the top-p alone path before the bisection
+            ids_, x_ = smp._ranked(logits)
+            return smp._pick(x_, ids_, whole, top_p, top_p_on, None, inv_temp, None)
+
         ids, x, limits = smp._filter(logits, [params] * rows)
         inv_temp = mx.array([1 / 0.8] * rows)
-        mx.eval(ids, x, *limits, inv_temp)
+        mx.eval(ids, x, *limits, inv_temp, whole, top_p, top_p_on)
         variants = {
             "greedy": lambda: mx.argmax(logits, axis=-1),
             "ours": lambda: smp.sample_batch(logits, samplers)[0],
@@ -60,6 +75,10 @@ def main() -> int:
             "mlx-lm": lambda: reference(logits - mx.logsumexp(logits, axis=-1, keepdims=True)),
             "  top-k candidates": lambda: smp._top_candidates(logits, 50),
             "  the draw among them": lambda: smp._pick(x, ids, *limits, inv_temp, None),
+            "top-p alone, ours": lambda: smp.sample_batch(logits, nucleus_rows)[0],
+            "  as it was (sorted)": sorted_nucleus,
+            "  mlx-lm": lambda: nucleus_reference(
+                logits - mx.logsumexp(logits, axis=-1, keepdims=True)),
         }
         timed: dict[str, float] = {}
         print(f"\n{rows} rows", flush=True)

@@ -90,6 +90,31 @@ def test_draws_follow_mlx_lm_distribution(filters):
     assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_top_p_alone_keeps_what_its_definition_keeps_without_sorting(dtype):
+    """With no row asking for top-k, top-p finds its threshold by bisection over the logits'
+    bits, in the model's own dtype: exactly the tokens whose mass before them is under top_p,
+    a tie at the threshold kept whole (a half-precision model's logits tie often), a masked
+    (-inf) token never, and a row without top-p keeps everything."""
+    shares = [0.02, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0]
+    logits = logits_for(len(shares)).astype(dtype)
+    logits[:, ::7] = -mx.inf  # what a grammar leaves of a row
+    params = [SamplingParams(temperature=1.0, top_p=p, min_p=0.0) for p in shares]
+    got = batched_kept(logits, params)
+    rows = np.array(logits.astype(mx.float32)).astype(np.float64)
+    tied = 0  # rows with more than one token at their threshold
+    for row, p, have in zip(rows, shares, got):
+        if p == 1.0:
+            assert have == set(range(VOCAB))
+            continue
+        x = np.sort(row)[::-1]
+        e = np.exp(x - x[0])
+        kept = int((np.cumsum(e) - e < p * e.sum()).sum())
+        assert have == set(np.flatnonzero(row >= x[kept - 1]).tolist()), p
+        tied += int((row == x[kept - 1]).sum() > 1)
+    assert tied or dtype != mx.bfloat16  # bfloat16: 8 bits of precision, ties are common
+
+
 def sample_steps(rows: list[tuple[SamplingParams, int]], steps: int = 6) -> list[list[int]]:
     """Each row's tokens over `steps` steps of one batch; row `r` sees logits seeded by its
     `int`, so a row's logits are the same whatever batch it is in."""
