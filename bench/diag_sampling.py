@@ -9,8 +9,8 @@ On random logits (B, V) in the model's dtype, each variant is timed as a step of
                   the same with every row seeded; temperature 0.8 alone
     mlx-lm        mlx-lm's make_sampler with the same settings, one call for the batch
     + its parts   the top-k candidates, then the draw among them (filters, noise, choice)
-    top-p alone   temperature 0.8 and top-p 0.95 without top-k: ours (a bisection for the
-                  threshold), ours as it was (sorting the vocabulary), mlx-lm's (sorting too)
+    top-p alone   temperature 0.8 and top-p 0.95 without top-k: ours and mlx-lm's (each
+                  sorts the vocabulary)
 
 Prints each one's milliseconds and its cost over greedy.
 
@@ -57,16 +57,9 @@ def main() -> int:
         nucleus_rows = [smp.RowSampler(nucleus) for _ in range(rows)]
         reference = make_sampler(0.8, 0.95, top_k=50)
         nucleus_reference = make_sampler(0.8, 0.95)
-        whole = mx.array([args.vocab] * rows)
-        _, _, (_, top_p, top_p_on, _) = smp._filter(logits, [nucleus] * rows)
-
-        def sorted_nucleus() -> mx.array:  # the top-p alone path before the bisection
-            ids_, x_ = smp._ranked(logits)
-            return smp._pick(x_, ids_, whole, top_p, top_p_on, None, inv_temp, None)
-
         ids, x, limits = smp._filter(logits, [params] * rows)
         inv_temp = mx.array([1 / 0.8] * rows)
-        mx.eval(ids, x, *limits, inv_temp, whole, top_p, top_p_on)
+        mx.eval(ids, x, *limits, inv_temp)
         variants = {
             "greedy": lambda: mx.argmax(logits, axis=-1),
             "ours": lambda: smp.sample_batch(logits, samplers)[0],
@@ -76,7 +69,6 @@ def main() -> int:
             "  top-k candidates": lambda: smp._top_candidates(logits, 50),
             "  the draw among them": lambda: smp._pick(x, ids, *limits, inv_temp, None),
             "top-p alone, ours": lambda: smp.sample_batch(logits, nucleus_rows)[0],
-            "  as it was (sorted)": sorted_nucleus,
             "  mlx-lm": lambda: nucleus_reference(
                 logits - mx.logsumexp(logits, axis=-1, keepdims=True)),
         }

@@ -5,8 +5,7 @@ the argmax of the raw logits, exactly what mlx-lm's default sampler picks. The o
 together, in one batched computation with their parameters as per-row arrays, from the tokens
 mlx-lm's sampler chain would keep (top-k, then top-p, then min-p), by the Gumbel-max draw of
 mx.random.categorical, in one compiled computation: a sampled batch costs about what a greedy one
-does. Only top-k ranks tokens, and only its candidates; top-p alone finds its threshold without
-sorting the vocabulary. Unseeded rows share one draw from mx.random's global key. A seeded row owns a PRNG key that
+does. Unseeded rows share one draw from mx.random's global key. A seeded row owns a PRNG key that
 is split once per token and draws its own noise, so its output depends only on its seed and its
 logits, never on which other sequences shared the batch (up to exact ties between its logits).
 
@@ -292,25 +291,24 @@ def _filter(logits: mx.array, params: list[SamplingParams]
     every token, in token order), their logits (in float32 when ranked, else as given), and
     the per-row arrays `_keep` filters them by. When every row has a top-k, the candidates are
     each row's K highest logits, K the batch's largest top-k, so all the work past finding
-    them is over (n, K), not the vocabulary. When no row has one, nothing is sorted: top-p
-    keeps the tokens above a threshold `_keep` finds by bisection."""
+    them is over (n, K), not the vocabulary."""
     vocab = logits.shape[-1]
     for p in params:
         _check(p, vocab)
     top_k = [max(0, p.top_k) for p in params]
-    top_p = any(0.0 < p.top_p < 1.0 for p in params)
+    ranked = any(top_k) or any(0.0 < p.top_p < 1.0 for p in params)
     if all(top_k):
         ids, x = _top_candidates(logits, max(top_k))
-    elif any(top_k):  # some rows rank the whole vocabulary
+    elif ranked:
         ids, x = _ranked(logits)
     else:
         ids, x = None, logits
-    ranks = mx.array([k or x.shape[-1] for k in top_k]) if any(top_k) else None
-    nucleus = (mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]),
-               mx.array([0.0 < p.top_p < 1.0 for p in params])) if top_p else (None, None)
+    ranks = (mx.array([k or x.shape[-1] for k in top_k]),
+             mx.array([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]),
+             mx.array([0.0 < p.top_p < 1.0 for p in params])) if ranked else (None, None, None)
     min_p = (mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
              if any(p.min_p > 0.0 for p in params) else None)
-    return ids, x, (ranks, *nucleus, min_p)
+    return ids, x, (*ranks, min_p)
 
 
 # Candidates for top-k are found through groups of this many logits: the k groups with the
@@ -358,18 +356,15 @@ def _ranked(logits: mx.array) -> tuple[mx.array, mx.array]:
 
 def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
           top_p_on: mx.array | None, log_min_p: mx.array | None) -> mx.array:
-    """Which candidates x (n, W) mlx-lm's apply_top_k, apply_top_p and apply_min_p keep, by
-    `_filter`'s limits (None: that filter is off for every row); a row whose top_p is not on
-    keeps what top-p would drop. Top-p keeps every token at least as likely as the least likely
-    one that the probability mass before it (in order, highest first) leaves under top_p.
-    Ranked (top_k given), x is float32 and sorted, highest first: the row's first top_k, and of
-    those what top-p keeps, found through the running mass. Unranked, x is every logit in token
-    order, as given: top-p keeps those at or above `_nucleus_floor`. Min-p keeps tokens at least
-    min_p times the likeliest."""
+    """Which candidates x (n, W, float32) mlx-lm's apply_top_k, apply_top_p and apply_min_p
+    keep, by `_filter`'s limits (None: that filter is off for every row). Ranked (top_k given),
+    x is sorted, highest first: the row's first top_k, and of those every token at least as
+    likely as the least likely one that the probability mass before it leaves under top_p (a row
+    whose top_p is not on keeps them all); min-p keeps tokens at least min_p times the
+    likeliest."""
     keep = mx.array(True)
     if top_k is not None:
         keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
-    if top_p is not None and top_k is not None:
         ranked = mx.where(keep, x, -mx.inf)
         probs = mx.exp(ranked - ranked[:, :1])  # unnormalised: top-p compares shares of a total
         mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
@@ -377,37 +372,9 @@ def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
         kept = (mass_before < top_p[:, None] * total).sum(axis=-1, keepdims=True)
         threshold = mx.take_along_axis(ranked, mx.maximum(kept - 1, 0), axis=-1)
         keep = keep & (~top_p_on[:, None] | (ranked >= threshold))
-    elif top_p is not None:
-        keys = _ordered_keys(x)
-        keep = ~top_p_on[:, None] | (keys >= _nucleus_floor(x, keys, top_p))
     if log_min_p is not None:
         keep = keep & (x >= x.max(axis=-1, keepdims=True) + log_min_p[:, None])
     return keep
-
-
-def _ordered_keys(x: mx.array) -> mx.array:
-    """x (a float dtype) -> int32 keys in the same order as the values: a float's bits read as
-    an integer, its magnitude's bits flipped when negative (-0.0 is first made +0.0)."""
-    bits, magnitude = (mx.int32, 0x7FFFFFFF) if x.dtype == mx.float32 else (mx.int16, 0x7FFF)
-    keys = (x + 0.0).view(bits).astype(mx.int32)
-    return mx.where(keys < 0, keys ^ magnitude, keys)
-
-
-def _nucleus_floor(x: mx.array, keys: mx.array, top_p: mx.array) -> mx.array:
-    """The key (n, 1) of the least likely token top-p keeps of each row of x (n, V, in token
-    order): the smallest key whose strictly higher tokens hold less than top_p of the row's
-    probability mass. The mass above a key only grows as the key falls, so a bisection over
-    the keys' range (one masked sum a step, as many steps as the dtype has bits) finds it
-    exactly, without sorting the vocabulary."""
-    e = mx.exp(x.astype(mx.float32) - x.max(axis=-1, keepdims=True).astype(mx.float32))
-    target = top_p[:, None] * e.sum(axis=-1, keepdims=True)
-    low = keys.min(axis=-1, keepdims=True) - 1  # holds it all above: never below top_p
-    high = keys.max(axis=-1, keepdims=True)  # holds nothing above: always below
-    for _ in range(8 * x.dtype.size):
-        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # their floor mean, without overflow
-        below = (e * (keys > mid)).sum(axis=-1, keepdims=True) < target
-        high, low = mx.where(below, mid, high), mx.where(below, low, mid)
-    return high
 
 
 @partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
@@ -417,8 +384,8 @@ def _pick(x: mx.array, ids: mx.array | None, top_k: mx.array | None, top_p: mx.a
     """The Gumbel-max draw mx.random.categorical makes, over the candidates `_keep` keeps, at
     each row's temperature: the unseeded rows' noise drawn here from mx.random's global key,
     the seeded rows' (last) given. Returns token ids, uint32."""
-    keep = _keep(x, top_k, top_p, top_p_on, log_min_p)
     x = x.astype(mx.float32)
+    keep = _keep(x, top_k, top_p, top_p_on, log_min_p)
     n, width = x.shape
     unseeded = n - (0 if seeded is None else seeded.shape[0])
     # No draw of zero rows: MLX's CUDA backend dies of a floating point exception on one.

@@ -91,11 +91,11 @@ def test_draws_follow_mlx_lm_distribution(filters):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-def test_top_p_alone_keeps_what_its_definition_keeps_without_sorting(dtype):
-    """With no row asking for top-k, top-p finds its threshold by bisection over the logits'
-    bits, in the model's own dtype: exactly the tokens whose mass before them is under top_p,
-    a tie at the threshold kept whole (a half-precision model's logits tie often), a masked
-    (-inf) token never, and a row without top-p keeps everything."""
+def test_top_p_alone_keeps_what_its_definition_keeps(dtype):
+    """With no row asking for top-k, top-p ranks the whole vocabulary, in the model's own
+    dtype: it keeps exactly the tokens whose mass before them is under top_p, a tie at the
+    threshold kept whole (a half-precision model's logits tie often), a masked (-inf) token
+    never, and a row without top-p keeps everything."""
     shares = [0.02, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0]
     logits = logits_for(len(shares)).astype(dtype)
     logits[:, ::7] = -mx.inf  # what a grammar leaves of a row
