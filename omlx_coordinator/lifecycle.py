@@ -30,6 +30,7 @@ from omlx_coordinator.served_model import LOADED, LOADING, UNLOADED, ServedModel
 # Node budgets are given net of each node's OS reserve already.
 PLAN_SETTINGS = placement.PlanSettings(os_reserve_bytes=0)
 from omlx_shared.block_hashes import block_hashes
+from omlx_shared.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,16 @@ class ModelManager:
     async def start(self) -> None:
         """Starts the nodes, then loads every model that fits without evicting another, in
         order (the main model first; its failure is the start's). The rest load on demand."""
+        await self._start()
+        self.started = True
+        freeze_startup_heap()  # every model's tokenizer and the app: not walked again
+
+    async def _start(self) -> None:
         await self.cluster.start()
         self._task = asyncio.create_task(self._watch())
         if not self.cluster.members:
             self.main.capacity_error = NO_NODES
             self.main.status = f"waiting for nodes ({NO_NODES})"
-            self.started = True
             return
         for i, m in enumerate(self.models):
             if i and not await self._fits(m):
@@ -105,7 +110,6 @@ class ModelManager:
                 if i == 0:
                     raise
                 log.warning("%s not loaded at start: %s", m.name, e)
-        self.started = True
 
     async def stop(self) -> None:
         if self._task is not None:

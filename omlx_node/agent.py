@@ -26,6 +26,7 @@ from omlx_node.weight_store import WeightError, WeightStore
 from omlx_shared import __version__, auth, checks, cluster_tls, hardware
 from omlx_shared.blas import blas_env
 from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.node_identity import default_node_id
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -487,6 +488,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         with self._lock:
             self._spawn_standby()
         threading.Thread(target=self._probe_workers, name="probe-workers", daemon=True).start()
+        freeze_startup_heap()
         log.info("node agent listening on %s:%d (%s; data plane port %d)", self.host, self.port,
                  "mutual TLS under the cluster secret" if self.tls else "no TLS", self.data_port)
         while not self._shutdown.wait(0.5):  # a bare wait() would not let signal handlers run

@@ -29,6 +29,7 @@ import grpc
 
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
+from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
@@ -335,6 +336,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         "node": config.node_id, "model": config.model_id, "plan": config.plan_hash,
         "stage": str(config.rank), "layers": f"{info.layer_start}:{info.layer_end}"})
 
+    freeze_startup_heap()  # the loaded model and every module: no full collection walks them
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
         # kill it before that STOP lands, and rank 0 would fail sending it. An agent that cannot
