@@ -13,6 +13,7 @@ speaks SSH).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free, below Linux's ephemeral range (32768 and up): a
+    connection made meanwhile (the doctor's own SSH clients) is never given P + 1 by the kernel,
+    as it can be a port next to one `free_port` returned."""
+    start = random.randrange(20000, 32000, 2)
+    for p in [*range(start, 32000, 2), *range(20000, start, 2)]:
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no two consecutive free ports between 20000 and 32000")
 
 
 def _keygen(path: Path) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from omlx_shared.child import omlx_command
 from omlx_shared.link_probe import ProbeError, run_rank
-from tests.sshd import free_port, start_sshd
+from tests.sshd import free_port, free_port_pair, start_sshd
 from tests.tiny_models import build_model
 
 MAC_ONLY = {"macos", "thunderbolt", "rdma", "wired-limit", "sleep", "firewall"}
@@ -42,7 +42,7 @@ def test_doctor_checks_two_hosts_over_ssh(sshd, model, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("the office cluster secret\n")
     secret.chmod(0o600)
-    probe_port = free_port()
+    probe_port = free_port_pair()  # rank 0 listens on it, rank 1 on the next
     done = doctor("mac-a", "mac-b", *sshd.ssh_args(), "--json", "--secret-file", str(secret),
                   "--probe-port", str(probe_port), "--model", str(model))
     body = json.loads(done.stdout)
