@@ -2,12 +2,12 @@
 """Sampled against greedy decode through the single-node engine, in process.
 
 A batch of B rows (32 and 8) decodes `--tokens` tokens each, greedy (temperature 0) and then
-sampled (temperature 0.8, top_p 0.95, top_k 50 or `--top-k`, 0 for top-p alone; unseeded). The rate is decode tok/s: tokens
-streamed after every row's first one / time from the last first token to the last token, so
-prefill is left out; and the same per second of the process's CPU time. Each is the median of
-`--repeats` runs (greedy and sampled alternated) after a warm-up; the ratio sampled/greedy is
-what the sampler costs (1.0: nothing). The process runs with the BLAS a node's shard worker
-gets (omlx_shared.blas).
+sampled (temperature 0.8, top_p 0.95, top_k 50 or `--top-k`, 0 for top-p alone; unseeded). The
+rate is decode tok/s: tokens streamed after every row's first one / time from the last first
+token to the last token, so prefill is left out; and the same per second of the process's CPU
+time. Each is the median of `--repeats` runs (greedy and sampled alternated) after a warm-up;
+the ratio sampled/greedy is what the sampler costs (1.0: nothing). The process runs with the
+BLAS a node's shard worker gets (omlx_shared.blas).
 
 The model is a random llama with a large vocabulary and a small hidden size, so the head and the
 sampler, not the layers, are most of a step: where sampling costs show.
