@@ -286,13 +286,16 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
                     model.acquire()
                     leased = True
                 attempts += 1
+                sent = prompt + generated
                 request = pb.GenerateRequest(
-                    request_id=uuid.uuid4().hex, prompt_tokens=prompt + generated,
+                    request_id=uuid.uuid4().hex, prompt_tokens=sent,
                     sampling=sampling, max_tokens=max_tokens - len(generated),
                     stop_token_ids=stop_ids, grammar=req.grammar, logprobs=req.logprobs,
                     top_logprobs=req.top_logprobs, resumed_tokens=len(generated))
                 attempt = _Attempt(deployment, request, max(1.0, deadline - time.monotonic()))
-                manager.record(deployment, prompt + generated)
+                # Once the call is on its way (its send is queued first): hashing a long
+                # prompt's blocks need not delay it.
+                asyncio.get_running_loop().call_soon(manager.record, deployment, sent)
             if not attempt.backlog and getter is None:
                 attempt.backlog.extend(_drain(attempt.queue))
             if attempt.backlog:

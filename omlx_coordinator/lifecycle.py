@@ -152,6 +152,8 @@ class ModelManager:
         request just lost, while another can take it. Replica 0 when none is ready: requests
         wait on it."""
         ds = self.replicas[model.name]
+        if len(ds) == 1:  # nothing to choose: no prefix hashing on the request's critical path
+            return ds[0]
         usable = [d.ready and model.name not in self.draining
                   and not (avoid and avoid == (d, d.epoch)) for d in ds]
         if self.routing_mode == "round-robin" and any(usable):

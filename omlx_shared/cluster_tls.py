@@ -175,8 +175,15 @@ def peer_certificate(context: grpc.ServicerContext) -> x509.Certificate | None:
 
 def peer_fingerprint(context: grpc.ServicerContext) -> str:
     """The fingerprint of the caller's certificate ("" over an insecure port)."""
-    cert = peer_certificate(context)
-    return fingerprint(cert) if cert is not None else ""
+    pem = context.auth_context().get("x509_pem_cert")
+    return _pem_fingerprint(pem[0]) if pem else ""
+
+
+@functools.lru_cache(maxsize=64)
+def _pem_fingerprint(pem: bytes) -> str:
+    # Every call to a worker checks its caller's session against this: parsing the same
+    # certificate each time cost ~0.1 ms of every request's first token.
+    return fingerprint(x509.load_pem_x509_certificate(pem))
 
 
 def tls_refusal(error: grpc.RpcError) -> str:

@@ -81,6 +81,30 @@ def test_a_first_token_that_stops_still_keeps_the_prompt(tmp_path):
         assert cache.lookup(prompt[:-1]) == 12
 
 
+def test_a_one_token_answer_is_out_before_its_prompt_is_kept(tmp_path):
+    """max_tokens 1 (a classifier's prompt, a probe): the token and the end of the stream go
+    out first; cutting the prompt's blocks for the cache waits for them."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, _ = load(str(path))
+    prompt = [(5 * j + 11) % (model.args.vocab_size - 10) + 10 for j in range(14)]
+    with PrefixCache("tiny/llama", (0, 3), block_size=BLOCK) as cache:
+        batcher = engine(path, cache)
+        seq = batcher.submit(SeqRequest("a", prompt, 1))
+        seen = []
+        flush = batcher.state.flush_stores
+
+        def watched(seq_ids: list[int]) -> None:
+            if seq.sid in seq_ids and seq.sid in batcher.state.deferred:
+                seen.append(list(seq.events.queue))
+            flush(seq_ids)
+
+        batcher.state.flush_stores = watched
+        toks, fin = drain(batcher, [seq])[0]
+        assert toks == reference(model, prompt, 1) and fin.reason == "length"
+        assert len(seen) == 1 and seen[0][-1] == fin  # the Finish was queued before the store
+        assert cache.lookup(prompt[:-1]) == 12
+
+
 def test_a_sequence_cancelled_while_prefilling_keeps_what_it_prefilled(tmp_path):
     path = build_model(tmp_path / "m", "llama", num_layers=3)
     prompt = list(range(10, 30))

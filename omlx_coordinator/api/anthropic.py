@@ -37,7 +37,7 @@ from functools import lru_cache
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from omlx_coordinator.api.anthropic_schema import (
     Block,
@@ -49,7 +49,13 @@ from omlx_coordinator.api.anthropic_schema import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from omlx_coordinator.api.common import check_text, collect_unless_gone, sse
+from omlx_coordinator.api.common import (
+    ClosingStream,
+    Primed,
+    check_text,
+    collect_unless_gone,
+    sse,
+)
 from omlx_coordinator.constraints import grammar_for_tool_call, validate
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
@@ -436,10 +442,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         events = generate(manager, served, metrics, settings, req)
 
         if body.stream:
-            return StreamingResponse(_stream(reply, events, metrics),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
+            events = Primed(events)
+            return ClosingStream(_stream(reply, events, metrics), events)
 
         async def collect() -> JSONResponse:
             async for ev in events:

@@ -1,15 +1,15 @@
-"""What every protocol adapter needs alike: text checks, SSE framing, a reply that notices a
-client going away."""
+"""What every protocol adapter needs alike: text checks, SSE framing, a stream whose generation
+starts before its response does, a reply that notices a client going away."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.metrics import GatewayMetrics
@@ -31,6 +31,52 @@ def sse(obj: dict, event: str | None = None) -> str:
     is felt per token)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {orjson.dumps(obj).decode()}\n\n"
+
+
+class Primed:
+    """An async generator whose first step starts now, in a task of its own. A streamed reply's
+    call to the node then goes out while Starlette sends the headers and sets up the stream
+    (~0.5-1 ms of a 2048-token prompt's first token on a CPU), not after. Iterate it once;
+    `aclose()` ends it however far it got."""
+
+    def __init__(self, gen: AsyncGenerator):
+        self.gen = gen
+        self.first: asyncio.Future | None = asyncio.ensure_future(anext(gen))
+
+    def __aiter__(self) -> Primed:
+        return self
+
+    async def __anext__(self):
+        if self.first is None:
+            return await anext(self.gen)
+        first, self.first = self.first, None
+        return await first
+
+    async def aclose(self) -> None:
+        if (first := self.first) is not None:
+            self.first = None
+            first.cancel()  # the generation unwinds: its node sequence is cancelled
+            await asyncio.wait({first})
+            if not first.cancelled():
+                first.exception()  # retrieved: a step that failed unread is no error to log
+        await self.gen.aclose()
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed reply that closes `events` however it ends, even when its body never started
+    (a client gone before the headers): a Primed generation would otherwise run on alone."""
+
+    def __init__(self, content: AsyncIterator[str], events, **kwargs):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                         **kwargs)
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
 
 
 async def collect_unless_gone(request: Request, collect: Callable[[], Awaitable[T]],

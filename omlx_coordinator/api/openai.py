@@ -21,10 +21,16 @@ from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from omlx_coordinator import constraints
-from omlx_coordinator.api.common import check_text, collect_unless_gone, sse
+from omlx_coordinator.api.common import (
+    ClosingStream,
+    Primed,
+    check_text,
+    collect_unless_gone,
+    sse,
+)
 from omlx_coordinator.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -224,6 +230,10 @@ class _Choices:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: dict[int, asyncio.Task] = {}
 
+    def prime(self) -> None:
+        """Starts choice 0 now (common.Primed)."""
+        self.gens[0] = Primed(self.gens[0])
+
     def _start(self, i: int) -> None:
         self.tasks[i] = asyncio.create_task(self._pump(i))
 
@@ -346,8 +356,8 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
                 await events.aclose()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        events.prime()
+        return ClosingStream(stream(), events)
 
     async def collect() -> JSONResponse:
         async for _ in chunks():
@@ -446,8 +456,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:
             prompt = list(body.prompt)
-            bad = [t for t in prompt if not 0 <= t < served.vocab_size]
-            if bad:
+            if prompt and (min(prompt) < 0 or max(prompt) >= served.vocab_size):
+                bad = [t for t in prompt if not 0 <= t < served.vocab_size]
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside the model's "
                                     f"vocabulary [0, {served.vocab_size})", param="prompt")
         if not prompt:
