@@ -2,7 +2,11 @@
 """Single-node benchmark: our server against mlx_lm.server and raw mlx-lm, on the same model
 and prompts, in one run, with ratios.
 
-Three sides, each run alone (one stopped before the next starts):
+Three sides, each run alone (one stopped before the next starts); with --rounds R the three
+run R times, in reverse order every other round (ours, mlx_lm.server, raw; then raw,
+mlx_lm.server, ours), each ratio is taken within a round and the table shows their median and
+each round's. A host whose speed drifts during a run (seen on the H200 leases: raw's own
+batch-1 rate changed by 1.5x between two runs back to back) then moves every side alike:
 
 - ours: `python -m omlx_cluster serve` (HTTP gateway -> gRPC -> node batcher), streamed over HTTP;
 - mlx_lm.server: `python -m mlx_lm.server --decode-concurrency N` (N: the highest concurrency),
@@ -658,7 +662,8 @@ def ttft_breakdown(server: Server, single, lengths: list[int], max_tokens: int, 
 
 
 def measure_ours(spec: dict, model: Path, work: Path, extra: list[str], procs: int,
-                 idle_seconds: float) -> dict:
+                 idle_seconds: float, extras: bool = True) -> dict:
+    """`extras`: also the TTFT breakdown, the load-client check and the idle CPU (once a run)."""
     server = Server(model, work / "server.log", extra)
     try:
         ready_s = server.wait_ready(SERVER_START_TIMEOUT)
@@ -666,6 +671,8 @@ def measure_ours(spec: dict, model: Path, work: Path, extra: list[str], procs: i
         single, batch = http_workloads(spec, server.base + "/v1/completions", ours_body, work,
                                        procs)
         out = run_workloads(spec, single, batch)
+        if not extras:
+            return out | {"server_ready_s": ready_s}
         top = max(spec["concurrency"])
         prompts = spec["prompts"][f"conc_{top}"][1]
         out["ttft_breakdown"] = ttft_breakdown(server, single, spec["ttft_prompts"],
@@ -775,6 +782,19 @@ def summarize(sides: dict[str, dict], conc: list[int], ttft_prompts: list[int]) 
     return rows
 
 
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Each metric over the rounds: every side's median value, and the median of the ratios
+    taken within each round (with each round's, `vs_raw_rounds`)."""
+    out = []
+    for rows in zip(*rounds):
+        row = dict(rows[0])
+        for k in (*SIDES, "vs_raw", "vs_mlx_server"):
+            row[k] = median([r[k] for r in rows if r[k] is not None])
+        row["vs_raw_rounds"] = [r["vs_raw"] for r in rows]
+        out.append(row)
+    return out
+
+
 def fmt(x, unit="") -> str:
     if x is None:
         return "n/a"
@@ -783,6 +803,7 @@ def fmt(x, unit="") -> str:
 
 def markdown(result: dict) -> str:
     m, s, raw, ours = result["machine"], result["settings"], result["raw"], result["ours"]
+    by_round = s.get("rounds", 1) > 1
     dev = m["gpu"] or m["cpu"]
     lines = [
         f"# Single-node benchmark: omlx-cluster vs mlx_lm.server vs raw mlx-lm ({result['tag']})",
@@ -798,17 +819,19 @@ def markdown(result: dict) -> str:
          f"concurrent max_tokens {s['conc_tokens']}, TTFT max_tokens {s['ttft_tokens']}, "
          f"medians of {s['repeats']} runs after {s.get('warmup_runs', 1)} warm-up run(s), "
          f"{s['client_procs']} load-client processes; our server's flags `{' '.join(s['server_args']) or '(defaults)'}`, "
-         f"mlx_lm.server `--decode-concurrency {max(s['concurrency'])}`"),
+         f"mlx_lm.server `--decode-concurrency {max(s['concurrency'])}`"
+         + (f"; {s['rounds']} rounds, values and ratios their medians" if by_round else "")),
         "",
         ("| metric | omlx-cluster | mlx_lm.server | raw mlx-lm | ours/raw | ours/mlx_lm.server "
-         "| goal (ours/raw) |"),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+         "| goal (ours/raw) |" + (" ours/raw by round |" if by_round else "")),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if by_round else ""),
     ]
     for r in result["rows"]:
         goal = f">= {r['goal']}" if r["goal"] else ""
         lines.append(f"| {r['metric']} | {fmt(r['ours'])} {r['unit']} | "
                      f"{fmt(r['mlx_server'])} {r['unit']} | {fmt(r['raw'])} {r['unit']} | "
-                     f"{fmt(r['vs_raw'])} | {fmt(r['vs_mlx_server'])} | {goal} |")
+                     f"{fmt(r['vs_raw'])} | {fmt(r['vs_mlx_server'])} | {goal} |"
+                     + (f" {' / '.join(fmt(x) for x in r['vs_raw_rounds'])} |" if by_round else ""))
     lines += ["", ("Ratios > 1: omlx-cluster is faster (for a time: the other's time / ours). "
                    "Ours and mlx_lm.server are measured end to end through HTTP streaming; raw "
                    "mlx-lm in-process (`generate_step`, `BatchGenerator`, no HTTP, no "
@@ -852,8 +875,9 @@ def print_table(result: dict) -> None:
 
     t = Table(title=f"omlx-cluster vs mlx_lm.server vs raw mlx-lm, single node "
                     f"({result['tag']}: {result['machine']['gpu'] or result['machine']['cpu']})")
+    by_round = result["settings"].get("rounds", 1) > 1
     for col in ("metric", "omlx-cluster", "mlx_lm.server", "raw mlx-lm", "ours/raw",
-                "ours/mlx_lm.server", "goal"):
+                "ours/mlx_lm.server", "goal", *(["ours/raw by round"] if by_round else [])):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for r in result["rows"]:
         ok = r["goal"] is None or (r["vs_raw"] or 0) >= r["goal"]
@@ -861,7 +885,8 @@ def print_table(result: dict) -> None:
         t.add_row(r["metric"], f"{fmt(r['ours'])} {r['unit']}",
                   f"{fmt(r['mlx_server'])} {r['unit']}", f"{fmt(r['raw'])} {r['unit']}",
                   f"[{color}]{fmt(r['vs_raw'])}[/{color}]", fmt(r["vs_mlx_server"]),
-                  f">= {r['goal']}" if r["goal"] else "")
+                  f">= {r['goal']}" if r["goal"] else "",
+                  *([" / ".join(fmt(x) for x in r["vs_raw_rounds"])] if by_round else []))
     console = Console(width=160)
     console.print(t)
     console.print(client_check_line(result["ours"]))
@@ -912,6 +937,9 @@ def main() -> int:
     ap.add_argument("--machine-note", default="",
                     help="how to describe the machine in the results (default: its CPU/GPU)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the three sides this many times, in reverse order every other "
+                         "round; ratios are taken within a round, then their median")
     ap.add_argument("--decode-tokens", type=int, default=128, help="max_tokens, batch-1 decode")
     ap.add_argument("--conc-tokens", type=int, default=64, help="max_tokens per concurrent stream")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
@@ -995,28 +1023,39 @@ def main() -> int:
     print(f"model {model} | BLAS: {blas['used']} | work dir {work}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     partial = args.out / f"single_node_{tag}.partial.json"
-    sides: dict[str, dict] = {}
-    print("== omlx-cluster server ==", file=sys.stderr, flush=True)
-    sides["ours"] = measure_ours(spec | {"side": "ours"}, model, work, args.server_arg,
-                                 args.client_procs, args.idle_seconds)
-    partial.write_text(json.dumps({"machine": machine, "model": str(model), **sides}, indent=1))
-    print("== mlx_lm.server (node environment) ==", file=sys.stderr, flush=True)
-    sides["mlx_server"] = measure_mlx_server(spec | {"side": "mlx_lm.server"}, model, work,
-                                             node_env, args.client_procs)
-    partial.write_text(json.dumps({"machine": machine, "model": str(model), **sides}, indent=1))
-    print("== raw mlx-lm (node environment) ==", file=sys.stderr, flush=True)
-    sides["raw"] = child("reference", spec | {"side": "raw"}, node_env, args.timeout + 300, work)
-
-    rows = summarize(sides, args.concurrency, args.ttft_prompts)
-    settings = {k: getattr(args, k) for k in ("repeats", "decode_tokens", "conc_tokens",
-                                              "concurrency", "prompt_tokens", "ttft_prompts",
-                                              "ttft_tokens", "warmup_tokens", "warmup_runs",
-                                              "client_procs")}
+    measure = {
+        "ours": lambda first: measure_ours(spec | {"side": "ours"}, model, work,
+                                           args.server_arg, args.client_procs,
+                                           args.idle_seconds, extras=first),
+        "mlx_server": lambda first: measure_mlx_server(spec | {"side": "mlx_lm.server"}, model,
+                                                       work, node_env, args.client_procs),
+        "raw": lambda first: child("reference", spec | {"side": "raw"}, node_env,
+                                   args.timeout + 300, work)}
+    titles = {"ours": "omlx-cluster server", "mlx_server": "mlx_lm.server (node environment)",
+              "raw": "raw mlx-lm (node environment)"}
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        this: dict[str, dict] = {}
+        rounds.append(this)
+        for side in SIDES if k % 2 == 0 else reversed(SIDES):
+            print(f"== {titles[side]}" + (f", round {k + 1}" if args.rounds > 1 else "") + " ==",
+                  file=sys.stderr, flush=True)
+            this[side] = measure[side](k == 0)
+            partial.write_text(json.dumps({"machine": machine, "model": str(model),
+                                           "rounds": rounds}, indent=1))
+    sides = rounds[0]
+    per_round = [summarize(r, args.concurrency, args.ttft_prompts) for r in rounds]
+    rows = combine_rounds(per_round) if args.rounds > 1 else per_round[0]
+    settings = {k: getattr(args, k) for k in ("repeats", "rounds", "decode_tokens",
+                                              "conc_tokens", "concurrency", "prompt_tokens",
+                                              "ttft_prompts", "ttft_tokens", "warmup_tokens",
+                                              "warmup_runs", "client_procs")}
     settings["server_args"] = args.server_arg
     result = {"tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
               "machine_note": args.machine_note,
               "model": {"name": model_name, "desc": desc, "path": str(model)},
               "settings": settings, "blas": blas, "rows": rows, **sides,
+              "later_rounds": rounds[1:],
               "bench_seconds": round(time.monotonic() - t_start, 1)}
     (args.out / f"single_node_{tag}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"single_node_{tag}.md").write_text(markdown(result))
