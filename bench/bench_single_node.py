@@ -196,6 +196,22 @@ def write_random_llama(dest: Path, shape: dict, dtype: str, layers: int | None,
     (dest / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def diag_model(work: Path, random_llama: str | None, context: int, **tiny) -> tuple[Path, int]:
+    """A diagnostic's model under `work`: a random llama of that RANDOM_LLAMAS shape, else a tiny
+    test llama (`tiny`: tests.tiny_models.build_model's settings), holding `context` tokens.
+    Returns (folder, the token ids its prompts may draw from: [10, vocab))."""
+    model = work / "model"
+    if random_llama:
+        _, _, shape, dtype = RANDOM_LLAMAS[random_llama]
+        write_random_llama(model, shape, dtype, None, context)
+        return model, shape["vocab_size"] - 1
+    from tests.tiny_models import build_model
+
+    build_model(model, "llama", **{"num_layers": 2, **tiny},
+                extra_config={"max_position_embeddings": context})
+    return model, 300  # inside the tiny tokenizer's vocabulary
+
+
 def blas_probe() -> dict:
     """fp32 GEMM (prefill-like) and GEMV (decode-like) GFLOP/s in this process's environment."""
     import mlx.core as mx

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_single_node import RANDOM_LLAMAS, Server, write_random_llama  # noqa: E402
+from bench.bench_single_node import RANDOM_LLAMAS, Server, diag_model  # noqa: E402
 
 PROBE = """
 import gc, json, os, time
@@ -128,17 +128,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="diag-gc-") as tmp:
         work = Path(tmp)
-        if args.random_llama:
-            _, _, shape, dtype = RANDOM_LLAMAS[args.random_llama]
-            model = work / "model"
-            write_random_llama(model, shape, dtype, None, 4 * args.long_prompt)
-            vocab = shape["vocab_size"] - 1
-        else:
-            from tests.tiny_models import build_model
-
-            model = build_model(work / "model", "llama", num_layers=2, extra_config={
-                "max_position_embeddings": 4 * args.long_prompt})
-            vocab = 300  # inside the tiny tokenizer's vocabulary
+        model, vocab = diag_model(work, args.random_llama, 4 * args.long_prompt)
         print(f"{args.rounds} rounds of {args.streams} streams x {args.tokens} tokens and one "
               f"{args.long_prompt}-token prompt; model: {args.random_llama or 'tiny'}")
         print("| side | process | full collections | median pause | longest pause |")

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_single_node import RANDOM_LLAMAS, Server, write_random_llama  # noqa: E402
+from bench.bench_single_node import RANDOM_LLAMAS, Server, diag_model  # noqa: E402
 
 PROBE = r'''
 import atexit, importlib.abc, importlib.util, os, sys, threading, time
@@ -216,18 +216,8 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="diag-path-") as tmp:
         work = Path(tmp)
-        if args.random_llama:
-            _, _, shape, dtype = RANDOM_LLAMAS[args.random_llama]
-            model = work / "model"
-            write_random_llama(model, shape, dtype, None, 4 * args.prompt)
-            vocab = shape["vocab_size"] - 1
-        else:
-            from tests.tiny_models import build_model
-
-            model = build_model(work / "model", "llama", num_layers=1, hidden_size=32,
-                                vocab_size=2000,
-                                extra_config={"max_position_embeddings": 4 * args.prompt})
-            vocab = 300  # inside the tiny tokenizer's vocabulary
+        model, vocab = diag_model(work, args.random_llama, 4 * args.prompt, num_layers=1,
+                                  hidden_size=32, vocab_size=2000)
         probe = work / "probe"
         probe.mkdir()
         (probe / "sitecustomize.py").write_text(PROBE)
