@@ -470,6 +470,20 @@ def http_workloads(spec: dict, url: str, body, work: Path, procs: int):
 # ---- the servers --------------------------------------------------------------------------------
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
 class Server:
     """Our server (`python -m omlx_cluster serve`) in its own session, its log in a file."""
 
@@ -516,16 +530,7 @@ class Server:
 
     def pids(self) -> list[int]:
         """The server's process and all its descendants."""
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-                except OSError:
-                    pass
-        return found
+        return process_tree(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

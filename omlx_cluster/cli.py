@@ -515,9 +515,10 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
                         help="plan this model over the hosts, so that the disk and GPU "
                              "wired-memory checks judge each host's planned shard")
     _add_node_port_flags(doctor)
-    doctor.add_argument("--probe-port", type=int, metavar="PORT", default=50070,
+    doctor.add_argument("--probe-port", type=int, metavar="PORT", default=31070,
                         help="rank 0 of a link probe listens on it, rank 1 on the next one "
-                             "(default: 50070)")
+                             "(default: 31070, below Linux's and macOS's ephemeral ranges, so "
+                             "no outgoing connection of a host holds it)")
 
     up = sub.add_parser(
         "up", parents=[common], help="start join on Macs over SSH (a launchd job)",

@@ -52,7 +52,9 @@ class DoctorOptions:
     only: set[str] | None = None  # the checks to run (None: all)
     grpc_port: int = 50051
     metrics_port: int = 9101
-    probe_port: int = 50070  # rank 0 of a link probe listens here, rank 1 on the next port
+    # Rank 0 of a link probe listens here, rank 1 on the next port. Below the ephemeral ranges
+    # (Linux 32768-60999, macOS 49152-65535): 50070 could be held by a Mac's own connection.
+    probe_port: int = 31070
     probe_timeout: float = 30.0
     bonjour_seconds: float = 3.0
 
