@@ -62,6 +62,7 @@ from omlx_node.sampling import (
     unpack_logprobs,
 )
 from omlx_node.stage import StageRunner
+from omlx_shared.token_ids import outside_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -380,10 +381,7 @@ class Engine:
             raise ValueError("the prompt is empty: send at least one token")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
-        # min/max first: a scan at C speed, where a 2048-token prompt's Python loop cost ~0.1 ms
-        # of every request's first token
-        if min(req.prompt) < 0 or max(req.prompt) >= self.vocab_size:
-            bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+        if bad := outside_vocabulary(req.prompt, self.vocab_size):
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )

@@ -52,6 +52,7 @@ from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from omlx_shared.token_ids import outside_vocabulary
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -456,8 +457,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:
             prompt = list(body.prompt)
-            if prompt and (min(prompt) < 0 or max(prompt) >= served.vocab_size):
-                bad = [t for t in prompt if not 0 <= t < served.vocab_size]
+            if bad := outside_vocabulary(prompt, served.vocab_size):
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside the model's "
                                     f"vocabulary [0, {served.vocab_size})", param="prompt")
         if not prompt:
