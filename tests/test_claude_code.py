@@ -133,15 +133,21 @@ def _turn(claude: Path, server: Server, home: Path, *args: str) -> dict:
 def test_two_turns_of_a_session(claude: Path, cc_server: Server, tmp_path: Path) -> None:
     home = tmp_path / "home"
     first = _turn(claude, cc_server, home, "-p", "Say hi.")
+    # A result's usage sums its round trips (`num_turns`: two when the random model's reply
+    # calls a tool), so each prompt is judged per trip.
     usage = first["usage"]
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
-    assert prompt > 15000, usage  # Claude Code's whole system prompt and tools arrived
+    # Claude Code's whole system prompt and tools arrived, in every request
+    assert prompt / first["num_turns"] > 15000, usage
     assert usage["output_tokens"] >= 1
 
     second = _turn(claude, cc_server, home, "-p", "And again.", "--resume", first["session_id"])
     assert second["session_id"] == first["session_id"]
-    cached = second["usage"]["cache_read_input_tokens"]
-    assert cached >= (prompt // CACHE_BLOCK - 1) * CACHE_BLOCK, second["usage"]
+    u = second["usage"]
+    again = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+    # Each of its requests found all but its last, partial block of the session in the cache.
+    assert u["cache_read_input_tokens"] >= (again // CACHE_BLOCK - second["num_turns"]) \
+        * CACHE_BLOCK, u
     # One request per round trip Claude Code counts (`num_turns`) and no side requests: a turn
     # takes more than one when the random model's reply happens to call a tool.
     trips = first["num_turns"] + second["num_turns"]
