@@ -7,11 +7,11 @@ request sent while the cluster is warm, in one run, for two setups on this machi
 - `coordinator --no-discovery` and two `join --coordinator --no-announce` nodes (loopback only:
   nothing is announced or browsed), each with a home of its own.
 
-Per setup: warm-up; `--warm` requests 0.2 s apart (warm TTFT, and the gap between tokens: one
-decode step, as the client sees it); an idle window of `--idle-seconds` measured from
-/proc/<pid>/stat ticks; then `--wakes` times: `--wake-idle` seconds with nothing in flight and
-one request (TTFT after idling). Prints each process's idle CPU (% of one core; goal <= 2) and
-the wake delay (TTFT after idling minus warm TTFT) in steps (goal <= 1).
+Per setup: warm-up; `--warm` requests 0.2 s apart (warm TTFT, and the gap between tokens: one decode
+step, as the client sees it); `--windows` idle windows of `--idle-seconds` each, back to back,
+measured from /proc/<pid>/stat ticks; then `--wakes` times: `--wake-idle` seconds with nothing in
+flight and one request (TTFT after idling). Prints each process's idle CPU (% of one core; goal <=
+2) and the wake delay (TTFT after idling minus warm TTFT) in steps (goal <= 1).
 
     python bench/bench_idle.py [--random-llama 1b] [--idle-seconds 30]
 """
@@ -145,7 +145,13 @@ def measure(name: str, cluster, args, vocab: int, rng: random.Random) -> dict:
     warm = asyncio.run(requests(cluster.base, prompts(args.warm), args.tokens, 0.2))
     gaps = [b - a for r in warm for a, b in zip(r["times"], r["times"][1:])]
     time.sleep(1.0)  # the last stream's teardown
-    cpu = idle_cpu(cluster, args.idle_seconds)
+    # Back to back: a process still starting up (an agent spawns its standby worker right
+    # after a load) shows in the first window only; what idling costs shows in every one.
+    windows = [{p["pid"]: p for p in idle_cpu(cluster, args.idle_seconds)}
+               for _ in range(args.windows)]
+    cpu = [dict(p, windows=[w[pid]["cpu_percent"] if pid in w else None for w in windows],
+                cpu_percent=windows[-1].get(pid, {}).get("cpu_percent"))
+           for pid, p in windows[0].items()]
     woken = asyncio.run(requests(cluster.base, prompts(args.wakes), args.tokens, 0.0,
                                  idle_first=args.wake_idle))
     step = statistics.median(gaps)
@@ -167,6 +173,8 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=8, help="warm requests (default: 8)")
     ap.add_argument("--idle-seconds", type=float, default=30.0,
                     help="the idle-CPU window (default: 30)")
+    ap.add_argument("--windows", type=int, default=2,
+                    help="idle windows back to back; the last is the figure (default: 2)")
     ap.add_argument("--wakes", type=int, default=3, help="requests after idling (default: 3)")
     ap.add_argument("--wake-idle", type=float, default=10.0,
                     help="seconds idle before each of them (default: 10)")
@@ -198,10 +206,12 @@ def main() -> int:
                 cluster.stop()
     print(f"model {args.random_llama or 'tiny (4 layers)'}; idle window {args.idle_seconds:.0f} "
           f"s; {args.wakes} wakes after {args.wake_idle:.0f} s idle each\n")
-    print("| setup | process | idle CPU, % of a core (goal <= 2) |\n|---|---|---:|")
+    print("| setup | process | idle CPU, % of a core, window by window (goal <= 2) |\n"
+          "|---|---|---:|")
     for r in results:
         for p in r["idle_cpu"]:
-            print(f"| {r['setup']} | {p['name']} (pid {p['pid']}) | {p['cpu_percent']:.2f} |")
+            print(f"| {r['setup']} | {p['name']} (pid {p['pid']}) | "
+                  f"{' / '.join('gone' if x is None else f'{x:.2f}' for x in p['windows'])} |")
     print("\n| setup | stages | warm TTFT, median (min-max) | TTFT after idling, median "
           "(each) | one step | wake delay, steps (goal <= 1) |\n|---|---:|---:|---:|---:|---:|")
     for r in results:

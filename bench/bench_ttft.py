@@ -9,13 +9,17 @@ does):
   2048-token steps, then the first sample; the goal's reference);
 - ours, in-process: `Batcher.submit` -> first token on the sequence's stream, the engine stepped
   on this thread, with the prefix cache on (RAM 1 GiB + SSD tier in a temp dir, as `serve`
-  defaults) and off; plus "cache hit": the last prompt again, its blocks restored;
+  defaults) and off; plus "cache hit": the last prompt again, its blocks restored; plus
+  "serial": ours with every prompt chunk waited for and a first token streamed after the next
+  step is built, as generate_step does (our engine before 2026-12-02, the reference of its
+  first-token overlaps);
 - with --http: first SSE token of a streamed /v1/completions through our server
   (`python -m omlx_cluster serve`, cache on and off) and through `mlx_lm.server`.
 
-The in-process sides run interleaved in one process (raw, ours on, ours off, per repeat), so
-drift on a shared machine hits them alike. After each run with the cache on, the bench waits for
-the SSD writer to finish (`PrefixCache.flush`), so a run never pays for the previous run's writes.
+The in-process sides run interleaved in one process (raw, ours on, ours off, serial, per
+repeat), so drift on a shared machine hits them alike. After each run with the cache on, the bench
+waits for the SSD writer to finish (`PrefixCache.flush`), so a run never pays for the previous run's
+writes.
 
     python bench/bench_ttft.py                          # CPU: a small random llama, minutes
     python bench/bench_ttft.py --random-llama 8b        # GPU: Llama-3-8B layers, bf16
@@ -93,10 +97,26 @@ class Raw:
         return t
 
 
+def make_serial(engine) -> None:
+    """Our engine as it was before its first-token overlaps, the reference they are measured
+    against: a prompt's last chunk waited for before the first step is built, and a first token
+    streamed only after the step after it is built, as every other token."""
+    prefill = engine.state.prefill
+    engine.state.prefill = lambda seq_id, x, wait=True: prefill(seq_id, x)
+
+    def decode_step() -> None:
+        y, records, failed = engine._y, engine._records, engine._failed
+        engine._hand_out(y, records, failed, engine._launch(y))
+
+    engine._decode_step = decode_step
+
+
 class Ours:
     """Our single-node engine, stepped on this thread as the worker's main loop steps it."""
 
-    def __init__(self, stage, cache_dir: Path | None, prefill_chunk: int | None):
+    def __init__(self, stage, cache_dir: Path | None, prefill_chunk: int | None,
+                 serial: bool = False):
+        """`serial`: the engine without its first-token overlaps (`make_serial`)."""
         from omlx_node.batcher import Batcher
         from omlx_node.kv_cache import PrefixCache
         from omlx_node.metrics import NodeMetrics
@@ -111,6 +131,8 @@ class Ours:
                                      dtype=info.dtype)
         chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         self.engine = Batcher(stage, metrics, prefix_cache=self.cache, **chunk)
+        if serial:
+            make_serial(self.engine)
 
     def ttft(self, prompt: list[int]) -> float:
         from omlx_node.batcher import Finish, SeqRequest
@@ -144,7 +166,9 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
     stage = StageRunner(model_path)
     on = Ours(stage, work / "kv-cache", prefill_chunk)
     off = Ours(stage, None, prefill_chunk)
-    sides = {"raw": raw.ttft, "ours_cache_on": on.ttft, "ours_cache_off": off.ttft}
+    serial = Ours(stage, work / "kv-cache-2", prefill_chunk, serial=True)
+    sides = {"raw": raw.ttft, "ours_cache_on": on.ttft, "ours_cache_off": off.ttft,
+             "ours_serial": serial.ttft}
     rng = random.Random(1234)
     out: dict = {"prefill_chunk": on.engine.prefill_chunk}
     try:
@@ -166,6 +190,7 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
                   file=sys.stderr, flush=True)
     finally:
         on.close()
+        serial.close()
     return out
 
 
@@ -241,16 +266,23 @@ def markdown(result: dict) -> str:
              f"- our prefill chunk: {result['in_process']['prefill_chunk']} tokens; medians of "
              f"{result['repeats']} runs after a warm-up, a fresh random prompt per run", "",
              "| prompt | raw mlx-lm | ours, cache on | ratio | ours, cache off | ratio "
-             "| ours, cache hit |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ours, cache hit | ours, serial (cache on) | ratio |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ip = result["in_process"]
     for n in result["lengths"]:
         r = {k: v["median_s"] for k, v in ip[str(n)].items()}
         lines.append(f"| {n} | {r['raw'] * 1e3:.1f} ms | {r['ours_cache_on'] * 1e3:.1f} ms | "
                      f"{r['ours_cache_on'] / r['raw']:.2f}x | {r['ours_cache_off'] * 1e3:.1f} ms"
                      f" | {r['ours_cache_off'] / r['raw']:.2f}x | "
-                     f"{r['ours_cache_hit'] * 1e3:.1f} ms |")
+                     f"{r['ours_cache_hit'] * 1e3:.1f} ms | "
+                     + (f"{r['ours_serial'] * 1e3:.1f} ms | "
+                        f"{r['ours_serial'] / r['raw']:.2f}x |" if "ours_serial" in r
+                        else "| |"))
     lines += ["", "Ratio: our TTFT / raw mlx-lm's (goal <= 1.1). In-process: `generate_step` "
-              "call -> first token against `Batcher.submit` -> first token on its stream."]
+              "call -> first token against `Batcher.submit` -> first token on its stream. "
+              "Serial: our engine without its first-token overlaps (each prompt chunk waited "
+              "for, a first token streamed after the next step is built: generate_step's "
+              "order, and ours before)."]
     http = result.get("http")
     if http:
         lines += ["", "HTTP, first SSE token of a streamed /v1/completions:", "",

@@ -221,14 +221,16 @@ class StageState:
         for c in kv:
             c.trim(c.offset - n)
 
-    def prefill(self, seq_id: int, x: mx.array) -> mx.array:
+    def prefill(self, seq_id: int, x: mx.array, wait: bool = True) -> mx.array:
         """Runs a prompt chunk of one sequence; returns this stage's output (lazy). The prefix
         cache keeps the blocks the chunk completed right away: a sliding-window layer still
-        holds them now, not at admission."""
+        holds them now, not at admission. `wait=False` (deferred stores only): the chunk is
+        scheduled, not waited for (`StageProfile.settle` times it)."""
+        if not (wait or self.defer_stores):
+            raise ValueError("a prefill chunk is left computing only with deferred stores")
         cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
         out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
-                               self._prefill_results(cache))
-        mx.eval([c.state for c in cache])
+                               self._prefill_results(cache), wait=wait)
         self._store(seq_id, cache)
         return out
 
@@ -688,7 +690,12 @@ class Batcher(Engine):
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
-                self.state.prefill(group[0][0].sid, x)
+                seq, start, n = group[0]
+                # A prompt's last chunk is left computing: the next step, its first, is built
+                # meanwhile (on a GPU, where building a step's graph takes longer than a small
+                # batch's compute, ~3 ms of a 1.1B model's first token on an H200).
+                last = start + n == len(seq.to_prefill) and self.state.defer_stores
+                self.state.prefill(seq.sid, x, wait=not last)
             else:
                 self.state.prefill_rows([seq.sid for seq, _, _ in group], x)
         ready = []
@@ -725,22 +732,58 @@ class Batcher(Engine):
         return list(groups.values())
 
     def _decode_step(self) -> None:
+        """Schedules the next step, then streams the tokens of the one before while it
+        computes. When every row's token is its first, they are streamed first: no stream runs
+        to lose that overlap, and on a GPU building a small batch's step takes longer than
+        computing it, which the first tokens would wait for."""
+        if all(s.generated == 0 and not s.input_is_prompt for s in self._batch):
+            y = self._y
+            self._hand_out(y, self._records, self._failed, self._advance(y))
+            self._records, self._failed = None, {}
+            if self._batch:
+                self._launch(self._y, advanced=True)
+            return
         y, records, failed = self._y, self._records, self._failed
+        verdicts = self._launch(y)
+        self._hand_out(y, records, failed, verdicts)
+
+    def _launch(self, y: mx.array, advanced: bool = False
+                ) -> dict[Sequence, tuple[Verdict, str]] | None:
+        """Builds and schedules the step that decodes `y` (every row's input) into the next
+        `_y`; returns the grammar verdicts of `y`'s tokens unless already `advanced`."""
         logits = self.state.forward(self.MB, y[:, None])[:, -1, :]
-        constrained = [(seq, s.grammar) for seq, s in zip(self._batch, self._samplers)
-                       if s.grammar is not None and not seq.input_is_prompt]
         verdicts = None
-        if constrained:
+        if not advanced and self._constrained():
             # The device computes this step while the matchers take the last step's tokens and
             # (in sample_batch) fill the masks this step's tokens are sampled under.
             mx.async_eval(logits)
-            last = dict(zip(self._batch, y.tolist()))
-            verdicts = dict(zip((seq for seq, _ in constrained),
-                                advance_each([(g, last[seq]) for seq, g in constrained])))
+            verdicts = self._advance(y)
         self._y, new_records, errors = sample_rows(logits, self._samplers)
         self._failed = {self._batch[i]: f"sampling failed: {e}" for i, e in errors.items()}
         mx.async_eval(self._y, *([] if new_records is None else [new_records]))
         self._records = None if new_records is None else (new_records, list(self._batch))
+        self.state.profile.settle()  # a prompt's last chunk, which this step was built beside
+        return verdicts
+
+    def _constrained(self) -> list[tuple[Sequence, GrammarMatcher]]:
+        """The rows whose grammar takes their token in `_y` (not a prompt's last token)."""
+        return [(seq, s.grammar) for seq, s in zip(self._batch, self._samplers)
+                if s.grammar is not None and not seq.input_is_prompt]
+
+    def _advance(self, y: mx.array) -> dict[Sequence, tuple[Verdict, str]] | None:
+        """The grammar verdicts of `y`'s tokens, each constrained row's matcher advanced."""
+        constrained = self._constrained()
+        if not constrained:
+            return None
+        last = dict(zip(self._batch, y.tolist()))
+        return dict(zip((seq for seq, _ in constrained),
+                        advance_each([(g, last[seq]) for seq, g in constrained])))
+
+    def _hand_out(self, y: mx.array, records: tuple[mx.array, list[Sequence]] | None,
+                  failed: dict[Sequence, str],
+                  verdicts: dict[Sequence, tuple[Verdict, str]] | None) -> None:
+        """Streams `y`'s tokens (with the logprob `records` sampled with them), then drops the
+        rows that ended from the batch and from `_y`."""
         logprobs = self._logprobs(records[1], records[0].tolist()) if records else None
         keep = self._emit_step(self._batch, y.tolist(), logprobs, verdicts, failed)
         if len(keep) < len(self._batch):

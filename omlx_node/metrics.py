@@ -113,13 +113,17 @@ class StageProfile:
         self._decode_mean = 0.0  # seconds, over the recent timed decode steps
         self._busy = _Window(1)  # compute seconds
         self._prefill = _Window(2)  # prompt tokens, compute seconds
+        self._pending: tuple[str, int, float, list] | None = None  # see `settle`
 
     def run(self, kind: str, x: mx.array, compute: Callable[[], mx.array],
-            results: Callable[[mx.array], list] = lambda out: [out]) -> mx.array:
+            results: Callable[[mx.array], list] = lambda out: [out],
+            wait: bool = True) -> mx.array:
         """`compute()`: this stage's layers on input `x` (rows, tokens, ...) in a step of `kind`;
         returns its output. A timed step evaluates `results(output)`: what the step is for
         (a prefill on the last stage keeps only its KV cache, and computing its unused output
-        would run the last layer over every prompt position)."""
+        would run the last layer over every prompt position). `wait=False` (a timed step)
+        schedules them instead, so that the caller builds its next step while the device
+        computes this one; `settle` then takes its time."""
         self._steps[kind].inc()
         rows, tokens = x.shape[0], x.shape[0] * x.shape[1]
         self.tokens += tokens
@@ -131,15 +135,33 @@ class StageProfile:
                 self._busy.add(self._decode_mean)
                 return compute()
             self._timed_decodes += 1
+        self.settle()
         mx.synchronize()  # what this stage still computes belongs to earlier steps
         t0 = time.perf_counter()
         mx.eval(x)
         t1 = time.perf_counter()
         out = compute()
-        mx.eval(results(out))
-        seconds = time.perf_counter() - t1
         if kind in self.peer_inputs:
             self._wait[kind].observe(t1 - t0)
+        if wait:
+            mx.eval(results(out))
+            self._record(kind, tokens, time.perf_counter() - t1)
+        else:
+            self._pending = (kind, tokens, t1, results(out))
+            mx.async_eval(self._pending[3])
+        return out
+
+    def settle(self) -> None:
+        """Takes the time of the step `run(wait=False)` left computing: from its start to its
+        results, once the caller has built what it overlaps (so a step shorter than that
+        build counts as long as the build)."""
+        if self._pending is None:
+            return
+        (kind, tokens, t1, arrays), self._pending = self._pending, None
+        mx.eval(arrays)
+        self._record(kind, tokens, time.perf_counter() - t1)
+
+    def _record(self, kind: str, tokens: int, seconds: float) -> None:
         self._compute[kind].observe(seconds)
         self._busy.add(seconds)
         if kind == "decode":  # the mean of the first 16 timed steps, then a moving one
@@ -147,7 +169,6 @@ class StageProfile:
             self._next_timed = time.perf_counter() + PROFILE_SECONDS
         else:
             self._prefill.add(tokens, seconds)
-        return out
 
     def _due(self, last: str) -> bool:
         """Whether this decode step is timed (`last`: the kind of the step before it)."""

@@ -97,6 +97,38 @@ def test_late_joiners_and_alone_match(tmp_path):
         assert toks == reference(model, p, 10)
 
 
+def test_a_lone_prompts_first_token_waits_for_no_build_but_its_own(tmp_path, monkeypatch):
+    """A prompt's last chunk is left computing while its first step is built (nothing waits
+    for the device in between), and its first token is streamed before the step after it is
+    built: the same tokens as mlx-lm, every chunk still timed."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    model, tok = load(str(path))
+    prompt = tok.encode(PROMPTS[4])
+    metrics = NodeMetrics()
+    batcher = Batcher(StageRunner(path), metrics, prefill_chunk=8)
+    seq = batcher.submit(SeqRequest("alone", prompt, 6))
+    log: list[tuple] = []
+    state, forward, prefill = batcher.state, batcher.state.forward, batcher.state.prefill
+    monkeypatch.setattr(state, "forward", lambda mb, x: (
+        log.append(("step", seq.events.qsize())), forward(mb, x))[1])
+    monkeypatch.setattr(state, "prefill", lambda sid, x, wait=True: (
+        log.append(("chunk", wait)), prefill(sid, x, wait), log.append(("built",)))[1])
+    for name in ("eval", "synchronize"):
+        monkeypatch.setattr(mx, name, lambda *a, _real=getattr(mx, name), _name=name: (
+            log.append((_name,)), _real(*a))[1])
+    toks, _ = drain(batcher, [seq])[0]
+    monkeypatch.undo()
+    assert toks == reference(model, prompt, 6)
+    chunks = -(-(len(prompt) - 1) // 8)
+    assert [e[1] for e in log if e[0] == "chunk"] == [True] * (chunks - 1) + [False]
+    built = log.index(("built",), log.index(("chunk", False)))
+    assert log[built + 1:log.index(("step", 0))] == [], "the first step waited for the last chunk"
+    steps = [e[1] for e in log if e[0] == "step"]
+    assert steps[:2] == [0, 1], "the first token waited for the step after it to be built"
+    assert metrics.registry.get_sample_value(
+        "omlx_node_stage_compute_seconds_count", {"kind": "prefill"}) == chunks
+
+
 def test_stop_tokens_cancel_and_errors(tmp_path):
     path = build_model(tmp_path / "m", "qwen2", num_layers=2)
     model, tok = load(str(path))
