@@ -367,6 +367,7 @@ class Engine:
         self.prompt_total = 0
         self.requests_total = 0
         self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
+        self._stores_due: list[int] = []  # prompts kept at the next step (`_emit_step`)
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
 
@@ -605,8 +606,12 @@ class Engine:
             # device never makes the engine wait (small models on a GPU) that is the
             # interpreter's switch interval, 5 ms. Later tokens keep that batching.
             time.sleep(0)
-        # After the tokens are out: a prompt's deferred store cuts its blocks (device work).
-        self.state.flush_stores(firsts + ended)
+        # After the tokens are out: a prompt's deferred store cuts its blocks (device work),
+        # and the copy to host follows on a thread. Both hold the GIL for milliseconds, which
+        # the thread streaming a first token would wait for, so a prompt whose stream goes on
+        # keeps its blocks a step later (one that starts alike takes them at once: `lookup`).
+        self.state.flush_stores(self._stores_due + ended)
+        self._stores_due = [s for s in firsts if s not in ended]
         self._rate.append((now, emitted))
         self.generated_total += emitted
         self.metrics.tokens_generated(emitted)

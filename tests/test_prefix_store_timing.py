@@ -1,6 +1,7 @@
 """A prompt's prefix-cache store waits for its first token (on a GPU the copy to host memory
-slows the steps that compute that token), unless a prompt that starts alike needs it first; a
-sequence that ends without one keeps what it prefilled and leaves nothing behind."""
+slows the steps that compute that token) and for the step after it (while that token streams),
+unless a prompt that starts alike needs it first; a sequence that ends without one keeps what it
+prefilled and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def step_until(batcher: Batcher, done, limit: int = 200) -> None:
     raise AssertionError("the engine did not get there")
 
 
-def test_blocks_are_kept_once_the_first_token_is_out(tmp_path):
+def test_blocks_are_kept_a_step_after_the_first_token(tmp_path):
+    """Not while the first token is being streamed: cutting and copying the blocks holds the
+    GIL that the streaming thread needs."""
     path = build_model(tmp_path / "m", "llama", num_layers=3)
     model, _ = load(str(path))
     prompt = [(5 * j + 11) % (model.args.vocab_size - 10) + 10 for j in range(14)]
@@ -42,6 +45,8 @@ def test_blocks_are_kept_once_the_first_token_is_out(tmp_path):
         assert seq.generated == 0
         assert cache.lookup(prompt[:-1]) == 0
         step_until(batcher, lambda: seq.generated >= 1)
+        assert cache.lookup(prompt[:-1]) == 0
+        step_until(batcher, lambda: seq.generated >= 2)
         assert cache.lookup(prompt[:-1]) == 12  # three whole blocks of the 13 prefilled
         assert drain(batcher, [seq])[0][0] == ref
         again = batcher.submit(SeqRequest("again", prompt, 6))
