@@ -15,6 +15,12 @@ at one offset and run as many tokens (prompts of one length arriving together) s
 pass where every layer keeps a plain KVCache (`StageState.prefill_rows`): unpadded, so each row
 computes what it would alone, and on a GPU the weights are read once for them all.
 
+Decoding overlaps Python with compute: step n+1 is built and scheduled before step n's tokens are
+read. The way to a first token overlaps as well. A prompt's last chunk is left computing while
+the first decode step is built. When every row's token is its first, the tokens are read and
+streamed before the next step is built. On a GPU, building a small batch's step takes longer
+than computing it, and a first token would otherwise wait for one or two such builds.
+
 A constrained row (a grammar, omlx_node.constraints) cannot have its next token scheduled before
 its last one is on the host: its matcher must take that token and fill the mask the next one is
 sampled under. So while any row of the batch is constrained, a decode step starts the device on
