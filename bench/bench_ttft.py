@@ -14,7 +14,10 @@ does):
   step is built, as generate_step does (our engine before 2026-12-02, the reference of its
   first-token overlaps);
 - with --http: first SSE token of a streamed /v1/completions through our server
-  (`python -m omlx_cluster serve`, cache on and off) and through `mlx_lm.server`.
+  (`python -m omlx_cluster serve`) with the cache on and off, both up at once and their
+  requests interleaved (a host's drift then hits them alike), plus "on, spaced": the cache-on
+  server's requests each after `--pause` s idle, so the previous prompt's store is done; then
+  through `mlx_lm.server`.
 
 The in-process sides run interleaved in one process (raw, ours on, ours off, serial, per
 repeat), so drift on a shared machine hits them alike. After each run with the cache on, the bench
@@ -212,44 +215,68 @@ async def first_sse(client, base: str, model: str, prompt: str) -> float:
     return first
 
 
-def measure_http(server, model: str, lengths: list[int], repeats: int, seed: int) -> dict:
+def measure_http(servers: dict[str, tuple[object, str]], lengths: list[int], repeats: int,
+                 seed: int, pause: float = 0.0) -> dict:
+    """First SSE tokens of fresh prompts from each of `servers` (name -> (server, the model
+    name it takes)), interleaved per repeat in an order that alternates, so a host's drift hits
+    them alike. A name ending in "_spaced" is sent after `pause` seconds of nothing (the
+    previous request's store then done) to the server of the name without it."""
     import httpx
 
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
-    out = {}
+    out: dict = {name: {} for name in servers}
     try:
         for n in lengths:
             def prompt() -> str:
                 return " ".join(f"t{rng.randrange(100, 31000)}" for _ in range(n))
 
-            loop.run_until_complete(first_sse(client, server.base, model, prompt()))
-            runs = [loop.run_until_complete(first_sse(client, server.base, model, prompt()))
-                    for _ in range(repeats)]
-            out[str(n)] = {"runs": runs, "median_s": median(runs)}
+            def one(name: str) -> float:
+                server, model = servers[name]
+                if name.endswith("_spaced"):
+                    time.sleep(pause)
+                return loop.run_until_complete(first_sse(client, server.base, model, prompt()))
+
+            for name in servers:  # warm-up: kernels of this length
+                one(name)
+            runs: dict[str, list[float]] = {name: [] for name in servers}
+            order = list(servers)
+            for k in range(repeats):
+                for name in order if k % 2 == 0 else reversed(order):
+                    runs[name].append(one(name))
+            for name, v in runs.items():
+                out[name][str(n)] = {"runs": v, "median_s": median(v)}
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
     return out
 
 
-def measure_servers(model_path: Path, lengths: list[int], repeats: int, work: Path) -> dict:
-    out = {}
-    for name, extra in {"ours_cache_on": ["--paged-ssd-cache-dir", str(work / "srv-kv")],
-                        "ours_cache_off": ["--hot-cache-max-size", "0"]}.items():
-        server = Server(model_path, work / f"{name}.log", extra)
-        try:
+def measure_servers(model_path: Path, lengths: list[int], repeats: int, work: Path,
+                    pause: float) -> dict:
+    """Our server with the cache on and off, both up at once and measured interleaved (plus
+    "on, spaced": each request after `pause` s idle); then mlx_lm.server."""
+    ours = {"ours_cache_on": ["--paged-ssd-cache-dir", str(work / "srv-kv")],
+            "ours_cache_off": ["--hot-cache-max-size", "0"]}
+    servers = {name: Server(model_path, work / f"{name}.log", extra)
+               for name, extra in ours.items()}
+    try:
+        for server in servers.values():
             server.wait_ready(600)
-            out[name] = measure_http(server, "bench", lengths, repeats, seed=len(out))
-        finally:
+        sides = {name: (server, "bench") for name, server in servers.items()}
+        sides["ours_cache_on_spaced"] = sides["ours_cache_on"]
+        out = measure_http(sides, lengths, repeats, seed=1, pause=pause)
+    finally:
+        for server in servers.values():
             server.stop()
-        print(f"  http {name}: {out[name]}", file=sys.stderr, flush=True)
+    print(f"  http ours: {out}", file=sys.stderr, flush=True)
     server = MlxLmServer(model_path, work / "mlx_lm_server.log", [])
     try:
         server.wait_ready(600)
         # mlx_lm.server takes the request's model as a path to load: the folder it serves.
-        out["mlx_lm_server"] = measure_http(server, str(model_path), lengths, repeats, seed=9)
+        out |= measure_http({"mlx_lm_server": (server, str(model_path))}, lengths, repeats,
+                            seed=9)
     finally:
         server.stop()
     return out
@@ -285,13 +312,19 @@ def markdown(result: dict) -> str:
               "order, and ours before)."]
     http = result.get("http")
     if http:
-        lines += ["", "HTTP, first SSE token of a streamed /v1/completions:", "",
-                  "| prompt | ours, cache on | ours, cache off | mlx_lm.server | on / mlx_lm "
-                  "| off / mlx_lm |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "HTTP, first SSE token of a streamed /v1/completions (ours: both servers "
+                  "up at once, requests interleaved; spaced: each after "
+                  f"{result.get('pause', 1.0):g} s idle):", "",
+                  "| prompt | ours, cache on | on, spaced | ours, cache off | mlx_lm.server "
+                  "| on / mlx_lm | off / mlx_lm |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n in result["lengths"]:
             r = {k: v[str(n)]["median_s"] for k, v in http.items()}
+            spaced = r.get("ours_cache_on_spaced")
             lines.append(f"| {n} | {r['ours_cache_on'] * 1e3:.1f} ms | "
-                         f"{r['ours_cache_off'] * 1e3:.1f} ms | {r['mlx_lm_server'] * 1e3:.1f} ms"
+                         + (f"{spaced * 1e3:.1f} ms" if spaced else "")
+                         + f" | {r['ours_cache_off'] * 1e3:.1f} ms | "
+                         f"{r['mlx_lm_server'] * 1e3:.1f} ms"
                          f" | {r['ours_cache_on'] / r['mlx_lm_server']:.2f}x | "
                          f"{r['ours_cache_off'] / r['mlx_lm_server']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -311,6 +344,8 @@ def main() -> int:
                     help="our engine's prefill chunk (default: the engine's default)")
     ap.add_argument("--http", action="store_true",
                     help="also time our HTTP server and mlx_lm.server")
+    ap.add_argument("--pause", type=float, default=1.0,
+                    help="with --http: seconds idle before each 'spaced' request (default: 1)")
     ap.add_argument("--machine", help="how the report names the machine")
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -348,13 +383,14 @@ def main() -> int:
                      f"{layers} layers",
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "device": str(mx.default_device()), "dtype": "float32" if not on_gpu else "bfloat16",
-            "git_commit": info.get("git_commit"),
+            "git_commit": info.get("git_commit"), "pause": args.pause,
         }
         result["in_process"] = measure_in_process(model, args.lengths, args.repeats,
                                                   args.prefill_chunk, work)
         write(result, args.out)  # kept should the HTTP sides fail
         if args.http:
-            result["http"] = measure_servers(model, args.lengths, args.repeats, work)
+            result["http"] = measure_servers(model, args.lengths, args.repeats, work,
+                                             args.pause)
             write(result, args.out)
     print(markdown(result))
     return 0
