@@ -88,8 +88,7 @@ class JoinedCluster:
                     raise RuntimeError(f"a process exited ({p.returncode}): {p.args[:4]}")
             try:
                 r = httpx.get(self.base + "/health", timeout=2.0)
-                if r.status_code == 200 and sum(
-                        1 for n in r.json().get("nodes", []) if n.get("layers")) >= nodes:
+                if r.status_code == 200 and held_stages(r.json()) >= nodes:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
@@ -116,12 +115,15 @@ class JoinedCluster:
             f.close()
 
 
+def held_stages(health: dict) -> int:
+    """How many nodes of a /health answer hold a stage of the model."""
+    return sum(1 for n in health.get("nodes", []) if n.get("layers"))
+
+
 def stages(base: str) -> int:
-    """How many nodes hold a stage of the model."""
     import httpx
 
-    nodes = httpx.get(base + "/health", timeout=5).json().get("nodes", [])
-    return sum(1 for n in nodes if n.get("layers"))
+    return held_stages(httpx.get(base + "/health", timeout=5).json())
 
 
 async def requests(base: str, prompts: list[list[int]], tokens: int, gap: float,

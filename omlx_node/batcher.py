@@ -763,12 +763,7 @@ class Batcher(Engine):
         """Builds and schedules the step that decodes `y` (every row's input) into the next
         `_y`; returns the grammar verdicts of `y`'s tokens unless already `advanced`."""
         logits = self.state.forward(self.MB, y[:, None])[:, -1, :]
-        verdicts = None
-        if not advanced and self._constrained():
-            # The device computes this step while the matchers take the last step's tokens and
-            # (in sample_batch) fill the masks this step's tokens are sampled under.
-            mx.async_eval(logits)
-            verdicts = self._advance(y)
+        verdicts = None if advanced else self._advance(y, logits)
         self._y, new_records, errors = sample_rows(logits, self._samplers)
         self._failed = {self._batch[i]: f"sampling failed: {e}" for i, e in errors.items()}
         mx.async_eval(self._y, *([] if new_records is None else [new_records]))
@@ -776,16 +771,18 @@ class Batcher(Engine):
         self.state.profile.settle()  # a prompt's last chunk, which this step was built beside
         return verdicts
 
-    def _constrained(self) -> list[tuple[Sequence, GrammarMatcher]]:
-        """The rows whose grammar takes their token in `_y` (not a prompt's last token)."""
-        return [(seq, s.grammar) for seq, s in zip(self._batch, self._samplers)
-                if s.grammar is not None and not seq.input_is_prompt]
-
-    def _advance(self, y: mx.array) -> dict[Sequence, tuple[Verdict, str]] | None:
-        """The grammar verdicts of `y`'s tokens, each constrained row's matcher advanced."""
-        constrained = self._constrained()
+    def _advance(self, y: mx.array, computing: mx.array | None = None
+                 ) -> dict[Sequence, tuple[Verdict, str]] | None:
+        """The grammar verdicts of `y`'s tokens, each constrained row's matcher advanced (a row
+        whose token in `y` is its prompt's last has none to take)."""
+        constrained = [(seq, s.grammar) for seq, s in zip(self._batch, self._samplers)
+                       if s.grammar is not None and not seq.input_is_prompt]
         if not constrained:
             return None
+        if computing is not None:
+            # The device computes the next step's logits while the matchers take `y` and (in
+            # sample_batch) fill the masks its tokens are sampled under.
+            mx.async_eval(computing)
         last = dict(zip(self._batch, y.tolist()))
         return dict(zip((seq for seq, _ in constrained),
                         advance_each([(g, last[seq]) for seq, g in constrained])))
