@@ -9,7 +9,9 @@ does):
   2048-token steps, then the first sample; the goal's reference);
 - ours, in-process: `Batcher.submit` -> first token on the sequence's stream, the engine stepped
   on this thread, with the prefix cache on (RAM 1 GiB + SSD tier in a temp dir, as `serve`
-  defaults) and off; plus "cache hit": the last prompt again, its blocks restored; plus
+  defaults) and off; plus "cache hit": the last prompt again, its blocks restored (from the
+  device tier where `serve` turns it on, a CUDA GPU), and "hit, RAM only": the same from the
+  RAM tier, on an engine without the device tier; plus
   "serial": ours with every prompt chunk waited for and a first token streamed after the next
   step is built, as generate_step does (our engine before 2026-12-02, the reference of its
   first-token overlaps);
@@ -118,10 +120,12 @@ class Ours:
     """Our single-node engine, stepped on this thread as the worker's main loop steps it."""
 
     def __init__(self, stage, cache_dir: Path | None, prefill_chunk: int | None,
-                 serial: bool = False):
-        """`serial`: the engine without its first-token overlaps (`make_serial`)."""
+                 serial: bool = False, device_tier: bool = True):
+        """`serial`: the engine without its first-token overlaps (`make_serial`).
+        `device_tier`: the prefix cache's device tier as `serve` sizes it, else none."""
         from omlx_node.batcher import Batcher
         from omlx_node.kv_cache import PrefixCache
+        from omlx_node.kv_cache.device_tier import default_max_bytes
         from omlx_node.metrics import NodeMetrics
 
         metrics = NodeMetrics()
@@ -131,7 +135,8 @@ class Ours:
             self.cache = PrefixCache("bench", (info.layer_start, info.layer_end), 256,
                                      hot_max_bytes=1 << 30, ssd_dir=cache_dir,
                                      ssd_max_bytes=16 << 30, metrics_registry=metrics.registry,
-                                     dtype=info.dtype)
+                                     dtype=info.dtype,
+                                     device_max_bytes=default_max_bytes() if device_tier else 0)
         chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         self.engine = Batcher(stage, metrics, prefix_cache=self.cache, **chunk)
         if serial:
@@ -170,6 +175,7 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
     on = Ours(stage, work / "kv-cache", prefill_chunk)
     off = Ours(stage, None, prefill_chunk)
     serial = Ours(stage, work / "kv-cache-2", prefill_chunk, serial=True)
+    ram = Ours(stage, work / "kv-cache-3", prefill_chunk, device_tier=False)
     sides = {"raw": raw.ttft, "ours_cache_on": on.ttft, "ours_cache_off": off.ttft,
              "ours_serial": serial.ttft}
     rng = random.Random(1234)
@@ -181,12 +187,16 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
 
             for fn in sides.values():  # warm-up: kernels of these shapes, allocator pools
                 fn(prompt())
-            runs: dict[str, list[float]] = {k: [] for k in [*sides, "ours_cache_hit"]}
+            ram.ttft(prompt())
+            runs: dict[str, list[float]] = {
+                k: [] for k in [*sides, "ours_cache_hit", "ours_cache_hit_ram"]}
             for _ in range(repeats):
                 p = prompt()
                 for name, fn in sides.items():
                     runs[name].append(fn(p if name == "ours_cache_on" else prompt()))
                 runs["ours_cache_hit"].append(on.ttft(p))
+                ram.ttft(p)  # stored, then its hit without the device tier
+                runs["ours_cache_hit_ram"].append(ram.ttft(p))
             out[str(n)] = {k: {"runs": v, "median_s": median(v)} for k, v in runs.items()}
             print(f"  {n} tokens: " + ", ".join(f"{k} {median(v) * 1e3:.1f} ms"
                                                 for k, v in runs.items()),
@@ -194,6 +204,7 @@ def measure_in_process(model_path: Path, lengths: list[int], repeats: int,
     finally:
         on.close()
         serial.close()
+        ram.close()
     return out
 
 
@@ -293,8 +304,8 @@ def markdown(result: dict) -> str:
              f"- our prefill chunk: {result['in_process']['prefill_chunk']} tokens; medians of "
              f"{result['repeats']} runs after a warm-up, a fresh random prompt per run", "",
              "| prompt | raw mlx-lm | ours, cache on | ratio | ours, cache off | ratio "
-             "| ours, cache hit | ours, serial (cache on) | ratio |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ours, cache hit | hit, RAM only | ours, serial (cache on) | ratio |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ip = result["in_process"]
     for n in result["lengths"]:
         r = {k: v["median_s"] for k, v in ip[str(n)].items()}
@@ -302,6 +313,8 @@ def markdown(result: dict) -> str:
                      f"{r['ours_cache_on'] / r['raw']:.2f}x | {r['ours_cache_off'] * 1e3:.1f} ms"
                      f" | {r['ours_cache_off'] / r['raw']:.2f}x | "
                      f"{r['ours_cache_hit'] * 1e3:.1f} ms | "
+                     + (f"{r['ours_cache_hit_ram'] * 1e3:.1f} ms | " if "ours_cache_hit_ram" in r
+                        else "| ")
                      + (f"{r['ours_serial'] * 1e3:.1f} ms | "
                         f"{r['ours_serial'] / r['raw']:.2f}x |" if "ours_serial" in r
                         else "| |"))
@@ -309,7 +322,9 @@ def markdown(result: dict) -> str:
               "call -> first token against `Batcher.submit` -> first token on its stream. "
               "Serial: our engine without its first-token overlaps (each prompt chunk waited "
               "for, a first token streamed after the next step is built: generate_step's "
-              "order, and ours before)."]
+              "order, and ours before). Cache hit: the last cache-on prompt again, its blocks "
+              "restored (on a CUDA GPU from the device tier); RAM only: the same without the "
+              "device tier, blocks from the RAM tier."]
     http = result.get("http")
     if http:
         lines += ["", "HTTP, first SSE token of a streamed /v1/completions (ours: both servers "

@@ -99,6 +99,10 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e))
 
 
+def _size_or_auto(value: str) -> int | None:
+    return None if value.strip().lower() == "auto" else _size(value)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=None, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
@@ -109,6 +113,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-cache-max-size", type=_size, default="1GiB", metavar="SIZE",
                    help="RAM for the prefix KV cache of each stage, e.g. 4GiB; 0 turns the "
                         "prefix cache off (default: 1GiB)")
+    p.add_argument("--device-cache-max-size", type=_size_or_auto, default=None, metavar="SIZE",
+                   help="device memory for the latest prompts' prefix KV blocks, restored without "
+                        "a copy from RAM; pays off where the device has memory of its own (a "
+                        "CUDA GPU), where a RAM hit costs more than prefilling again; 0 turns it "
+                        "off (default: auto, 1/16 of a CUDA device's memory up to 8GiB, 0 where "
+                        "device and host share memory: Apple silicon, a CPU)")
     p.add_argument("--paged-ssd-cache-dir", type=Path, metavar="DIR",
                    help="where each stage keeps prefix KV blocks on disk, surviving restarts "
                         "(default: $OMLX_CLUSTER_HOME/kv-cache)")
@@ -211,6 +221,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
         out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
+    if args.device_cache_max_size is not None:
+        out += ["--device-cache-max-size", f"{args.device_cache_max_size}B"]
     return out
 
 
@@ -880,7 +892,8 @@ def _worker(args: argparse.Namespace) -> int:
         cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
         ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else
                        args.paged_ssd_cache_dir or data_home() / "kv-cache"),
-        ssd_cache_bytes=args.paged_ssd_cache_max_size)
+        ssd_cache_bytes=args.paged_ssd_cache_max_size,
+        device_cache_bytes=args.device_cache_max_size)
     return run_worker(config, args.ready_file)
 
 

@@ -33,6 +33,7 @@ from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
+from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
@@ -71,6 +72,7 @@ class WorkerConfig:
     hot_cache_bytes: int = 0  # 0: no prefix cache at all
     ssd_cache_dir: Path | None = None  # None: RAM only
     ssd_cache_bytes: int = 0
+    device_cache_bytes: int | None = None  # None: sized for the device (device_tier)
 
     @property
     def world_size(self) -> int:
@@ -277,7 +279,9 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
         (info.layer_start, info.layer_end), config.cache_block_size,
         hot_max_bytes=config.hot_cache_bytes, ssd_dir=config.ssd_cache_dir,
         ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
-        dtype=info.dtype)
+        dtype=info.dtype,
+        device_max_bytes=(default_max_bytes() if config.device_cache_bytes is None
+                          else config.device_cache_bytes))
 
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:

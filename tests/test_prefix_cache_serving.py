@@ -99,6 +99,22 @@ def test_single_node_hits_ram_then_ssd_after_restart(model, prompts, references,
         assert server.node_metrics()['omlx_node_kv_cache_hits_total{tier="ssd"}'] > 0
 
 
+def test_device_tier_serves_every_hit_when_it_is_on(model, prompts, references, tmp_path):
+    """`--device-cache-max-size` (auto-sized on a CUDA GPU, off on a CPU) through the whole
+    serving path: the same answers, every reused block from the device."""
+    _, tok = load(str(model))
+    with start_server(model, *FLAGS, "--device-cache-max-size", "64MiB", home=tmp_path / "h",
+                      keepalive=None, node_metrics=True) as server:
+        check_all(server, prompts, references, tok)
+        again = check_all(server, prompts, references, tok, concurrent=True)
+        for ids, cached in zip(prompts, again):
+            assert cached == (len(ids) - 1) // BLOCK * BLOCK
+        metrics = server.node_metrics()
+        assert metrics['omlx_node_kv_cache_hits_total{tier="device"}'] > 0
+        assert metrics['omlx_node_kv_cache_hits_total{tier="ram"}'] == 0
+        assert metrics['omlx_node_kv_cache_bytes{tier="device"}'] > 0
+
+
 def test_cache_off_and_on_give_identical_outputs(model, prompts, references, tmp_path):
     _, tok = load(str(model))
     with start_server(model, *FLAGS, "--hot-cache-max-size", "0", home=tmp_path / "h",

@@ -2,6 +2,7 @@
 
 - prefix_cache: `PrefixCache`, which composes the parts below, and how the batcher uses it;
 - blocks: blocks (named by omlx_shared.block_hashes), cut out of / put into mlx-lm KVCaches;
+- device_tier: the latest prompts' blocks kept on the device (on where it has memory of its own);
 - ram_tier: the hot tier, a byte-capped LRU of host arrays;
 - ssd_tier: the cold tier, block files under a byte cap, written by one background thread;
 - ssd_format: the safetensors file of a block and the checks a file must pass;

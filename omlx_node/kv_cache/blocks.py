@@ -150,28 +150,78 @@ def host_blocks(
     return new
 
 
-def build_caches(blocks: list[Block], n_layers: int, block_size: int) -> list[KVCache]:
-    """One KVCache per layer holding `blocks` in order: one copy of the blocks into each layer's
-    buffer, with KVCache.step tokens of spare room: the prefill and decode steps that follow
-    append without copying it all again."""
+@dataclass(frozen=True)
+class DeviceSpan:
+    """Consecutive blocks [start, stop) of a cut the device tier keeps (device_tier.py): `parts`
+    are its per layer keys and values, in `cut_spans`' order, each (kv_heads, tokens, head_dim)
+    in the cache's dtype, its block 0 at token 0."""
+
+    parts: list[mx.array]
+    start: int
+    stop: int
+
+
+def build_caches(restored: list[Block | DeviceSpan], n_layers: int,
+                 block_size: int) -> list[KVCache]:
+    """One KVCache per layer holding the `restored` blocks in order (host blocks and device
+    spans), with KVCache.step tokens of spare room: the prefill and decode steps that follow
+    append without copying it all again. From host blocks alone, one copy into each layer's
+    buffer; with device spans, one device concatenation per layer."""
     caches = [KVCache() for _ in range(n_layers)]
-    if not blocks:
+    if not restored:
         return caches
     bs = block_size
-    n = len(blocks) * bs
-    dt = blocks[0].dtype
+    n = sum(bs if isinstance(r, Block) else (r.stop - r.start) * bs for r in restored)
+    runs: list[list[Block] | DeviceSpan] = []  # consecutive host blocks go into one array
+    for r in restored:
+        last = runs[-1] if runs else None
+        if isinstance(r, Block):
+            if isinstance(last, list):
+                last.append(r)
+            else:
+                runs.append([r])
+        elif isinstance(last, DeviceSpan) and last.parts is r.parts and last.stop == r.start:
+            runs[-1] = DeviceSpan(r.parts, last.start, r.stop)  # one slice, not one per block
+        else:
+            runs.append(r)
     arrays = []
     for j, c in enumerate(caches):
         pair = []
-        for parts in ([b.keys[j] for b in blocks], [b.values[j] for b in blocks]):
-            heads, _, dim = parts[0].shape
-            buf = np.zeros((1, heads, n + KVCache.step, dim), parts[0].dtype)
-            for i, part in enumerate(parts):
-                buf[0, :, i * bs : (i + 1) * bs] = part
-            a = mx.array(buf)
-            pair.append(a.view(mx.bfloat16) if dt.mx == mx.bfloat16 else a)
+        for t in (0, 1):  # keys, values
+            if len(runs) == 1 and isinstance(runs[0], list):
+                pair.append(_host_buffer([(b.keys, b.values)[t][j] for b in runs[0]], n, bs,
+                                         runs[0][0].dtype))
+                continue
+            pieces = [_piece(r, 2 * j + t, bs) for r in runs]
+            heads, _, dim = pieces[0].shape
+            pieces.append(mx.zeros((heads, KVCache.step, dim), pieces[0].dtype))
+            pair.append(mx.concatenate(pieces, axis=1)[None])
         c.keys, c.values = pair
         c.offset = n
         arrays += pair
     mx.eval(arrays)
     return caches
+
+
+def _piece(run: list[Block] | DeviceSpan, part: int, bs: int) -> mx.array:
+    """One run's tokens of one layer tensor (`part` in cut_spans' order), (kv_heads, tokens,
+    head_dim) in the cache's dtype."""
+    if isinstance(run, DeviceSpan):
+        return run.parts[part][:, run.start * bs : run.stop * bs]
+    layer, t = divmod(part, 2)
+    return _to_mx(np.concatenate([(b.keys, b.values)[t][layer] for b in run], axis=1),
+                  run[0].dtype)
+
+
+def _host_buffer(parts: list[np.ndarray], n: int, bs: int, dt: DType) -> mx.array:
+    """Host blocks' parts of one layer tensor as one (1, kv_heads, n + step, head_dim) array."""
+    heads, _, dim = parts[0].shape
+    buf = np.zeros((1, heads, n + KVCache.step, dim), parts[0].dtype)
+    for i, part in enumerate(parts):
+        buf[0, :, i * bs : (i + 1) * bs] = part
+    return _to_mx(buf, dt)
+
+
+def _to_mx(a: np.ndarray, dt: DType) -> mx.array:
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if dt.mx == mx.bfloat16 else out

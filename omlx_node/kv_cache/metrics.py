@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# A restore is a memcpy (RAM) or a file read + hash (SSD): sub-millisecond to seconds.
+# A restore is a device copy (device), a memcpy (RAM) or a file read + hash (SSD):
+# sub-millisecond to seconds.
 RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
-TIERS = ("ram", "ssd")
+TIERS = ("device", "ram", "ssd")
 
 
 class KVCacheMetrics:

@@ -1,8 +1,10 @@
-"""Tiered KV prefix cache of one stage: hot blocks in RAM, cold blocks on SSD.
+"""Tiered KV prefix cache of one stage: the latest prompts' blocks on the device, hot blocks in
+RAM, cold blocks on SSD.
 
 A prompt is cut into blocks of `block_size` tokens, each named by a hash chain that stands for
 the whole prefix up to its end (blocks.py), and a block holds the keys and values of this stage's
-layers for its tokens. `PrefixCache` composes the RAM tier (ram_tier.py), the SSD tier
+layers for its tokens. `PrefixCache` composes the device tier (device_tier.py: on by default
+only where the device has memory of its own), the RAM tier (ram_tier.py), the SSD tier
 (ssd_tier.py, its files as ssd_format.py says) and the blocks that other layer ranges of the same
 model left on the same disk (siblings.py).
 
@@ -47,6 +49,7 @@ from omlx_node.kv_cache.blocks import (
     BY_MX,
     BY_NAME,
     Block,
+    DeviceSpan,
     GiB,
     Layout,
     build_caches,
@@ -54,6 +57,7 @@ from omlx_node.kv_cache.blocks import (
     held_tokens,
     span_layout,
 )
+from omlx_node.kv_cache.device_tier import DeviceTier
 from omlx_node.kv_cache.host_copy import Cut, HostCopier
 from omlx_node.kv_cache.metrics import KVCacheMetrics
 from omlx_node.kv_cache.ram_tier import RamTier
@@ -82,7 +86,7 @@ class PrefixCache:
     `model_id` names the weights, not just the model: blocks of another revision or quantization
     stored under the same id would be wrong answers, so include whatever tells them apart.
     `hot_max_bytes` caps the RAM tier, `ssd_max_bytes` the files under `ssd_dir` (None: RAM
-    only). `dtype` ("float32", "bfloat16", ...: the stage's compute dtype) makes files of another
+    only), `device_max_bytes` the device tier (0: none; see device_tier.default_max_bytes). `dtype` ("float32", "bfloat16", ...: the stage's compute dtype) makes files of another
     dtype foreign, so a cache dir written by a node computing in bf16 is never mixed into an f32
     one. The writer leaves `ssd_min_free_bytes` free on the disk (default max(1 GiB, 5 %)), and at
     most `write_queue_max_bytes` of blocks wait for it (more are dropped, not waited for).
@@ -101,6 +105,7 @@ class PrefixCache:
         dtype: str | None = None,
         ssd_min_free_bytes: int | None = None,
         write_queue_max_bytes: int = 1 * GiB,
+        device_max_bytes: int = 0,
     ):
         start, end = layer_range
         if not 0 <= start < end:
@@ -132,6 +137,7 @@ class PrefixCache:
         if ssd_dir is not None:
             self.dir = Path(ssd_dir) / model_dir_name(model_id) / f"{start}-{end}"
         owner = Owner(model_id, start, end, block_size, dtype)
+        self._device = DeviceTier(device_max_bytes, self.metrics)
         self._ram = RamTier(hot_max_bytes, self.metrics)
         self._ssd = SsdTier(
             self.dir, owner, self._lock, self.metrics, max_bytes=ssd_max_bytes,
@@ -173,7 +179,7 @@ class PrefixCache:
             for h in hashes:
                 in_ram = self._ram.get(h) is not None  # each tier marks h as used
                 on_ssd = self._ssd.touch(h)
-                if (not (in_ram or on_ssd or h in self._copying)
+                if (not (in_ram or on_ssd or h in self._copying or h in self._device)
                         and self._siblings.plan(h, self._layout) is None):
                     break
                 n += 1
@@ -191,16 +197,17 @@ class PrefixCache:
         t0 = time.perf_counter()
         n_blocks = max(0, min(n_tokens, len(tokens))) // self.block_size
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
+        on_host = [h for h in hashes if h not in self._device]
         with self._lock:
-            copying = not self._copying.isdisjoint(hashes)
+            copying = not self._copying.isdisjoint(on_host)
         if copying:
             self._copier.settle()  # a copy in flight ends well before a prefill would
         self._copier.reap()
         with self._lock:
-            on_disk = [h for h in hashes if h not in self._ram and h in self._ssd]
+            on_disk = [h for h in on_host if h not in self._ram and h in self._ssd]
         # Reading and checking SSD blocks releases the GIL (file reads, sha256): overlap them.
         loads = {h: self._readers.submit(self._ssd.load, h, self._layout) for h in on_disk}
-        blocks: list[Block] = []
+        blocks: list[Block | DeviceSpan] = []
         try:
             self._restore_blocks(hashes, loads, blocks)
         finally:
@@ -213,13 +220,19 @@ class PrefixCache:
         self._update_gauges()
         return caches
 
-    def _restore_blocks(self, hashes: list[str], loads: dict, blocks: list[Block]) -> None:
+    def _restore_blocks(self, hashes: list[str], loads: dict,
+                        blocks: list[Block | DeviceSpan]) -> None:
         """Appends to `blocks` the unbroken chain of `hashes` that can be restored."""
         for h in hashes:
             tier = "ram"
             with self._lock:
                 block = self._ram.get(h)
                 self._ssd.touch(h)
+            span = self._device.span(h)
+            if span is not None:
+                blocks.append(span)
+                self.metrics.hits.labels(tier="device").inc()
+                continue
             if block is None:
                 tier = "ssd"
                 block = loads[h].result() if h in loads else self._ssd.load(h, self._layout)
@@ -228,7 +241,8 @@ class PrefixCache:
                     block = self._siblings.load(h, self._layout)
                     if block is None:
                         break
-            if blocks and block.layout != blocks[0].layout:
+            first = next((b.layout for b in blocks if isinstance(b, Block)), None)
+            if first is not None and block.layout != first:
                 log.warning("KV cache: block %s does not match its prefix's layout", h[:12])
                 break
             if tier != "ram":
@@ -282,9 +296,14 @@ class PrefixCache:
                 if self._layout is not None:
                     log.warning("KV cache: the stage's KV layout changed; dropping RAM blocks")
                     self._ram.drop_other_layouts(layout)
+                    self._device.clear()
                 self._layout = layout
             self._copying.update(hashes[i] for i in todo)
         self._copier.submit(Cut(hashes, todo, spans, dt, self.block_size))
+        if self._device.max_bytes > 0:  # a cut of its own: the copier's moves to the host
+            self._device.keep(hashes[todo[0] : todo[-1] + 1],
+                              cut_spans(cache, todo, self.block_size, dt), dt)
+            self._device.update_gauges()
 
     def _keep(self, cut: Cut, blocks: list[Block] | None) -> None:
         """The copier thread's: the host copies of a cut's blocks go into the tiers."""
@@ -351,6 +370,7 @@ class PrefixCache:
         return self._ssd.block_path(block_hash)
 
     def _update_gauges(self) -> None:
+        self._device.update_gauges()
         with self._lock:
             self._ram.update_gauges()
             self._ssd.update_gauges()

@@ -1,0 +1,111 @@
+"""The device tier of a stage's KV prefix cache: the latest stored prompts' blocks, kept where the
+engine computes.
+
+On a GPU with memory of its own (MLX on CUDA allocates managed memory) a block in the RAM tier is
+a poor hit: its host arrays must move back to the device page by page. Measured on an H200 (the
+8B llama, `bench/diag_kv_device.py`), restoring 8192 tokens from RAM took 742 ms and the first
+step over them another 120 ms, where prefilling the prompt again took 220 ms; from a copy kept on
+the device it took 9 ms. Agents send the previous turn's whole conversation again, so the hits
+that matter most are of the prompts stored last: those this tier keeps.
+
+The copy it keeps is a cut of its own (`blocks.cut_spans`, ~2 ms at 8192 tokens there), never the
+one the copier thread reads: once the host has read a buffer its pages live on the host, and a
+restore from it took 134 ms. Where host and device share memory (a CPU, Apple silicon) the RAM
+tier restores at memory speed, so the tier is off by default there (`default_max_bytes`).
+
+Engine thread only: its arrays are created, read and freed there. Whole cuts are evicted, least
+recently used first: a cut is one device buffer, freed only when none of its blocks is kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from omlx_node.kv_cache.blocks import DeviceSpan, DType, Spans
+from omlx_node.kv_cache.metrics import KVCacheMetrics
+
+GiB = 1 << 30
+
+
+def default_max_bytes() -> int:
+    """1/16 of a CUDA device's memory, at most 8 GiB; 0 where host and device share memory."""
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return 0
+    try:
+        total = int(mx.device_info().get("total_memory", 0))
+    except Exception:  # an MLX without device_info: no size to go by
+        return 0
+    return min(8 * GiB, total // 16)
+
+
+@dataclass(eq=False)
+class _Cut:
+    parts: list[mx.array]  # per layer keys, values, ...: (kv_heads, tokens, head_dim) in dtype
+    hashes: list[str]  # of its blocks, in order
+    nbytes: int
+
+
+class DeviceTier:
+    def __init__(self, max_bytes: int, metrics: KVCacheMetrics):
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+        self._cuts: OrderedDict[int, _Cut] = OrderedDict()  # LRU first
+        self._where: dict[str, tuple[_Cut, int]] = {}  # block hash -> its cut and position
+        self.nbytes = 0
+
+    def __contains__(self, block_hash: str) -> bool:
+        return block_hash in self._where
+
+    @property
+    def blocks(self) -> int:
+        return len(self._where)
+
+    def keep(self, hashes: list[str], spans: Spans, dt: DType) -> None:
+        """Keeps the blocks `hashes` (consecutive blocks of one prompt) as `spans`, a cut of
+        exactly them evaluated for this tier alone, hold them."""
+        nbytes = sum(stack.nbytes for stack, _ in spans)
+        if nbytes > self.max_bytes:
+            return
+        parts: list = [None] * sum(len(idx) for _, idx in spans)
+        for stack, idx in spans:
+            for j, i in enumerate(idx):
+                parts[i] = stack[j].view(dt.mx) if dt.mx == mx.bfloat16 else stack[j]
+        cut = _Cut(parts, list(hashes), nbytes)
+        self._cuts[id(cut)] = cut
+        self.nbytes += nbytes
+        for pos, h in enumerate(cut.hashes):
+            self._where[h] = (cut, pos)
+        while self.nbytes > self.max_bytes:
+            self._evict(next(iter(self._cuts.values())))
+
+    def span(self, block_hash: str) -> DeviceSpan | None:
+        """The block as a span of one block (`build_caches` merges consecutive ones of a cut);
+        None if it is not kept. Marks its cut as recently used."""
+        found = self._where.get(block_hash)
+        if found is None:
+            return None
+        cut, pos = found
+        self._cuts.move_to_end(id(cut))
+        return DeviceSpan(cut.parts, pos, pos + 1)
+
+    def clear(self) -> None:
+        """Drops every cut (the stage's KV layout changed)."""
+        for cut in list(self._cuts.values()):
+            self._evict(cut, count=False)
+
+    def _evict(self, cut: _Cut, count: bool = True) -> None:
+        del self._cuts[id(cut)]
+        self.nbytes -= cut.nbytes
+        for h in cut.hashes:
+            if self._where.get(h, (None,))[0] is cut:
+                del self._where[h]
+                if count:
+                    self.metrics.evictions.labels(tier="device").inc()
+
+    def update_gauges(self) -> None:
+        self.metrics.bytes.labels(tier="device").set(self.nbytes)
+        self.metrics.blocks.labels(tier="device").set(self.blocks)
