@@ -184,11 +184,12 @@ def build_caches(restored: list[Block | DeviceSpan], n_layers: int,
             runs[-1] = DeviceSpan(r.parts, last.start, r.stop)  # one slice, not one per block
         else:
             runs.append(r)
+    host_only = len(runs) == 1 and isinstance(runs[0], list)
     arrays = []
     for j, c in enumerate(caches):
         pair = []
         for t in (0, 1):  # keys, values
-            if len(runs) == 1 and isinstance(runs[0], list):
+            if host_only:
                 pair.append(_host_buffer([(b.keys, b.values)[t][j] for b in runs[0]], n, bs,
                                          runs[0][0].dtype))
                 continue
@@ -223,5 +224,9 @@ def _host_buffer(parts: list[np.ndarray], n: int, bs: int, dt: DType) -> mx.arra
 
 
 def _to_mx(a: np.ndarray, dt: DType) -> mx.array:
-    out = mx.array(a)
-    return out.view(mx.bfloat16) if dt.mx == mx.bfloat16 else out
+    return from_bits(mx.array(a), dt)
+
+
+def from_bits(a: mx.array, dt: DType) -> mx.array:
+    """An array of `dt` values as blocks hold them (bfloat16 as its uint16 bits) in `dt`."""
+    return a.view(mx.bfloat16) if dt.mx == mx.bfloat16 else a

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from omlx_node.kv_cache.blocks import DeviceSpan, DType, Spans
+from omlx_node.kv_cache.blocks import DeviceSpan, DType, Spans, from_bits
 from omlx_node.kv_cache.metrics import KVCacheMetrics
 
 GiB = 1 << 30
@@ -53,7 +53,7 @@ class DeviceTier:
     def __init__(self, max_bytes: int, metrics: KVCacheMetrics):
         self.max_bytes = max_bytes
         self.metrics = metrics
-        self._cuts: OrderedDict[int, _Cut] = OrderedDict()  # LRU first
+        self._cuts: OrderedDict[_Cut, None] = OrderedDict()  # LRU first
         self._where: dict[str, tuple[_Cut, int]] = {}  # block hash -> its cut and position
         self.nbytes = 0
 
@@ -73,14 +73,14 @@ class DeviceTier:
         parts: list = [None] * sum(len(idx) for _, idx in spans)
         for stack, idx in spans:
             for j, i in enumerate(idx):
-                parts[i] = stack[j].view(dt.mx) if dt.mx == mx.bfloat16 else stack[j]
+                parts[i] = from_bits(stack[j], dt)
         cut = _Cut(parts, list(hashes), nbytes)
-        self._cuts[id(cut)] = cut
+        self._cuts[cut] = None
         self.nbytes += nbytes
         for pos, h in enumerate(cut.hashes):
             self._where[h] = (cut, pos)
         while self.nbytes > self.max_bytes:
-            self._evict(next(iter(self._cuts.values())))
+            self._evict(next(iter(self._cuts)))
 
     def span(self, block_hash: str) -> DeviceSpan | None:
         """The block as a span of one block (`build_caches` merges consecutive ones of a cut);
@@ -89,19 +89,20 @@ class DeviceTier:
         if found is None:
             return None
         cut, pos = found
-        self._cuts.move_to_end(id(cut))
+        self._cuts.move_to_end(cut)
         return DeviceSpan(cut.parts, pos, pos + 1)
 
     def clear(self) -> None:
         """Drops every cut (the stage's KV layout changed)."""
-        for cut in list(self._cuts.values()):
+        for cut in list(self._cuts):
             self._evict(cut, count=False)
 
     def _evict(self, cut: _Cut, count: bool = True) -> None:
-        del self._cuts[id(cut)]
+        del self._cuts[cut]
         self.nbytes -= cut.nbytes
         for h in cut.hashes:
-            if self._where.get(h, (None,))[0] is cut:
+            found = self._where.get(h)
+            if found is not None and found[0] is cut:  # a later cut may hold it again
                 del self._where[h]
                 if count:
                     self.metrics.evictions.labels(tier="device").inc()

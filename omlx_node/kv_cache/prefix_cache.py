@@ -86,7 +86,8 @@ class PrefixCache:
     `model_id` names the weights, not just the model: blocks of another revision or quantization
     stored under the same id would be wrong answers, so include whatever tells them apart.
     `hot_max_bytes` caps the RAM tier, `ssd_max_bytes` the files under `ssd_dir` (None: RAM
-    only), `device_max_bytes` the device tier (0: none; see device_tier.default_max_bytes). `dtype` ("float32", "bfloat16", ...: the stage's compute dtype) makes files of another
+    only), `device_max_bytes` the device tier (0: none; see device_tier.default_max_bytes).
+    `dtype` ("float32", "bfloat16", ...: the stage's compute dtype) makes files of another
     dtype foreign, so a cache dir written by a node computing in bf16 is never mixed into an f32
     one. The writer leaves `ssd_min_free_bytes` free on the disk (default max(1 GiB, 5 %)), and at
     most `write_queue_max_bytes` of blocks wait for it (more are dropped, not waited for).
