@@ -112,6 +112,23 @@ def test_whole_cuts_are_evicted_and_ram_fills_in(stage, vocab):
         assert mx.array_equal(logits, cold_logits(stage, again)).item()
 
 
+def test_a_conversations_first_cut_outlives_its_newest(stage, vocab):
+    """A cut stored by a later turn is the chain's end: another prompt evicts it, not the cut
+    every turn of the conversation starts with."""
+    a = rand_tokens(3 * BS + 1, vocab, seed=12)
+    longer = a[:-1] + rand_tokens(2 * BS + 1, vocab, seed=13)
+    with make_pc(None, device_max_bytes=cut_bytes(stage, 5 * BS)) as pc:
+        cached_logits(pc, stage, a)
+        cached_logits(pc, stage, longer)
+        cached_logits(pc, stage, rand_tokens(2 * BS + 1, vocab, seed=14))
+        assert metric(pc, "omlx_node_kv_cache_blocks", tier="device") == 5  # a's 3, the new 2
+        done, logits = cached_logits(pc, stage, longer)
+        assert done == 5 * BS
+        assert metric(pc, HITS, tier="device") == 3 + 3  # the second turn's, then a's again
+        assert metric(pc, HITS, tier="ram") == 2
+        assert mx.array_equal(logits, cold_logits(stage, longer)).item()
+
+
 def test_bfloat16_blocks_come_back_bit_for_bit():
     kv = synthetic_cache(4, 3 * BS, seed=8, dtype=mx.bfloat16)
     tokens = list(range(3 * BS))

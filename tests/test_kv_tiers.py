@@ -343,6 +343,76 @@ def test_ssd_cap_and_lru_order(tmp_path):
     small.close()
 
 
+ONE_BLOCK = 2 * 2 * (2 * BS * 8 * 4)  # 2 layers x (k, v) x a (2, BS, 8) float32 tensor
+
+
+def test_a_prompt_larger_than_the_ram_tier_keeps_its_first_blocks():
+    """An agent's long prompt can outgrow --hot-cache-max-size: what stays is its prefix (a
+    lookup reaches it), never its tail."""
+    prompt = list(range(5 * BS))
+    chain = block_hashes(MODEL_ID, prompt, BS)
+    with make_pc(None, layers=(0, 2), hot_max_bytes=3 * ONE_BLOCK) as pc:
+        pc.store(prompt, synthetic_cache(2, 5 * BS, seed=0))
+        assert set(pc.hot_hashes()) == set(chain[:3])
+        assert pc.lookup(prompt) == 3 * BS
+
+
+def test_eviction_takes_a_chain_from_its_end():
+    a, b = [1] * (3 * BS), [2] * (3 * BS)
+    with make_pc(None, layers=(0, 2), hot_max_bytes=4 * ONE_BLOCK) as pc:
+        pc.store(a, synthetic_cache(2, 3 * BS, seed=1))
+        pc.store(b, synthetic_cache(2, 3 * BS, seed=2))
+        assert set(pc.hot_hashes()) == {block_hashes(MODEL_ID, a, BS)[0],
+                                        *block_hashes(MODEL_ID, b, BS)}
+        assert pc.lookup(a) == BS and pc.lookup(b) == 3 * BS
+
+
+def test_a_growing_conversation_keeps_its_start_over_its_newest_turn():
+    """Turn 2 resends turn 1 and adds to it: the new blocks are the chain's end, the first to
+    go, though they are the last stored."""
+    turn1 = list(range(2 * BS))
+    turn2 = turn1 + list(range(100, 100 + 2 * BS))
+    with make_pc(None, layers=(0, 2), hot_max_bytes=3 * ONE_BLOCK) as pc:
+        pc.store(turn1, synthetic_cache(2, 2 * BS, seed=3))
+        assert pc.lookup(turn2) == 2 * BS
+        kv = pc.restore(turn2, 2 * BS)
+        assert kv[0].offset == 2 * BS
+        pc.store(turn2, synthetic_cache(2, 4 * BS, seed=3))
+        assert pc.hot_hashes()[-1] == block_hashes(MODEL_ID, turn1, BS)[0]  # the most recent
+        assert pc.lookup(turn2) == 3 * BS
+
+
+def test_blocks_promoted_from_ssd_keep_the_prefix_in_ram(tmp_path):
+    prompt = list(range(4 * BS))
+    chain = block_hashes(MODEL_ID, prompt, BS)
+    with make_pc(tmp_path, layers=(0, 2), hot_max_bytes=2 * ONE_BLOCK) as pc:
+        pc.store(prompt, synthetic_cache(2, 4 * BS, seed=4))
+        assert pc.flush() and set(pc.hot_hashes()) == set(chain[:2])
+        assert pc.restore(prompt, pc.lookup(prompt))[0].offset == 4 * BS  # 2 blocks from SSD
+        assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ssd") == 2
+        assert set(pc.hot_hashes()) == set(chain[:2])
+
+
+def test_a_prompt_larger_than_the_ssd_tier_keeps_its_first_blocks(tmp_path):
+    prompt = list(range(5 * BS))
+    chain = block_hashes(MODEL_ID, prompt, BS)
+    probe = make_pc(tmp_path / "probe", layers=(0, 2))
+    probe.store(prompt, synthetic_cache(2, 5 * BS, seed=5))
+    probe.close()
+    size = {f.stem: f.stat().st_size for f in files(probe)}
+    first = [size[h] for h in chain]
+    pc = make_pc(tmp_path / "ssd", layers=(0, 2), hot_max_bytes=0,
+                 ssd_max_bytes=sum(first[:3]) + 10)
+    pc.store(prompt, synthetic_cache(2, 5 * BS, seed=5))
+    assert pc.flush()
+    assert pc.lookup(prompt) == 3 * BS
+    pc.close()
+    again = make_pc(tmp_path / "ssd", layers=(0, 2), hot_max_bytes=0,
+                    ssd_max_bytes=sum(first[:2]))
+    assert set(again.ssd_hashes()) == set(chain[:2])  # mtime keeps the order over a restart
+    again.close()
+
+
 # ---- (d) bad files -----------------------------------------------------------------------------
 
 

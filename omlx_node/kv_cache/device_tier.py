@@ -64,9 +64,10 @@ class DeviceTier:
     def blocks(self) -> int:
         return len(self._where)
 
-    def keep(self, hashes: list[str], spans: Spans, dt: DType) -> None:
-        """Keeps the blocks `hashes` (consecutive blocks of one prompt) as `spans`, a cut of
-        exactly them evaluated for this tier alone, hold them."""
+    def keep(self, chain: list[str], start: int, stop: int, spans: Spans, dt: DType) -> None:
+        """Keeps blocks [start, stop) of a prompt's chain of block hashes as `spans`, a cut of
+        exactly them evaluated for this tier alone; then marks the chain used (`mark_chain`)
+        and evicts down to the cap."""
         nbytes = sum(stack.nbytes for stack, _ in spans)
         if nbytes > self.max_bytes:
             return
@@ -74,23 +75,32 @@ class DeviceTier:
         for stack, idx in spans:
             for j, i in enumerate(idx):
                 parts[i] = from_bits(stack[j], dt)
-        cut = _Cut(parts, list(hashes), nbytes)
+        cut = _Cut(parts, chain[start:stop], nbytes)
         self._cuts[cut] = None
         self.nbytes += nbytes
         for pos, h in enumerate(cut.hashes):
             self._where[h] = (cut, pos)
+        self.mark_chain(chain)
         while self.nbytes > self.max_bytes:
             self._evict(next(iter(self._cuts)))
 
     def span(self, block_hash: str) -> DeviceSpan | None:
         """The block as a span of one block (`build_caches` merges consecutive ones of a cut);
-        None if it is not kept. Marks its cut as recently used."""
+        None if it is not kept."""
         found = self._where.get(block_hash)
         if found is None:
             return None
         cut, pos = found
-        self._cuts.move_to_end(cut)
         return DeviceSpan(cut.parts, pos, pos + 1)
+
+    def mark_chain(self, hashes: list[str]) -> None:
+        """Marks the cuts holding a chain's blocks as recently used, its last block first: the
+        cut a conversation's later turn stored is its end, evicted before the cut its every
+        turn starts with (see PrefixCache._mark_used)."""
+        for h in reversed(hashes):
+            found = self._where.get(h)
+            if found is not None:
+                self._cuts.move_to_end(found[0])
 
     def clear(self) -> None:
         """Drops every cut (the stage's KV layout changed)."""

@@ -26,6 +26,10 @@ hash lists wait for every store made before them, so readers see the cache as if
 copied synchronously. The RAM tier keeps the host arrays, and the write queue shares them (no
 second copy waits for the disk); a restore concatenates them and copies the result into MLX once.
 
+Every tier evicts least recently used first, and a chain's blocks are marked used last block
+first (`_mark_used`): what a tier evicts is the end of a chain, so what it keeps is always a
+prefix some prompt can reach, even of a prompt larger than the tier.
+
 Across stages the head takes the minimum of every stage's `lookup`. A block can still vanish
 between `lookup` and `restore` (a corrupt file, or an eviction by the writer when the SSD tier is
 tiny), so the caller must use the restored offset, not the looked-up count.
@@ -178,12 +182,12 @@ class PrefixCache:
         n = 0
         with self._lock:
             for h in hashes:
-                in_ram = self._ram.get(h) is not None  # each tier marks h as used
-                on_ssd = self._ssd.touch(h)
-                if (not (in_ram or on_ssd or h in self._copying or h in self._device)
+                if (not (h in self._ram or h in self._ssd or h in self._copying
+                         or h in self._device)
                         and self._siblings.plan(h, self._layout) is None):
                     break
                 n += 1
+            self._mark_used(hashes[:n])
         self.metrics.lookups.inc()
         self.metrics.misses.inc(len(hashes) - n)
         return n * self.block_size
@@ -214,6 +218,9 @@ class PrefixCache:
         finally:
             for f in loads.values():
                 f.cancel()
+        with self._lock:  # blocks read from SSD or siblings are promoted to RAM here
+            self._mark_used(hashes[: len(blocks)],
+                            {b.hash: b for b in blocks if isinstance(b, Block)})
         caches = build_caches(blocks, self.n_layers, self.block_size)
         self.last_restore_seconds = time.perf_counter() - t0
         if hashes:
@@ -228,7 +235,6 @@ class PrefixCache:
             tier = "ram"
             with self._lock:
                 block = self._ram.get(h)
-                self._ssd.touch(h)
             span = self._device.span(h)
             if span is not None:
                 blocks.append(span)
@@ -246,11 +252,10 @@ class PrefixCache:
             if first is not None and block.layout != first:
                 log.warning("KV cache: block %s does not match its prefix's layout", h[:12])
                 break
-            if tier != "ram":
+            if tier == "sibling":
                 with self._lock:
-                    self._ram.insert(block)
-                    if tier == "sibling" and not self._ssd.holds(h):
-                        self._ssd.enqueue(block)  # it becomes an ordinary block of this range
+                    if not self._ssd.holds(h):
+                        self._ssd.enqueue([block])  # it becomes an ordinary block of this range
             blocks.append(block)
             self.metrics.hits.labels(tier=tier).inc()
 
@@ -302,9 +307,20 @@ class PrefixCache:
             self._copying.update(hashes[i] for i in todo)
         self._copier.submit(Cut(hashes, todo, spans, dt, self.block_size))
         if self._device.max_bytes > 0:  # a cut of its own: the copier's moves to the host
-            self._device.keep(hashes[todo[0] : todo[-1] + 1],
+            self._device.keep(hashes, todo[0], todo[-1] + 1,
                               cut_spans(cache, todo, self.block_size, dt), dt)
             self._device.update_gauges()
+
+    def _mark_used(self, hashes: list[str], promote: dict[str, Block] | None = None) -> None:
+        """Lock held. Marks a chain's blocks as recently used in every tier, its last block
+        first: each tier's LRU then evicts a chain from its end, and what it keeps is a prefix a
+        later prompt can still use (first block first would leave an unreachable tail, and one
+        prompt larger than a tier would keep none of its prefix). `promote`: blocks (by hash) to
+        put in RAM, restored from SSD or siblings."""
+        self._ram.mark_chain(hashes, promote)
+        for h in reversed(hashes):
+            self._ssd.touch(h)
+        self._device.mark_chain(hashes)
 
     def _keep(self, cut: Cut, blocks: list[Block] | None) -> None:
         """The copier thread's: the host copies of a cut's blocks go into the tiers."""
@@ -312,9 +328,8 @@ class PrefixCache:
             self._copying.difference_update(cut.hashes[i] for i in cut.todo)
             # Blocks of a layout the stage left while they were copied would never be used.
             blocks = [b for b in blocks or [] if b.layout == self._layout]
-            for block in blocks:
-                self._ram.insert(block)
-                self._ssd.enqueue(block)
+            self._ram.mark_chain(cut.hashes, {b.hash: b for b in blocks})
+            self._ssd.enqueue(blocks)
         self.metrics.stored.inc(len(blocks))
         self._update_gauges()
 

@@ -8,6 +8,7 @@ called with that lock held.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from omlx_node.kv_cache.blocks import Block, Layout
 from omlx_node.kv_cache.metrics import KVCacheMetrics
@@ -24,20 +25,19 @@ class RamTier:
         return block_hash in self.blocks
 
     def get(self, block_hash: str) -> Block | None:
-        """The block, marked as recently used; None if it is not held."""
-        block = self.blocks.get(block_hash)
-        if block is not None:
-            self.blocks.move_to_end(block_hash)
-        return block
+        """The block; None if it is not held."""
+        return self.blocks.get(block_hash)
 
-    def insert(self, block: Block) -> None:
-        if block.hash in self.blocks:
-            self.blocks.move_to_end(block.hash)
-            return
-        if block.nbytes > self.max_bytes:
-            return  # it would evict everything and still not fit
-        self.blocks[block.hash] = block
-        self.nbytes += block.nbytes
+    def mark_chain(self, hashes: list[str], new: Mapping[str, Block] | None = None) -> None:
+        """Marks a chain's blocks as recently used, its last block first, taking in those of
+        `new` (by hash) it does not hold yet; only then evicts down to the cap, so the blocks
+        it evicts are the chain's end, not its start (see PrefixCache._mark_used)."""
+        for h in reversed(hashes):
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            elif new and h in new and new[h].nbytes <= self.max_bytes:
+                self.blocks[h] = new[h]
+                self.nbytes += new[h].nbytes
         while self.nbytes > self.max_bytes:
             _, old = self.blocks.popitem(last=False)
             self.nbytes -= old.nbytes

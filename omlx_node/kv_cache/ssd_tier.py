@@ -82,7 +82,9 @@ class SsdTier:
         self._queued: set[str] = set()
         self._queued_bytes = 0
         self._busy = False
-        self._touched: set[str] = set()  # SSD blocks used since the writer last saved recency
+        # SSD blocks used since the writer last saved recency, least recently used first
+        self._touched: dict[str, None] = {}
+        self._stamp = 0  # the last mtime (ns) the writer gave a file
         self._stop = False
         self.writable = dir is not None
         self._low_space = False
@@ -115,7 +117,8 @@ class SsdTier:
         if block_hash not in self.files:
             return False
         self.files.move_to_end(block_hash)
-        self._touched.add(block_hash)
+        self._touched.pop(block_hash, None)
+        self._touched[block_hash] = None
         self._cv.notify_all()
         return True
 
@@ -180,7 +183,7 @@ class SsdTier:
         """Indexes the files of this (model, layer range) directory from their headers, least
         recently used first (by mtime: the writer touches files when they are used)."""
         assert self.dir is not None
-        found: list[tuple[float, str, int]] = []
+        found: list[tuple[int, str, int]] = []
         now = time.time()
         for sub in self.dir.iterdir():
             if not sub.is_dir():
@@ -198,7 +201,7 @@ class SsdTier:
                     if not HEX64.match(h) or sub.name != h[:2]:
                         raise BadFile("foreign", "not named by a block hash")
                     size, _ = read_header(self.owner, path, h)
-                    found.append((path.stat().st_mtime, h, size))
+                    found.append((path.stat().st_mtime_ns, h, size))
                 except BadFile as e:
                     remove_bad_file(path, e, self.metrics)
                 except OSError as e:
@@ -239,20 +242,28 @@ class SsdTier:
 
     # ---- the writer thread -------------------------------------------------------------------
 
-    def enqueue(self, block: Block) -> None:
-        """Lock held. Drops the write rather than blocking the engine when the writer lags."""
-        if self.dir is None:
+    def enqueue(self, blocks: list[Block]) -> None:
+        """Lock held. Queues consecutive blocks of one chain for writing, or the leading ones
+        that fit: the writer lagging drops writes rather than blocking the engine. They are
+        queued last block first, so the chain's first block is the most recently used file and
+        the cap evicts a chain from its end (the prefix left is still one a prompt can use)."""
+        if self.dir is None or not blocks:
             return
         if not self.writable:
-            self.metrics.ssd_writes.labels(result="disabled").inc()
+            self.metrics.ssd_writes.labels(result="disabled").inc(len(blocks))
             return
-        if self._queued_bytes + block.nbytes > self.write_queue_max_bytes:
-            self.metrics.ssd_writes.labels(result="queue_full").inc()
-            return
-        self.queue.append(block)
-        self._queued.add(block.hash)
-        self._queued_bytes += block.nbytes
-        self._cv.notify_all()
+        room, n = self.write_queue_max_bytes - self._queued_bytes, 0
+        while n < len(blocks) and blocks[n].nbytes <= room:
+            room -= blocks[n].nbytes
+            n += 1
+        if n < len(blocks):
+            self.metrics.ssd_writes.labels(result="queue_full").inc(len(blocks) - n)
+        for block in reversed(blocks[:n]):
+            self.queue.append(block)
+            self._queued.add(block.hash)
+            self._queued_bytes += block.nbytes
+        if n:
+            self._cv.notify_all()
 
     def _writer_loop(self) -> None:
         while True:
@@ -261,7 +272,7 @@ class SsdTier:
                 if self._stop:
                     return
                 block = self.queue.popleft() if self.queue else None
-                touched, self._touched = self._touched, set()
+                touched, self._touched = self._touched, {}
                 self._busy = True
             try:
                 if block is not None:
@@ -308,6 +319,7 @@ class SsdTier:
                         f.write(memoryview(a).cast("B"))
                     f.flush()
                     os.fsync(f.fileno())
+                os.utime(tmp, ns=self._next_stamp())
                 # A reader sees the old state or the whole file, never a partial one.
                 os.replace(tmp, path)
             except BaseException:
@@ -348,14 +360,20 @@ class SsdTier:
             self._low_space = True
         return False
 
-    def _save_recency(self, hashes: set[str]) -> None:
+    def _save_recency(self, hashes: dict[str, None]) -> None:
         """mtime is the recency the index is rebuilt from after a restart."""
-        now = time.time()
         for h in hashes:
             try:
-                os.utime(self.block_path(h), (now, now))
+                os.utime(self.block_path(h), ns=self._next_stamp())
             except OSError:
                 pass
+
+    def _next_stamp(self) -> tuple[int, int]:
+        """A strictly later (atime, mtime) in ns than the writer gave before: the blocks of one
+        prompt are written and used in one burst, faster than the clock ticks, and their order
+        (a chain's last block least recently used) must survive a restart."""
+        self._stamp = max(time.time_ns(), self._stamp + 1)
+        return self._stamp, self._stamp
 
     def _degrade(self, err: OSError) -> None:
         """RAM-only from now on, with one warning: a full or read-only disk fails every write
