@@ -157,8 +157,9 @@ async def streams_rate(client, base: str, n: int, max_tokens: int, constrained: 
     return sum(r["tokens"] for r in res) / (max(r["end"] for r in res) - t0)
 
 
-async def agent_turn(client, base: str, body: dict) -> tuple[float, dict]:
-    """TTFT of one streamed /v1/messages turn and the final usage it reported."""
+async def agent_turn(client, base: str, body: dict) -> tuple[float, float, dict]:
+    """When one streamed /v1/messages turn was sent (perf_counter), its TTFT and the final
+    usage it reported."""
     t0, ttft, usage, text = time.perf_counter(), None, {}, []
     headers = {"anthropic-version": "2023-06-01", "x-api-key": "bench"}
     async for now, event, obj in sse_lines(client, base + "/v1/messages?beta=true", body,
@@ -174,7 +175,7 @@ async def agent_turn(client, base: str, body: dict) -> tuple[float, dict]:
         if event == "message_delta":
             usage.update(obj.get("usage", {}))
     usage["text"] = "".join(text)
-    return ttft, usage
+    return t0, ttft, usage
 
 
 async def agent_conversation(client, base: str, tag: str, words: int) -> dict:
@@ -182,13 +183,13 @@ async def agent_conversation(client, base: str, tag: str, words: int) -> dict:
              "system": agent_system(tag, words), "tools": agent_tools(),
              "stop_sequences": ["\n"],  # a short reply: only the first token is timed
              "messages": [{"role": "user", "content": "Where is the main function defined?"}]}
-    ttft1, usage1 = await agent_turn(client, base, first)
+    sent1, ttft1, usage1 = await agent_turn(client, base, first)
     second = dict(first, messages=first["messages"] + [
         {"role": "assistant", "content": usage1["text"] or "I will look."},
         {"role": "user", "content": "Now explain what it does."}])
-    ttft2, usage2 = await agent_turn(client, base, second)
+    sent2, ttft2, usage2 = await agent_turn(client, base, second)
     return {"ttft_turn1": ttft1, "ttft_turn2": ttft2, "usage_turn1": usage1,
-            "usage_turn2": usage2}
+            "usage_turn2": usage2, "sent_turn1": sent1, "sent_turn2": sent2}
 
 
 def measure(model: Path, work: Path, args) -> dict:

@@ -22,6 +22,11 @@ read back in order:
     HTTP out      event written           -> the client reads it
 
     python bench/diag_request_path.py [--prompt 2048] [--requests 60] [--random-llama 1b]
+
+With --agent WORDS the requests are instead coding-agent conversations of two turns
+(bench_agents.py's: `POST /v1/messages` with system blocks of WORDS words and 12 tools, then
+the same conversation one exchange longer), and the segments are given for each turn: turn 2
+restores its prefix from the cache, so its "engine" is a cache hit's.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def _stamped(f, name, when):
 
 def _sse(a):
     m = a[1]
-    return m.get("type") == "http.response.body" and b"choices" in m.get("body", b"")
+    body = m.get("body", b"") if m.get("type") == "http.response.body" else b""
+    return b"choices" in body or b"content_block_delta" in body
 
 STAMPS = {
     "uvicorn.protocols.http.httptools_impl": [("RequestResponseCycle.run_asgi", "app", None),
@@ -140,6 +146,27 @@ def request_times(base: str, prompts: list[list[int]]) -> list[tuple[float, floa
                         first = time.perf_counter()
             out.append((t0, first))
     return out
+
+
+def agent_times(base: str, words: int, conversations: int
+                ) -> dict[str, list[tuple[float, float]]]:
+    """(sent, first content_block_delta read) of each turn of `conversations` two-turn agent
+    conversations, one after another, by turn."""
+    import httpx
+
+    from bench.bench_agents import agent_conversation
+
+    async def run() -> dict[str, list[tuple[float, float]]]:
+        out: dict[str, list[tuple[float, float]]] = {"turn 1": [], "turn 2": []}
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i in range(conversations):
+                conv = await agent_conversation(client, base, f"{i}-{time.time()}", words)
+                for turn in (1, 2):
+                    sent = conv[f"sent_turn{turn}"]
+                    out[f"turn {turn}"].append((sent, sent + conv[f"ttft_turn{turn}"]))
+        return out
+
+    return asyncio.run(run())
 
 
 def segments(stamps: list[tuple[float, str]], windows: list[tuple[float, float]]
@@ -207,42 +234,11 @@ def grpc_floor(prompt_len: int, requests: int) -> dict[str, float]:
         server.stop(0)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default: 2048)")
-    ap.add_argument("--requests", type=int, default=60, help="measured requests (default: 60)")
-    ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS),
-                    help="a random llama of that shape (default: a tiny test model)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="diag-path-") as tmp:
-        work = Path(tmp)
-        model, vocab = diag_model(work, args.random_llama, 4 * args.prompt, num_layers=1,
-                                  hidden_size=32, vocab_size=2000)
-        probe = work / "probe"
-        probe.mkdir()
-        (probe / "sitecustomize.py").write_text(PROBE)
-        env = dict(os.environ, OMLX_PATH_PROBE=str(probe), PYTHONPATH=os.pathsep.join(
-            filter(None, [str(probe), str(REPO), os.environ.get("PYTHONPATH")])))
-        rng = random.Random(0)
-        prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt)]
-                   for _ in range(args.requests + 5)]
-        server = Server(model, probe / "server.log", [], env=env)
-        try:
-            server.wait_ready(600)
-            request_times(server.base, prompts[:5])  # warm-up: kernels, connections
-            windows = request_times(server.base, prompts[5:])
-            time.sleep(1.5)  # the probes' last stamps reach their files
-        finally:
-            server.stop()
-        stamps = sorted((float(t), n) for f in probe.glob("*.ev")
-                        for n, t in (line.split() for line in f.read_text().splitlines()))
-        found = segments(stamps, windows)
-    floor = grpc_floor(args.prompt, args.requests)
+def print_segments(title: str, found: dict[str, list[float]],
+                   windows: list[tuple[float, float]]) -> dict[str, float]:
     whole = statistics.median(b - a for a, b in windows) * 1e3
-    n = len(found["engine"])
-    print(f"{args.prompt}-token prompt, model {args.random_llama or 'tiny'}: medians of {n} "
-          f"of {len(windows)} requests (the rest missed a stamp); first token at the client "
-          f"after {whole:.2f} ms")
+    print(f"\n{title}: medians of {len(found['engine'])} of {len(windows)} requests (the rest "
+          f"missed a stamp); first token at the client after {whole:.2f} ms")
     print("\n| segment | median | min |\n|---|---:|---:|")
     medians = {}
     for name, _ in SEGMENTS:
@@ -251,10 +247,63 @@ def main() -> int:
         print(f"| {name} | {medians[name]:.2f} ms | {min(xs, default=float('nan')):.2f} ms |")
     path = sum(v for k, v in medians.items() if k != "engine")
     print(f"\nserving path (all but the engine): {path:.2f} ms; engine {medians['engine']:.2f} ms")
-    print(f"gRPC floor (bare aio client -> sync server, same request): in {floor['in']:.2f} ms "
-          f"(ours: gateway's send -> handler {medians['gRPC in'] + medians['worker in']:.2f}), "
-          f"out {floor['out']:.2f} ms (ours: token out -> gateway "
-          f"{medians['to handler'] + medians['gRPC out']:.2f})")
+    return medians
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default: 2048)")
+    ap.add_argument("--requests", type=int, default=60,
+                    help="measured requests, or conversations with --agent (default: 60)")
+    ap.add_argument("--agent", type=int, metavar="WORDS",
+                    help="two-turn agent conversations with system blocks of WORDS words")
+    ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS),
+                    help="a random llama of that shape (default: a tiny test model)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an extra `serve` argument (repeatable)")
+    args = ap.parse_args()
+    context = 4 * args.prompt if args.agent is None else 32768
+    with tempfile.TemporaryDirectory(prefix="diag-path-") as tmp:
+        work = Path(tmp)
+        model, vocab = diag_model(work, args.random_llama, context, num_layers=1,
+                                  hidden_size=32, vocab_size=2000)
+        if args.agent is not None:
+            from bench.bench_agents import agent_ready
+
+            model = agent_ready(model, context, work)
+        probe = work / "probe"
+        probe.mkdir()
+        (probe / "sitecustomize.py").write_text(PROBE)
+        env = dict(os.environ, OMLX_PATH_PROBE=str(probe), PYTHONPATH=os.pathsep.join(
+            filter(None, [str(probe), str(REPO), os.environ.get("PYTHONPATH")])))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt)]
+                   for _ in range(args.requests + 5)]
+        server = Server(model, probe / "server.log", args.server_arg, env=env)
+        try:
+            server.wait_ready(600)
+            if args.agent is None:
+                request_times(server.base, prompts[:5])  # warm-up: kernels, connections
+                windows = {"": request_times(server.base, prompts[5:])}
+            else:
+                agent_times(server.base, args.agent // 10, 2)
+                windows = agent_times(server.base, args.agent, args.requests)
+            time.sleep(1.5)  # the probes' last stamps reach their files
+        finally:
+            server.stop()
+        stamps = sorted((float(t), n) for f in probe.glob("*.ev")
+                        for n, t in (line.split() for line in f.read_text().splitlines()))
+    shape = f"model {args.random_llama or 'tiny'}"
+    for turn, times in windows.items():
+        title = (f"{args.prompt}-token prompt, {shape}" if args.agent is None else
+                 f"agent {turn} ({args.agent} system words), {shape}")
+        medians = print_segments(title, segments(stamps, times), times)
+    if args.agent is None:
+        floor = grpc_floor(args.prompt, args.requests)
+        print(f"gRPC floor (bare aio client -> sync server, same request): in {floor['in']:.2f} "
+              f"ms (ours: gateway's send -> handler {medians['gRPC in'] + medians['worker in']:.2f}"
+              f"), out {floor['out']:.2f} ms (ours: token out -> gateway "
+              f"{medians['to handler'] + medians['gRPC out']:.2f})")
     return 0
 
 

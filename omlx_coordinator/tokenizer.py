@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from omlx_coordinator.prefix_tokens import PrefixTokenizer
 from omlx_coordinator.tool_calls import ToolCallFormat
 
 # Tokens of the prompt's tail decoded along with the completion, so the first generated token
@@ -60,16 +61,34 @@ class ChatTokenizer:
         kept = {i for i, c in special.items() if fmt and (c in fmt.start or c in fmt.end)}
         return frozenset(set(special) - kept) if kept else None
 
+    @cached_property
+    def cut_tokens(self) -> dict[str, int]:
+        """The special tokens a rendered chat may be cut before (prefix_tokens.py): those that
+        match exactly (one that strips whitespace before it depends on its neighbours), but not
+        the unknown token, which stands for text as well."""
+        unk = self.tokenizer.unk_token_id
+        return {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items()
+                if t.special and not t.lstrip and not t.single_word and i != unk}
+
+    @cached_property
+    def prefix_tokenizer(self) -> PrefixTokenizer:
+        """Tokenizes rendered chats, reusing the tokens of an earlier one's start (agents resend
+        their conversation every turn)."""
+        return PrefixTokenizer(self._encode_rendered, self.cut_tokens)
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        """What apply_chat_template(tokenize=True) does with the text it renders."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise ValueError(
                 "this model has no chat template: use /v1/completions with a plain prompt"
             )
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
-        # transformers 5 returns a BatchEncoding here, older versions a plain list.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.prefix_tokenizer.encode(text)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])

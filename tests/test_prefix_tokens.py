@@ -1,0 +1,151 @@
+"""A chat prompt tokenized reusing an earlier prompt's start (omlx_coordinator/prefix_tokens.py)
+gives exactly the token ids of tokenizing it whole, on real tokenizers of the kinds models ship:
+byte-level BPE (Qwen's markup and tool template, the default SmolLM2), and SentencePiece-style
+ones whose first piece of text is treated apart (Metaspace `first`, Llama 2's Prepend normalizer).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from omlx_coordinator import prefix_tokens
+from omlx_coordinator.prefix_tokens import PrefixTokenizer
+from omlx_coordinator.tokenizer import ChatTokenizer
+from tests.tiny_models import CHATML, CORPUS, SPECIAL_TOKENS, qwen_tokenizer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "Read", "description": "Reads a file.",
+    "parameters": {"type": "object", "required": ["path"],
+                   "properties": {"path": {"type": "string"}}}}}]
+
+
+def sentencepiece_like(dest: Path, kind: str) -> Path:
+    """A Unigram tokenizer whose spaces are "▁": Metaspace with prepend_scheme `first`, or
+    Llama 2's normalizer (Prepend + Replace) with no pre-tokenizer."""
+    tok = Tokenizer(models.Unigram())
+    if kind == "metaspace-first":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(CORPUS * 20, trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, unk_token="<|endoftext|>",
+        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module", params=["qwen", "smollm2", "metaspace-first", "llama2-normalizer"])
+def tok(request, tmp_path_factory) -> ChatTokenizer:
+    if request.param == "smollm2":
+        return ChatTokenizer(request.getfixturevalue("default_model_path"))
+    dest = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen":
+        return ChatTokenizer(qwen_tokenizer(dest))
+    return ChatTokenizer(sentencepiece_like(dest, request.param))
+
+
+def whole(tok: ChatTokenizer, messages: list[dict], tools=None) -> list[int]:
+    ids = tok.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                            tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class Counting:
+    """The tokenizer's own function, counting the characters it is given."""
+
+    def __init__(self, tok: ChatTokenizer):
+        self.f, self.chars = tok._encode_rendered, 0
+
+    def __call__(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return self.f(text)
+
+
+TURNS = [
+    ("user", "Where is the main function defined?  "),
+    ("assistant", " It is in main.py, at line 12.\n\n"),
+    ("user", "Now explain what it does: café, 東京 🙂, <|im_start|> as text, tabs\t\t"),
+    ("assistant", "It prints 'hello' and exits with status 0."),
+    ("user", "  Leading spaces, then a trailing newline\n"),
+]
+
+
+def test_every_turn_gives_the_whole_prompts_tokens_and_reuses_the_last(tok, monkeypatch):
+    monkeypatch.setattr(prefix_tokens, "CHECKED_REUSES", 0)  # what is reused is what is seen
+    system = [{"role": "system", "content": "You are a coding agent. " * 50}]
+    counting = Counting(tok)
+    pt = PrefixTokenizer(counting, tok.cut_tokens)
+    messages = list(system)
+    for role, content in TURNS:
+        messages.append({"role": role, "content": content})
+        if role != "user":
+            continue
+        text = tok.tokenizer.apply_chat_template(messages, tools=TOOLS,
+                                                 add_generation_prompt=True, tokenize=False)
+        before = counting.chars
+        ids = pt.encode(text)
+        assert ids == whole(tok, messages, TOOLS)
+        if len(messages) > 2:  # only the turns since the last prompt are tokenized
+            assert counting.chars - before < len(text) / 4
+    assert pt.enabled
+
+
+def test_encode_chat_reuses_across_conversations_and_edits(tok):
+    base = [{"role": "system", "content": "Shared system prompt. " * 40}]
+    a = base + [{"role": "user", "content": "first conversation"}]
+    b = base + [{"role": "user", "content": "second conversation, another question"}]
+    edited = a + [{"role": "assistant", "content": "ok"},
+                  {"role": "user", "content": "more"}]
+    edited[1] = {"role": "user", "content": "first conversation, edited after the fact"}
+    for messages in (a, b, a + [{"role": "assistant", "content": "ok"},
+                                {"role": "user", "content": "more"}], edited, b, a):
+        assert tok.encode_chat(messages, TOOLS) == whole(tok, messages, TOOLS)
+        assert tok.encode_chat(messages) == whole(tok, messages)
+
+
+def chars(text: str) -> list[int]:
+    """A tokenizer of one token a character; "\x01" (id 1) is its special token."""
+    return [ord(c) for c in text]
+
+
+def test_a_tokenizer_that_treats_its_first_text_apart_turns_reuse_off(caplog):
+    """If tokenizing after a cut depended on what came before (here: a marker every call adds
+    once), the check catches it, the prompt still gets the whole text's tokens, and reuse stops."""
+    def tokenize(text: str) -> list[int]:
+        return [0] + chars(text)
+
+    pt = PrefixTokenizer(tokenize, {"\x01": 1})
+    first = "\x01system prompt\x01user: hi"
+    assert pt.encode(first) == tokenize(first)
+    second = first + "\x01assistant: hello\x01user: more"
+    with caplog.at_level(logging.WARNING, logger="omlx_coordinator.prefix_tokens"):
+        assert pt.encode(second) == tokenize(second)
+    assert "tokenized whole from now on" in caplog.text
+    assert not pt.enabled and pt.encode(second + "\x01x") == tokenize(second + "\x01x")
+
+
+def test_a_conversations_turns_keep_one_entry_and_the_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(prefix_tokens, "MAX_PROMPTS", 4)
+    counting = []
+    pt = PrefixTokenizer(lambda t: counting.append(len(t)) or chars(t), {"\x01": 1})
+    text = "\x01system"
+    for turn in range(10):  # one conversation: each turn supersedes the one before
+        text += f"\x01turn {turn}"
+        assert pt.encode(text) == chars(text)
+    assert len(pt._prompts) == 1
+    # Checked 3 times, then only from the last cut the turn before had: its own last turn.
+    assert counting[-1] == len("\x01turn 8\x01turn 9")
+    for conv in range(10):
+        pt.encode(f"\x01conversation {conv}\x01hello")
+    assert len(pt._prompts) == 4 and pt._tokens == sum(len(p.ids) for p in pt._prompts)
