@@ -178,7 +178,9 @@ async def agent_turn(client, base: str, body: dict) -> tuple[float, float, dict]
     return t0, ttft, usage
 
 
-async def agent_conversation(client, base: str, tag: str, words: int) -> dict:
+async def agent_conversation(client, base: str, tag: str, words: int, gap: float = 0.0) -> dict:
+    """Two turns, the second `gap` seconds after the first ended (an agent sends it at once; a
+    gap lets the node finish moving turn 1's blocks to host memory first)."""
     first = {"model": "bench", "max_tokens": 8, "stream": True, "temperature": 0.0,
              "system": agent_system(tag, words), "tools": agent_tools(),
              "stop_sequences": ["\n"],  # a short reply: only the first token is timed
@@ -187,6 +189,7 @@ async def agent_conversation(client, base: str, tag: str, words: int) -> dict:
     second = dict(first, messages=first["messages"] + [
         {"role": "assistant", "content": usage1["text"] or "I will look."},
         {"role": "user", "content": "Now explain what it does."}])
+    await asyncio.sleep(gap)
     sent2, ttft2, usage2 = await agent_turn(client, base, second)
     return {"ttft_turn1": ttft1, "ttft_turn2": ttft2, "usage_turn1": usage1,
             "usage_turn2": usage2, "sent_turn1": sent1, "sent_turn2": sent2}
@@ -221,7 +224,7 @@ def measure(model: Path, work: Path, args) -> dict:
                     run(agent_conversation(client, server.base, "warm-up",
                                            args.agent_words // 10))
                 conv = run(agent_conversation(client, server.base, f"{r}-{time.time()}",
-                                              args.agent_words))
+                                              args.agent_words, args.turn_gap))
                 out["agent"].append(conv)
                 print(f"  agent turn TTFT: {conv['ttft_turn1'] * 1e3:.0f} ms cold, "
                       f"{conv['ttft_turn2'] * 1e3:.0f} ms on turn 2", file=sys.stderr,
@@ -290,6 +293,8 @@ def main() -> int:
                     help="measure both claims, or one")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra flag for `serve` (repeatable)")
+    ap.add_argument("--turn-gap", type=float, default=0.0, metavar="SECONDS",
+                    help="wait between an agent's two turns (default 0: at once, as agents do)")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--work-dir", type=Path)
     args = ap.parse_args()
@@ -307,7 +312,8 @@ def main() -> int:
     out = measure(model, work, args)
     rows = summarize(out)
     settings = {k: getattr(args, k) for k in ("part", "repeats", "tokens", "concurrency",
-                                              "agent_words", "agent_prompt", "server_arg")}
+                                              "agent_words", "agent_prompt", "turn_gap",
+                                              "server_arg")}
     result = {"tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
               "model": f"{name} ({desc})", "settings": settings, "rows": rows, "raw": out,
               "bench_seconds": round(time.monotonic() - t_start, 1)}
