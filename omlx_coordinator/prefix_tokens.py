@@ -52,7 +52,7 @@ class PrefixTokenizer:
         self._cut_re = (re.compile("|".join(re.escape(t) for t in sorted(special, key=len,
                                                                           reverse=True)))
                         if special else None)
-        self._cut_ids = np.array(sorted(set(special.values())), dtype=np.int32)
+        self._cut_ids = np.array(sorted(self._names), dtype=np.int32)
         self._prompts: OrderedDict[_Prompt, None] = OrderedDict()  # least recently used first
         self._index: dict[bytes, tuple[_Prompt, int]] = {}  # cut hash -> prompt, token index
         self._tokens = 0
