@@ -232,14 +232,21 @@ def blas_probe() -> dict:
 
 def reference(spec: dict) -> dict:
     """Raw mlx-lm on the same model, prompts and max_tokens; runs in the node's environment."""
+    single, batch, info = raw_mlx_lm(Path(spec["model"]), time.monotonic() + spec["timeout"])
+    return run_workloads(spec, single, batch) | info
+
+
+def raw_mlx_lm(model_path: Path, deadline: float) -> tuple:
+    """(single, batch, info): run_workloads' two workloads on raw mlx-lm (`generate_step`,
+    `BatchGenerator`) in this process, refusing to start one past `deadline` (monotonic), and
+    what was run."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import BatchGenerator, generate_step
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import dequantize_model, load_model
 
-    deadline = time.monotonic() + spec["timeout"]
-    model, _ = load_model(Path(spec["model"]))
+    model, _ = load_model(model_path)
     on_cpu = mx.default_device() == mx.cpu
     if on_cpu:  # what omlx_node.stage does on a CPU: dequantize, compute in float32
         dequantize_model(model)
@@ -286,7 +293,7 @@ def reference(spec: dict) -> dict:
         return {"agg_tps": ntok / wall, "wall": wall, "tokens": ntok,
                 "ttft_mean": statistics.mean(ttfts)}
 
-    return run_workloads(spec, single, batch) | {
+    return single, batch, {
         "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,
         "device": str(mx.default_device()), "dtype": dtype,
         "device_info": _device_info(mx),
