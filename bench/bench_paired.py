@@ -74,9 +74,19 @@ def raw_child(model: str) -> None:
     """Loads the model, says "ready" with what it runs, then answers one JSON line per request
     line ({"op": "single" | "batch", ...}) until its stdin closes. Its protocol has stdout to
     itself: anything else that prints goes to stderr."""
+    import mlx.core as mx
+
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     single, batch, info = raw_mlx_lm(Path(model), float("inf"))
+    # Two MLX processes share the device here, and each one's buffer cache may grow to 80% of
+    # its memory: on the H200 our worker ran out of device memory beside a raw side that kept
+    # the buffers of its 64-stream and 8192-token runs. Raw keeps at most 1/8 of the device's
+    # memory cached, and gives back what it cached between runs (outside the clock).
+    device = mx.device_info()
+    total = int(device.get("total_memory") or device.get("memory_size") or 0)  # CUDA, Metal
+    if total:
+        mx.set_cache_limit(total // 8)
     out.write(json.dumps({"ready": info}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
@@ -84,6 +94,7 @@ def raw_child(model: str) -> None:
             res = single(req["prompt"], req["max_tokens"])
         else:
             res = batch(req["prompts"], req["max_tokens"])
+        mx.clear_cache()
         out.write(json.dumps(res) + "\n")
 
 
@@ -176,36 +187,40 @@ def run_pairs(args, model: Path, vocab: int, work: Path, node_env: dict) -> dict
                                                      args.client_procs)
         sampled_single, sampled_batch = http_workloads(spec, url, sampled_body, work,
                                                        args.client_procs)
-        w = args.warmup_runs
         dec, conc = args.decode_tokens, args.conc_tokens
+
+        def short() -> list[int]:
+            return prompt(args.prompt_tokens)
+
+        # (part, key, what, a, b, a fresh input, the field compared, a rate?)
+        todo = [("vs_raw", "decode_b1", "batch 1, tok/s, ours / raw",
+                 lambda p: greedy_single(p, dec), lambda p: raw.single(p, dec), short,
+                 "decode_tps", True)]
+        todo += [("vs_raw", f"ttft_{n}", f"TTFT at {n} tokens, s, ours / raw",
+                  lambda p: greedy_single(p, args.ttft_tokens),
+                  lambda p: raw.single(p, args.ttft_tokens), lambda n=n: prompt(n), "ttft", False)
+                 for n in args.ttft_prompts]
+        todo += [("vs_raw", f"agg_{c}", f"{c} streams, tok/s, ours / raw",
+                  lambda ps: greedy_batch(ps, conc), lambda ps: raw.batch(ps, conc),
+                  lambda c=c: [short() for _ in range(c)], "agg_tps", True)
+                 for c in args.concurrency]
+        todo += [("sampling", "decode_b1", "batch 1, tok/s, sampled / greedy",
+                  lambda p: sampled_single(p, dec), lambda p: greedy_single(p, dec), short,
+                  "decode_tps", True)]
+        todo += [("sampling", f"agg_{c}", f"{c} streams, tok/s, sampled / greedy",
+                  lambda ps: sampled_batch(ps, conc), lambda ps: greedy_batch(ps, conc),
+                  lambda c=c: [short() for _ in range(c)], "agg_tps", True)
+                 for c in args.sampled_concurrency]
         vs_raw, sampling = {}, {}
-        vs_raw["decode_b1"] = paired(
-            "batch 1, tok/s, ours / raw", lambda p: greedy_single(p, dec),
-            lambda p: raw.single(p, dec), lambda: prompt(args.prompt_tokens), "decode_tps",
-            [prompt(args.prompt_tokens) for _ in range(w)], args.pairs, True)
-        for n in args.ttft_prompts:
-            vs_raw[f"ttft_{n}"] = paired(
-                f"TTFT at {n} tokens, s, ours / raw", lambda p: greedy_single(p, args.ttft_tokens),
-                lambda p: raw.single(p, args.ttft_tokens), lambda n=n: prompt(n), "ttft",
-                [prompt(n) for _ in range(w)], args.pairs, False)
-        for c in args.concurrency:
-            vs_raw[f"agg_{c}"] = paired(
-                f"{c} streams, tok/s, ours / raw", lambda ps: greedy_batch(ps, conc),
-                lambda ps: raw.batch(ps, conc), lambda c=c: [prompt(args.prompt_tokens)
-                                                             for _ in range(c)],
-                "agg_tps", [[prompt(args.prompt_tokens) for _ in range(c)] for _ in range(w)],
-                args.pairs, True)
-        sampling["decode_b1"] = paired(
-            "batch 1, tok/s, sampled / greedy", lambda p: sampled_single(p, dec),
-            lambda p: greedy_single(p, dec), lambda: prompt(args.prompt_tokens), "decode_tps",
-            [prompt(args.prompt_tokens) for _ in range(w)], args.pairs, True)
-        for c in args.sampled_concurrency:
-            sampling[f"agg_{c}"] = paired(
-                f"{c} streams, tok/s, sampled / greedy", lambda ps: sampled_batch(ps, conc),
-                lambda ps: greedy_batch(ps, conc), lambda c=c: [prompt(args.prompt_tokens)
-                                                                for _ in range(c)],
-                "agg_tps", [[prompt(args.prompt_tokens) for _ in range(c)] for _ in range(w)],
-                args.pairs, True)
+        for part, key, what, a, b, inputs, field, speed in todo:
+            try:
+                found = paired(what, a, b, inputs, field,
+                               [inputs() for _ in range(args.warmup_runs)], args.pairs, speed)
+            except Exception as e:  # one workload's failure (logged) costs only its own row
+                print(f"  {what}: failed: {e}\nserver log tail:\n{server.tail()}",
+                      file=sys.stderr, flush=True)
+                found = {"error": f"{type(e).__name__}: {e}"[:300]}
+            (vs_raw if part == "vs_raw" else sampling)[key] = found
         return {"vs_raw": vs_raw, "sampling": sampling, "raw_info": raw.info,
                 "server_ready_s": ready}
     except Exception:
@@ -239,6 +254,9 @@ def rows_of(result: dict) -> list[list[str]]:
             scale = 1000 if unit == "ms" else 1
             if part == "sampling":
                 goal = 0.9
+            if "error" in r:
+                out.append(f"| {label} | failed: {r['error']} | | | >= {goal} | |")
+                continue
             out.append(f"| {label} | {fmt(r['a'] * scale)} {unit} | {fmt(r['b'] * scale)} "
                        f"{unit} | {fmt(r['ratio'])} | >= {goal} | "
                        f"{', '.join(fmt(x) for x in r['ratios'])} |")
