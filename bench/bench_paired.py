@@ -49,12 +49,14 @@ sys.path.insert(0, str(REPO))
 from bench.bench_single_node import (  # noqa: E402
     SERVER_START_TIMEOUT,
     Server,
-    add_model_args,
+    add_workload_args,
     fmt,
     http_workloads,
     machine_info,
+    machine_tag,
     median,
     ours_body,
+    plain_env,
     raw_mlx_lm,
     select_model,
 )
@@ -158,7 +160,7 @@ def paired(name: str, a, b, inputs, key: str, warm, pairs: int, speed: bool) -> 
             rb, ra = b(x), a(x)
         va, vb = ra[key], rb[key]
         runs.append({"a": va, "b": vb, "ratio": (va / vb if speed else vb / va)
-                     if va and vb else None})
+                     if va and vb else None, "a_run": ra, "b_run": rb})
     out = {"a": median([r["a"] for r in runs]), "b": median([r["b"] for r in runs]),
            "ratio": median([r["ratio"] for r in runs]), "ratios": [r["ratio"] for r in runs],
            "runs": runs}
@@ -288,27 +290,12 @@ def markdown(result: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
-    ap.add_argument("--machine-note", default="",
-                    help="how to describe the machine in the results (default: its CPU/GPU)")
+    add_workload_args(ap)
     ap.add_argument("--pairs", type=int, default=5, help="timed pairs of each workload")
     ap.add_argument("--warmup-runs", type=int, default=2,
                     help="warm-up runs of each workload on each side (new shapes JIT-compile)")
-    ap.add_argument("--decode-tokens", type=int, default=128, help="max_tokens, batch-1 decode")
-    ap.add_argument("--conc-tokens", type=int, default=64, help="max_tokens per concurrent stream")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--sampled-concurrency", type=int, nargs="*", default=[8, 32],
                     help="stream counts of the sampled-against-greedy pairs")
-    ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for decode runs")
-    ap.add_argument("--ttft-prompts", type=int, nargs="*", default=[2048, 8192],
-                    help="prompt lengths of the batch-1 TTFT pairs")
-    ap.add_argument("--ttft-tokens", type=int, default=4, help="max_tokens of TTFT requests")
-    ap.add_argument("--client-procs", type=int, default=4,
-                    help="load-client processes the streams of a run are split over")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra flag for `serve` (repeatable), e.g. --server-arg=--max-batch=64")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="time limit of one run's load clients, seconds")
     ap.add_argument("--work-dir", type=Path, help="scratch folder (default: a temp folder)")
@@ -326,10 +313,8 @@ def main() -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-paired-"))
     work.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    tag = args.tag or ("h200" if "H200" in machine["gpu"] else "gpu" if machine["gpu"] else "cpu")
-    base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
-                                                                 "OPENBLAS_NUM_THREADS")}
-    model, model_name, desc, config = select_model(args, work, base_env)
+    tag = args.tag or machine_tag(machine)
+    model, model_name, desc, config = select_model(args, work, plain_env())
     result = run_pairs(args, model, int(config["vocab_size"]), work, blas_env())
     result |= {
         "tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,

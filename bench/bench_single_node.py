@@ -91,6 +91,26 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="override the random llama's layer count (quick dry runs)")
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The model, where results go, and the workloads' shapes: what bench_paired shares."""
+    add_model_args(ap)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
+    ap.add_argument("--machine-note", default="",
+                    help="how to describe the machine in the results (default: its CPU/GPU)")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="max_tokens, batch-1 decode")
+    ap.add_argument("--conc-tokens", type=int, default=64, help="max_tokens per concurrent stream")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for decode runs")
+    ap.add_argument("--ttft-prompts", type=int, nargs="*", default=[2048, 8192],
+                    help="prompt lengths of the batch-1 TTFT runs")
+    ap.add_argument("--ttft-tokens", type=int, default=4, help="max_tokens of TTFT requests")
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="load-client processes the streams of a run are split over")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra flag for `serve` (repeatable), e.g. --server-arg=--max-batch=64")
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -127,6 +147,16 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
             "platform": platform.platform(),
             "git_commit": sh(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or None}
+
+
+def machine_tag(machine: dict) -> str:
+    """A results file's default tag: h200, gpu or cpu."""
+    return "h200" if "H200" in machine["gpu"] else "gpu" if machine["gpu"] else "cpu"
+
+
+def plain_env() -> dict:
+    """This process's environment without the node's BLAS settings (what blas_env adds)."""
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}
 
 
 def blas_of(env: dict) -> str:
@@ -963,25 +993,14 @@ def select_model(args, work: Path, base_env: dict) -> tuple[Path, str, str, dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
-    ap.add_argument("--machine-note", default="",
-                    help="how to describe the machine in the results (default: its CPU/GPU)")
+    add_workload_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the three sides this many times, in reverse order every other "
                          "round; ratios are taken within a round, then their median")
-    ap.add_argument("--decode-tokens", type=int, default=128, help="max_tokens, batch-1 decode")
-    ap.add_argument("--conc-tokens", type=int, default=64, help="max_tokens per concurrent stream")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for decode runs")
-    ap.add_argument("--ttft-prompts", type=int, nargs="+", default=[2048, 8192],
-                    help="prompt lengths of the batch-1 TTFT runs")
     ap.add_argument("--short-prompt", type=int, help="with --long-prompt: the two TTFT prompt "
                                                      "lengths (same as --ttft-prompts S L)")
     ap.add_argument("--long-prompt", type=int)
-    ap.add_argument("--ttft-tokens", type=int, default=4, help="max_tokens of TTFT requests")
     ap.add_argument("--warmup-tokens", type=int, default=16,
                     help="max_tokens of warm-up runs (on a GPU use the full length: new shapes "
                          "JIT-compile)")
@@ -990,12 +1009,8 @@ def main() -> int:
                          "on the H200 the first timed run after one warm-up was up to 30%% "
                          "slower than the second (each side, some rows; likely the first steps "
                          "at batch sizes the warm-up did not reach)")
-    ap.add_argument("--client-procs", type=int, default=4,
-                    help="load-client processes the streams of a run are split over")
     ap.add_argument("--idle-seconds", type=float, default=5.0,
                     help="window of the idle-CPU measurement of our server")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra flag for `serve` (repeatable), e.g. --server-arg=--max-batch=64")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="time limit of each side's measurements, seconds")
     ap.add_argument("--work-dir", type=Path, help="scratch folder (default: a temp folder)")
@@ -1030,10 +1045,9 @@ def main() -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="omlx-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    tag = args.tag or ("h200" if "H200" in machine["gpu"] else "gpu" if machine["gpu"] else "cpu")
+    tag = args.tag or machine_tag(machine)
     node_env = blas_env()  # exactly what a node agent gives its shard worker
-    base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
-                                                                 "OPENBLAS_NUM_THREADS")}
+    base_env = plain_env()
 
     model, model_name, desc, config = select_model(args, work, base_env)
     vocab = int(config["vocab_size"])
