@@ -237,8 +237,8 @@ def run_pairs(args, model: Path, vocab: int, work: Path, node_env: dict) -> dict
 # ---- report -------------------------------------------------------------------------------------
 
 
-def rows_of(result: dict) -> list[list[str]]:
-    """[table title, rows] as markdown lines."""
+def rows_of(result: dict) -> list[str]:
+    """The two tables (ours against raw, sampled against greedy) as markdown lines."""
     labels = {"decode_b1": ("tok/s, batch 1 (end to end)", "tok/s", 0.95)}
     for n in result["settings"]["ttft_prompts"]:
         labels[f"ttft_{n}"] = (f"TTFT, batch 1, {n}-token prompt", "ms", TTFT_GOAL)
