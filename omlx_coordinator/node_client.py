@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from omlx_coordinator.worker_session import SessionCall, WorkerSession
 from omlx_shared import __version__, auth, cluster_tls
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -120,6 +121,7 @@ class WorkerClient:
         self.channel = channel
         self.stub = pb_grpc.ShardWorkerStub(self.channel)
         self.metadata = ((auth.SESSION_METADATA, session),)
+        self.session = WorkerSession(self.stub, self.metadata)
 
     async def health(self, timeout: float = 2.0) -> pb.HealthReply:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout,
@@ -128,13 +130,15 @@ class WorkerClient:
     async def stats(self, timeout: float = 2.0) -> pb.StatsReply:
         return await self.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
 
-    def generate(self, request: pb.GenerateRequest, timeout: float):
-        """A server-streaming call: iterate it for TokenChunks; `.cancel()` frees the sequence."""
-        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> SessionCall:
+        """A sequence of this worker's session, used as a server-streaming call is: iterate it
+        for TokenChunks; `.cancel()` frees the sequence."""
+        return self.session.generate(request, timeout)
 
     async def cancel(self, request_id: str) -> None:
         await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0,
                                metadata=self.metadata)
 
     async def close(self) -> None:
+        self.session.close()
         await self.channel.close()

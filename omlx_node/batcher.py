@@ -128,15 +128,23 @@ def device_prefill_chunk() -> int:
     return 512 if mx.default_device() == mx.cpu else 2048
 
 
-class Sequence:
-    """One request inside the engine. `events` yields ints (tokens) and then one Finish; when
-    the request asked for logprobs, each token's is in `logprobs` before the token is in
-    `events`."""
+# A sequence's events (tokens, then one Finish) go to its own queue, or to an outbox that
+# several sequences share (a worker's session): it gets each engine step's events of them all
+# as one list of (sequence, event), so its reader wakes once a step, not once a token.
+Outbox = queue.SimpleQueue
 
-    def __init__(self, req: SeqRequest, matcher: GrammarMatcher | None = None):
+
+class Sequence:
+    """One request inside the engine. Its events are ints (tokens) and then one Finish: in
+    `events`, or in its `outbox`; when the request asked for logprobs, each token's is in
+    `logprobs` before the token is out."""
+
+    def __init__(self, req: SeqRequest, matcher: GrammarMatcher | None = None,
+                 outbox: Outbox | None = None):
         self.req = req
         self.sid = next(_seq_ids) & 0x7FFFFFFF  # int32 on the wire
         self.events: queue.Queue[int | Finish] = queue.Queue()
+        self.outbox = outbox
         self.logprobs: deque[Logprob] = deque()
         self.matcher = matcher  # its grammar's, compiled at submit (a pipeline's tail has its own)
         self.prefilled = 0
@@ -374,6 +382,8 @@ class Engine:
         self.requests_total = 0
         self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
         self._stores_due: list[int] = []  # prompts kept at the next step (`_emit_step`)
+        # Events bound for shared outboxes, handed over together (`_deliver`).
+        self._outgoing: dict[int, tuple[Outbox, list[tuple[Sequence, int | Finish]]]] = {}
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
 
@@ -412,8 +422,9 @@ class Engine:
         if req.grammar and self.grammars is None:
             raise ValueError("this node does not apply grammars")
 
-    def submit(self, req: SeqRequest) -> Sequence:
-        """Queues a request (from any thread); raises ValueError if it cannot run."""
+    def submit(self, req: SeqRequest, outbox: Outbox | None = None) -> Sequence:
+        """Queues a request (from any thread); raises ValueError if it cannot run. `outbox`:
+        where its events go (None: the sequence's own `events`)."""
         self.validate(req)
         matcher = None
         if req.grammar:
@@ -422,7 +433,7 @@ class Engine:
             matcher = self.grammars.matcher(req.grammar, req.resumed)
             if matcher.error:
                 raise ValueError(f"the grammar cannot be used: {matcher.error}")
-        seq = Sequence(req, matcher)
+        seq = Sequence(req, matcher, outbox)
         self._inbox.put(("submit", seq))
         return seq
 
@@ -457,6 +468,7 @@ class Engine:
             self.step(block=True)
         # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
         self._finish_all(Finish("aborted", "the node is shutting down"))
+        self._deliver()
         mx.synchronize()
 
     def step(self, block: bool = False) -> None:
@@ -473,6 +485,7 @@ class Engine:
             # The exception's text may quote one request's parameters: it stays in the log.
             self._finish_all(Finish(self.failure_reason, self.failure_message))
             self._recover()
+        self._deliver()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
         self.metrics.iteration_done(self.state)
@@ -561,7 +574,7 @@ class Engine:
             return Finish("stop")
         if logprob is not None:
             seq.logprobs.append(logprob)
-        seq.events.put(tok)
+        self._put(seq, tok)
         if seq.generated == 0:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.submitted)
@@ -606,6 +619,7 @@ class Engine:
                 ended.append(seq.sid)
             else:
                 keep.append(i)
+        self._deliver()
         if firsts:
             # A first token is what a client waits longest for: the thread that streams it gets
             # the GIL now. Otherwise it waits for the engine's next blocking call, and where the
@@ -637,10 +651,22 @@ class Engine:
         if store:
             self.state.flush_stores([seq.sid])
         seq.finished = True
-        seq.events.put(finish)
+        self._put(seq, finish)
         self.metrics.finished.labels(reason=finish.reason).inc()
         if seq.generated:
             self.metrics.decode_seconds.observe(time.perf_counter() - seq.first_token_time)
+
+    def _put(self, seq: Sequence, event: int | Finish) -> None:
+        if seq.outbox is None:
+            seq.events.put(event)
+        else:
+            self._outgoing.setdefault(id(seq.outbox), (seq.outbox, []))[1].append((seq, event))
+
+    def _deliver(self) -> None:
+        """Hands the outboxes what this step gave their sequences, one list each."""
+        for outbox, events in self._outgoing.values():
+            outbox.put(events)
+        self._outgoing.clear()
 
     def _finish_all(self, finish: Finish) -> None:
         """Ends every sequence, waiting or running, the same way."""

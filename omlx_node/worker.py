@@ -21,6 +21,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,12 @@ import grpc
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
-from omlx_node.batcher import Batcher, Engine, Finish, SeqRequest
+from omlx_node.batcher import Batcher, Engine, Finish
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
-from omlx_node.sampling import SamplingParams
+from omlx_node.session import Session, fill_chunk, seq_request
 from omlx_node.stage import StageRunner
 from omlx_node.wire import Doorbell, link_doorbells
 from proto import omlx_pb2 as pb
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 
 # A handler thread re-checks its client this often while its sequence waits in the queue.
 POLL_SECONDS = 1.0
-# Every running stream holds one handler thread while it waits for tokens.
+# Every running Generate stream holds one handler thread while it waits for tokens; a Session
+# holds two (requests, events) for at most this many sequences.
 MAX_STREAMS = 512
 
 
@@ -86,6 +88,9 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
     def __init__(self, engine: Engine, config: WorkerConfig, metrics_port: int):
         self.engine, self.config, self.metrics_port = engine, config, metrics_port
         self.session = os.environ.get(auth.SESSION_ENV)
+        # Sessions' requests that carry a grammar are submitted here: its compile may take long.
+        self.compiler = futures.ThreadPoolExecutor(max_workers=4,
+                                                   thread_name_prefix="session-grammar")
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.session is None:
@@ -96,28 +101,12 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         self._authorize(context)
-        s = request.sampling
-        req = SeqRequest(
-            request_id=request.request_id,
-            prompt=list(request.prompt_tokens),
-            max_tokens=request.max_tokens,
-            sampling=SamplingParams(temperature=s.temperature,
-                                    top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
-                                    min_p=s.min_p, seed=s.seed if s.has_seed else None,
-                                    presence_penalty=s.presence_penalty,
-                                    frequency_penalty=s.frequency_penalty,
-                                    repetition_penalty=s.repetition_penalty,
-                                    logprobs=request.top_logprobs if request.logprobs else None),
-            stop_token_ids=frozenset(request.stop_token_ids),
-            grammar=request.grammar,
-            resumed_tokens=request.resumed_tokens,
-        )
         try:
-            seq = self.engine.submit(req)
+            seq = self.engine.submit(seq_request(request))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         # Runs when the call ends for any reason, a client that went away included.
-        context.add_callback(lambda: self.engine.cancel(req.request_id))
+        context.add_callback(lambda: self.engine.cancel(request.request_id))
         first = True
         while True:
             try:
@@ -133,29 +122,28 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                     event = seq.events.get_nowait()
                 except queue.Empty:
                     event = None
-            chunk = pb.TokenChunk(tokens=tokens)
-            if request.logprobs:
-                # The engine puts a token's logprob before the token itself.
-                chunk.logprobs.extend(
-                    pb.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids,
-                                    top_logprobs=lp.top_logprobs)
-                    for lp in (seq.logprobs.popleft() for _ in tokens))
-            if first:
-                chunk.prompt_tokens = len(req.prompt)
-                chunk.cached_tokens = seq.cached
-                first = False
+            chunk = fill_chunk(pb.TokenChunk(), seq, tokens, event, first)
+            first = False
             if isinstance(event, Finish) and event.reason == "lost":
                 # The node failed under the sequence: answered as a worker that went away is,
                 # so the coordinator tells it from a clean stop ("aborted").
                 if tokens:
                     yield chunk
                 context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-            if isinstance(event, Finish):
-                chunk.finish_reason = event.reason
-                chunk.error = event.error
             yield chunk
             if isinstance(event, Finish):
                 return
+
+    def Session(self, requests, context: grpc.ServicerContext):
+        self._authorize(context)
+        session = Session(self.engine, MAX_STREAMS, self.compiler)
+        context.add_callback(session.wake)
+        threading.Thread(target=session.read, args=(requests,), name="session-requests",
+                         daemon=True).start()
+        try:
+            yield from session.messages(context)
+        finally:
+            session.cancel_all()
 
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
         self._authorize(context)

@@ -29,6 +29,7 @@ from omlx_coordinator.generation import (
 )
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.weight_transfer import WeightSource, ensure_weights
+from omlx_coordinator.worker_session import WorkerSession
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.weight_store import FREE_SPACE_MARGIN_BYTES, WeightError, WeightStore
 from omlx_shared import auth
@@ -113,10 +114,12 @@ def test_node_status_codes_map_to_http(model):
         settings = GatewaySettings(keepalive_seconds=0.5)
         bad = await run_request(cluster, GenerationRequest(prompt=[5, 6], max_tokens=0),
                                 settings)
-        session = cluster.main.node.metadata
-        cluster.main.node.metadata = ((auth.SESSION_METADATA, "not-the-session"),)
+        node = cluster.main.node
+        session = node.session
+        node.session = WorkerSession(node.stub, ((auth.SESSION_METADATA, "not-the-session"),))
         refused = await run_request(cluster, long_request(4), settings)
-        cluster.main.node.metadata = session
+        node.session.close()
+        node.session = session
         fine = await run_request(cluster, long_request(4), settings)
         return bad, refused, fine
 

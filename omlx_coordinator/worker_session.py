@@ -1,0 +1,143 @@
+"""The gateway's side of a Session call (proto ShardWorker.Session): every sequence the gateway
+runs on one head worker goes over one call, whose messages each carry an engine step's tokens of
+them all (omlx_node/session.py says why).
+
+`WorkerSession.generate` returns a `SessionCall`, used as a server-streaming Generate call is:
+iterated for TokenChunks, raising grpc.aio.AioRpcError with the status the sequence's Generate
+call would end with (INVALID_ARGUMENT, UNAVAILABLE when the node failed under it,
+DEADLINE_EXCEEDED past its timeout), and `cancel()` frees the sequence on the worker. When the
+call itself fails (the worker went away), each of its sequences fails with that call's status,
+and the next sequence opens a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a call that ended with `code` raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class SessionCall:
+    """One sequence of a session."""
+
+    def __init__(self, stream: _Stream, request_id: str, timeout: float):
+        self._stream, self.request_id = stream, request_id
+        self._items: asyncio.Queue[pb.TokenChunk | grpc.aio.AioRpcError] = asyncio.Queue()
+        self._open = True
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+
+    def __aiter__(self) -> AsyncIterator[pb.TokenChunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[pb.TokenChunk]:
+        while True:
+            item = await self._items.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+
+    def cancel(self) -> bool:
+        """Frees the sequence on the worker (a no-op once it has ended); True if it had not."""
+        if not self._open:
+            return False
+        self._close()
+        self._stream.send(pb.SessionRequest(cancel=self.request_id))
+        return True
+
+    def _feed(self, item: pb.TokenChunk | grpc.aio.AioRpcError) -> None:
+        if not self._open:
+            return
+        self._items.put_nowait(item)
+        if isinstance(item, Exception) or item.finish_reason:
+            self._close()
+
+    def _close(self) -> None:
+        self._open = False
+        self._timer.cancel()
+        self._stream.calls.pop(self.request_id, None)
+
+    def _expire(self) -> None:
+        if self._open:
+            self._feed(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._stream.send(pb.SessionRequest(cancel=self.request_id))
+
+
+class _Stream:
+    """One Session call and the sequences sent over it."""
+
+    def __init__(self, stub: pb_grpc.ShardWorkerStub, metadata: tuple[tuple[str, str], ...]):
+        self.calls: dict[str, SessionCall] = {}
+        self._sends: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
+        self._call = stub.Session(self._requests(), metadata=metadata)
+        self.task = asyncio.create_task(self._read())
+
+    @property
+    def alive(self) -> bool:
+        return not self.task.done()
+
+    def send(self, request: pb.SessionRequest) -> None:
+        self._sends.put_nowait(request)
+
+    async def _requests(self) -> AsyncIterator[pb.SessionRequest]:
+        while True:
+            yield await self._sends.get()
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the session")
+        try:
+            async for message in self._call:
+                for event in message.events:
+                    call = self.calls.get(event.request_id)
+                    if call is None:  # cancelled here: its last events cross the cancel
+                        continue
+                    if event.status_code:
+                        if event.chunk.tokens:
+                            call._feed(event.chunk)
+                        call._feed(rpc_error(_CODES.get(event.status_code, grpc.StatusCode.UNKNOWN),
+                                             event.status_details))
+                    else:
+                        call._feed(event.chunk)
+        except grpc.aio.AioRpcError as e:
+            error = e
+        finally:
+            for call in list(self.calls.values()):
+                call._feed(error)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class WorkerSession:
+    """The Session calls to one head worker: one at a time, opened by the first sequence after
+    the last one failed."""
+
+    def __init__(self, stub: pb_grpc.ShardWorkerStub, metadata: tuple[tuple[str, str], ...]):
+        self._stub, self._metadata = stub, metadata
+        self._stream: _Stream | None = None
+
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> SessionCall:
+        """Starts a sequence; iterate the result for its TokenChunks."""
+        if self._stream is None or not self._stream.alive:
+            self._stream = _Stream(self._stub, self._metadata)
+        stream = self._stream
+        call = SessionCall(stream, request.request_id, timeout)
+        stream.calls[request.request_id] = call
+        stream.send(pb.SessionRequest(generate=request))
+        return call
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()

@@ -1,0 +1,221 @@
+"""The worker's side of a Session call (proto ShardWorker.Session): many sequences over one call.
+
+The gateway runs every sequence it sends a worker through one Session. The engine hands each
+step's events of all of them to the session's outbox as one list (`batcher.Outbox`), and the
+call's handler thread sends them as one SessionEvents message. A Generate call per sequence costs
+a message, a handler thread's wake-up and the gRPC server's completion work per token, each under
+the GIL that the engine thread builds its steps with; where a device computes a step faster than
+Python builds it (small models on a GPU) that GIL time was the engine's: on an H200, at 32
+streams of a 1.1B model the streaming threads held the GIL more than the engine did.
+
+Requests are read on a thread of their own while the handler writes. A sequence's events read
+exactly as its Generate call's would (`fill_chunk`); a request that cannot run, and a sequence
+the node failed under ("lost"), end with the status their Generate call would end with. When the
+call ends, for whatever reason, every sequence of the session still running is cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from omlx_node.batcher import Engine, Finish, Outbox, SeqRequest, Sequence
+from omlx_node.sampling import SamplingParams
+from proto import omlx_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# The handler re-checks its call this often while no sequence of the session has news.
+POLL_SECONDS = 1.0
+
+
+def seq_request(request: pb.GenerateRequest) -> SeqRequest:
+    """The engine's request for a GenerateRequest."""
+    s = request.sampling
+    return SeqRequest(
+        request_id=request.request_id,
+        prompt=list(request.prompt_tokens),
+        max_tokens=request.max_tokens,
+        sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+                                top_k=s.top_k, min_p=s.min_p,
+                                seed=s.seed if s.has_seed else None,
+                                presence_penalty=s.presence_penalty,
+                                frequency_penalty=s.frequency_penalty,
+                                repetition_penalty=s.repetition_penalty,
+                                logprobs=request.top_logprobs if request.logprobs else None),
+        stop_token_ids=frozenset(request.stop_token_ids),
+        grammar=request.grammar,
+        resumed_tokens=request.resumed_tokens,
+    )
+
+
+def fill_chunk(chunk: pb.TokenChunk, seq: Sequence, tokens: list[int], finish: Finish | None,
+               first: bool) -> pb.TokenChunk:
+    """Fills in (and returns) what a sequence's stream says about `tokens` (and `finish`, its
+    end, unless the node failed under it: "lost" ends the call with UNAVAILABLE instead);
+    `first`: the sequence's first chunk, which says how long its prompt is and how much of it
+    was cached. In place: a session's message holds its chunks, which are not copied."""
+    chunk.tokens.extend(tokens)
+    if seq.req.sampling.logprobs is not None:
+        # The engine puts a token's logprob before the token itself.
+        chunk.logprobs.extend(
+            pb.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in (seq.logprobs.popleft() for _ in tokens))
+    if first:
+        chunk.prompt_tokens = len(seq.req.prompt)
+        chunk.cached_tokens = seq.cached
+    if finish is not None and finish.reason != "lost":
+        chunk.finish_reason = finish.reason
+        chunk.error = finish.error
+    return chunk
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A request of the session that did not start: the status its Generate call ends with."""
+
+    request_id: str
+    code: grpc.StatusCode
+    details: str
+
+
+class Session:
+    """One Session call's sequences, at most `max_sequences` at once."""
+
+    def __init__(self, engine: Engine, max_sequences: int, compiler: futures.Executor):
+        """`compiler` submits the requests that carry a grammar, whose compile may take long:
+        the session's later requests are not held up behind it."""
+        self.engine, self.max_sequences, self.compiler = engine, max_sequences, compiler
+        self.outbox: Outbox = Outbox()
+        self._lock = threading.Lock()
+        self._live: dict[str, Sequence | None] = {}  # None: submitting (a grammar compiles)
+        self._cancelled: set[str] = set()  # cancelled while submitting
+        self._started: set[str] = set()  # sent their first chunk
+
+    def read(self, requests: Iterator[pb.SessionRequest]) -> None:
+        """Takes the call's requests until it ends (the reader thread)."""
+        try:
+            for r in requests:
+                kind = r.WhichOneof("kind")
+                if kind == "generate":
+                    self._take(r.generate)
+                elif kind == "cancel":
+                    self._cancel(r.cancel)
+        except Exception as e:  # the call ended under the iterator: the handler sees it too
+            log.debug("session: requests ended: %s", e)
+        finally:
+            self.outbox.put(None)
+
+    def _take(self, request: pb.GenerateRequest) -> None:
+        rid = request.request_id
+        with self._lock:
+            if rid in self._live:
+                self.outbox.put(_Refusal(rid, grpc.StatusCode.ALREADY_EXISTS,
+                                         f"request id {rid} is running in this session"))
+                return
+            if len(self._live) >= self.max_sequences:
+                self.outbox.put(_Refusal(
+                    rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this worker runs at most {self.max_sequences} sequences a session"))
+                return
+            self._live[rid] = None
+        if request.grammar:
+            self.compiler.submit(self._submit, request)
+        else:
+            self._submit(request)
+
+    def _submit(self, request: pb.GenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            seq = self.engine.submit(seq_request(request), self.outbox)
+        except ValueError as e:
+            with self._lock:
+                self._live.pop(rid, None)
+                self._cancelled.discard(rid)
+            self.outbox.put(_Refusal(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            return
+        with self._lock:
+            cancelled = rid in self._cancelled
+            self._cancelled.discard(rid)
+            if rid in self._live:
+                self._live[rid] = seq
+        if cancelled:
+            self.engine.cancel(rid)
+
+    def _cancel(self, rid: str) -> None:
+        with self._lock:
+            if rid not in self._live:
+                return
+            if self._live[rid] is None:
+                self._cancelled.add(rid)
+                return
+        self.engine.cancel(rid)
+
+    def cancel_all(self) -> None:
+        """Cancels every sequence of the session that has not ended (the call is over)."""
+        with self._lock:
+            live = list(self._live)
+            self._cancelled.update(rid for rid, seq in self._live.items() if seq is None)
+        for rid in live:
+            self.engine.cancel(rid)
+
+    def wake(self) -> None:
+        """Makes the handler look at its call now (it ended)."""
+        self.outbox.put(None)
+
+    def messages(self, context: grpc.ServicerContext) -> Iterator[pb.SessionEvents]:
+        """The call's responses: one message for everything that happened since the last one,
+        until the call or its requests end."""
+        while True:
+            try:
+                items = [self.outbox.get(timeout=POLL_SECONDS)]
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            while True:
+                try:
+                    items.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            message = self._events([i for i in items if i is not None])
+            if message.events:
+                yield message
+            if None in items:
+                return
+
+    def _events(self, items: list) -> pb.SessionEvents:
+        message = pb.SessionEvents()
+        news: dict[str, tuple[Sequence, list[int], list[Finish]]] = {}
+        for item in items:
+            if isinstance(item, _Refusal):
+                message.events.add(request_id=item.request_id, status_code=item.code.value[0],
+                                   status_details=item.details)
+                continue
+            for seq, event in item:
+                _, tokens, finish = news.setdefault(seq.request_id, (seq, [], []))
+                if isinstance(event, Finish):
+                    finish.append(event)
+                else:
+                    tokens.append(event)
+        for rid, (seq, tokens, finish) in news.items():
+            end = finish[0] if finish else None
+            event = message.events.add(request_id=rid)
+            fill_chunk(event.chunk, seq, tokens, end, rid not in self._started)
+            self._started.add(rid)
+            if end is not None:
+                if end.reason == "lost":
+                    # The node failed under the sequence: its Generate call ends UNAVAILABLE,
+                    # so the coordinator tells it from a clean stop ("aborted").
+                    event.status_code = grpc.StatusCode.UNAVAILABLE.value[0]
+                    event.status_details = end.error
+                with self._lock:
+                    self._live.pop(rid, None)
+                self._started.discard(rid)
+        return message

@@ -1,0 +1,192 @@
+"""Many sequences over one Session call to a live shard worker (proto ShardWorker.Session): the
+gateway's client (omlx_coordinator/worker_session.py) against the worker's side
+(omlx_node/session.py), in separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from omlx_coordinator.worker_session import WorkerSession
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+from tests.test_node import running_node
+from tests.tiny_models import build_model
+
+PROMPTS = ["The capital of France is", "One two three", "def main():", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """(worker address, model folder) of a node's worker holding every layer of a tiny qwen3."""
+    model = build_model(tmp_path_factory.mktemp("session-model"), "qwen3", num_layers=2)
+    with running_node(tmp_path_factory.mktemp("session-node")) as (_, agent):
+        reply = agent.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"),
+                                timeout=120)
+        yield reply.worker_address, model
+
+
+@pytest.fixture(scope="module")
+def reference(worker):
+    """Each prompt's token ids and mlx-lm's greedy continuation of 24 tokens."""
+    ref_model, tok = load(str(worker[1]))
+    out = []
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        out.append((ids, [int(t) for t, _ in generate_step(mx.array(ids), ref_model,
+                                                            max_tokens=24)]))
+    return out
+
+
+def _stats(address: str) -> pb.StatsReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ShardWorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
+def _wait_idle(address: str) -> pb.StatsReply:
+    deadline = time.monotonic() + 10
+    while (stats := _stats(address)).running + stats.waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
+
+
+async def _collect(call) -> list[pb.TokenChunk]:
+    return [chunk async for chunk in call]
+
+
+def _request(rid: str, ids: list[int], max_tokens: int, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, prompt_tokens=ids, max_tokens=max_tokens, **kw)
+
+
+def test_sequences_of_a_session_stream_mlx_lm_tokens_one_message_per_step(worker, reference):
+    address, _ = worker
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+            calls = [session.generate(_request(f"r{i}", ids, 24), timeout=60)
+                     for i, (ids, _) in enumerate(reference)]
+            out = await asyncio.gather(*(_collect(c) for c in calls))
+            session.close()
+            return out
+
+    for (ids, ref), chunks in zip(reference, asyncio.run(run())):
+        assert [t for c in chunks for t in c.tokens] == ref
+        assert chunks[0].prompt_tokens == len(ids) and chunks[0].cached_tokens == 0
+        assert chunks[-1].finish_reason == "length"
+
+    # On the wire: a step's tokens of every sequence of the session come in one message.
+    requests = [pb.SessionRequest(generate=_request(f"w{i}", ids, 24))
+                for i, (ids, _) in enumerate(reference)]
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ShardWorkerStub(channel)
+        finished, widest, tokens = set(), 0, {}
+        gate = iter(requests)
+
+        def sends():
+            yield from gate
+            while len(finished) < len(requests):  # the session ends when its requests do
+                time.sleep(0.01)
+
+        for message in stub.Session(sends(), timeout=60):
+            widest = max(widest, len(message.events))
+            for event in message.events:
+                tokens.setdefault(event.request_id, []).extend(event.chunk.tokens)
+                if event.chunk.finish_reason:
+                    finished.add(event.request_id)
+            if len(finished) == len(requests):
+                break
+    assert widest == len(requests)
+    assert [tokens[f"w{i}"] for i in range(len(reference))] == [ref for _, ref in reference]
+
+
+def test_a_bad_request_fails_alone_and_cancels_free_their_sequences(worker, reference):
+    address, _ = worker
+    (ids, ref), (other_ids, other_ref) = reference[0], reference[1]
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+            good = session.generate(_request("good", ids, 24), timeout=60)
+            bad = session.generate(_request("bad", [10**7], 4), timeout=60)
+            long = session.generate(_request("long", other_ids, 1500), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(bad)
+            first = await long.__aiter__().__anext__()
+            assert long.cancel() and not long.cancel()  # the second is a no-op
+            good_chunks = await _collect(good)
+            after = _wait_idle(address)
+            # Another sequence after those runs on the same session as if alone.
+            again = await _collect(session.generate(_request("again", other_ids, 24),
+                                                    timeout=60))
+            session.close()
+            return err.value, first, good_chunks, after, again
+
+    err, first, good_chunks, after, again = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.details()
+    assert first.prompt_tokens == len(other_ids)
+    assert [t for c in good_chunks for t in c.tokens] == ref
+    assert after.running == 0 and after.waiting == 0
+    assert [t for c in again for t in c.tokens] == other_ref
+
+
+def test_a_session_that_ends_cancels_its_sequences_and_deadlines_hold(worker, reference):
+    address, _ = worker
+    ids = reference[0][0]
+    before = _stats(address).generated_tokens_total
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+            late = session.generate(_request("late", ids, 1500), timeout=0.5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(late)
+            idle_after_deadline = _wait_idle(address)
+            calls = [session.generate(_request(f"gone{i}", ids, 1500), timeout=60)
+                     for i in range(3)]
+            for call in calls:
+                await call.__aiter__().__anext__()
+            session.close()  # the gateway went away: every sequence of the call is freed
+            return err.value, idle_after_deadline
+
+    err, idle_after_deadline = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert idle_after_deadline.running == 0
+    stats = _wait_idle(address)
+    assert stats.running == 0 and stats.waiting == 0
+    # Four sequences of up to 1500 tokens each, all stopped early.
+    assert stats.generated_tokens_total - before < 3000
+
+
+def test_logprobs_and_a_worker_that_goes_away(worker, reference, tmp_path):
+    """Logprobs come as a Generate call gives them; a session whose worker is gone fails each
+    of its sequences with UNAVAILABLE, the status the gateway runs a request again on."""
+    address, _ = worker
+    ids = reference[0][0]
+    with grpc.insecure_channel(address) as channel:
+        alone = list(pb_grpc.ShardWorkerStub(channel).Generate(
+            _request("lp", ids, 6, logprobs=True, top_logprobs=3), timeout=60))
+
+    async def run(addr: str, request: pb.GenerateRequest):
+        async with grpc.aio.insecure_channel(addr) as channel:
+            session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+            try:
+                return await _collect(session.generate(request, timeout=10))
+            finally:
+                session.close()
+
+    chunks = asyncio.run(run(address, _request("lp2", ids, 6, logprobs=True, top_logprobs=3)))
+    flat = [lp for c in chunks for lp in c.logprobs]
+    assert [t for c in chunks for t in c.tokens] == [t for c in alone for t in c.tokens]
+    assert [(round(lp.logprob, 4), list(lp.top_ids)) for lp in flat] == \
+        [(round(lp.logprob, 4), list(lp.top_ids)) for c in alone for lp in c.logprobs]
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(run("127.0.0.1:1", _request("nowhere", ids, 4)))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
