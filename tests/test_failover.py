@@ -91,6 +91,16 @@ def test_killed_shard_worker_mid_stream(model, tmp_path):
         assert [n["layers"] for n in status["nodes"]] == [[0, 2], [2, 4]]
 
 
+def test_killed_head_worker_mid_stream_resumes_every_stream_of_its_session(model, tmp_path):
+    """The head worker carries all the gateway's streams over one Session call: its death
+    fails them all at once, and each resumes on the new plan, unchanged."""
+    with start_server(model, "--nodes", "2", home=tmp_path / "h", keepalive=None) as server:
+        refs, outs, status = run_and_kill(server, lambda h: h["nodes"][0]["worker_pid"])
+        assert outs == refs
+        assert status["epoch"] == 2 and status["last_recovery"]["seconds"] < 30
+        assert all(n["healthy"] for n in status["nodes"])
+
+
 def test_killed_node_agent_mid_stream_replans_over_the_rest(model, tmp_path):
     with start_server(model, "--nodes", "3", home=tmp_path / "h", keepalive=None) as server:
         refs, outs, status = run_and_kill(server, lambda h: h["nodes"][2]["agent_pid"])
