@@ -119,6 +119,15 @@ def advance_each(rows: list[tuple[GrammarMatcher, int]]) -> list[tuple[Verdict, 
 _seq_ids = itertools.count(1)
 
 
+# MLX keeps the buffers a step frees, for its next steps, and gives none back unasked: after a
+# long prompt's chunks that is their activations (GBs for an 8B model on a GPU) held on a device
+# that others share (another model's worker on the node, and on a Mac the system itself), and a
+# second MLX process's allocations then fail; so do a finished request's KV buffers. mlx-lm
+# empties its cache after every prefill chunk and every 256 decode steps; so does each stage
+# here, and once it holds no sequence.
+CLEAR_CACHE_STEPS = 256
+
+
 def device_prefill_chunk() -> int:
     """The prefill chunk for this process's device. On a GPU 2048 tokens, mlx-lm's own prefill
     step: with 512-token chunks a 2048-token prompt of an 8B model took 1.5x as long to its first
@@ -208,6 +217,9 @@ class StageState:
         # first token is out; a sliding window may drop blocks by then, so it cannot.
         self.defer_stores = defer_stores and self.batchable
         self.deferred: dict[int, tuple[list[int], list[KVCache]]] = {}
+        self._decodes = 0  # decode steps since MLX's buffer cache was last emptied
+        self._held = False  # computed since then
+        self._chunk_computing = False  # a prefill chunk was left computing (`settle`)
 
     def lookup(self, seq_id: int, tokens: list[int]) -> int:
         """Restores the longest prefix of `tokens` this stage holds; returns its length."""
@@ -243,10 +255,23 @@ class StageState:
         if not (wait or self.defer_stores):
             raise ValueError("a prefill chunk is left computing only with deferred stores")
         cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
+        self._held = True
         out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
                                self._prefill_results(cache), wait=wait)
         self._store(seq_id, cache)
+        if wait:
+            mx.clear_cache()  # the chunk is computed: what it freed goes back
+        else:
+            self._chunk_computing = True
         return out
+
+    def settle(self) -> None:
+        """Waits for the prompt chunk `prefill(wait=False)` left computing (timing it), and
+        gives back what it freed."""
+        self.profile.settle()
+        if self._chunk_computing:
+            self._chunk_computing = False
+            mx.clear_cache()
 
     def prefill_rows(self, seq_ids: list[int], x: mx.array) -> None:
         """Runs one prompt chunk of each of `seq_ids` (row i of `x`, all of one length) in one
@@ -255,6 +280,7 @@ class StageState:
         it: no padding, so each row's attention is exactly a batch of one's."""
         held = [self.prefilling.get(s) for s in seq_ids]
         cache = [KVCache() for _ in self.stage.make_cache()]
+        self._held = True
         if held[0] is not None:
             for layer, c in enumerate(cache):
                 keys, values = zip(*(h[layer].keys_and_values() for h in held))
@@ -263,6 +289,7 @@ class StageState:
                          self._prefill_results(cache))
         rows = {s: [_row(c, r) for c in cache] for r, s in enumerate(seq_ids)}
         mx.eval([c.keys_and_values() for kv in rows.values() for c in kv])
+        mx.clear_cache()
         for s, kv in rows.items():
             self.prefilling[s] = kv
             self._store(s, kv)
@@ -346,7 +373,19 @@ class StageState:
             self.caches.pop(mb, None)
             self.rows.pop(mb, None)
 
+    def give_back_if_idle(self) -> None:
+        """Empties MLX's buffer cache once this stage holds no sequence: the buffers the last
+        ones held (their KV) go back to the device."""
+        if self._held and not self.caches and not self.prefilling:
+            self._held = False
+            mx.clear_cache()
+
     def forward(self, mb: int, x: mx.array) -> mx.array:
+        self._held = True
+        self._decodes += 1
+        if self._decodes >= CLEAR_CACHE_STEPS:
+            self._decodes = 0
+            mx.clear_cache()
         return self.profile.run("decode", x, lambda: self.stage(x, self.caches[mb]))
 
     def kv_bytes(self) -> int:
@@ -486,6 +525,7 @@ class Engine:
             self._finish_all(Finish(self.failure_reason, self.failure_message))
             self._recover()
         self._deliver()
+        self.state.give_back_if_idle()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
         self.metrics.iteration_done(self.state)
@@ -794,7 +834,7 @@ class Batcher(Engine):
         self._failed = {self._batch[i]: f"sampling failed: {e}" for i, e in errors.items()}
         mx.async_eval(self._y, *([] if new_records is None else [new_records]))
         self._records = None if new_records is None else (new_records, list(self._batch))
-        self.state.profile.settle()  # a prompt's last chunk, which this step was built beside
+        self.state.settle()  # a prompt's last chunk, which this step was built beside
         return verdicts
 
     def _advance(self, y: mx.array, computing: mx.array | None = None

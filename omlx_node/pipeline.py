@@ -314,6 +314,7 @@ class StageLoop:
             if self.state.deferred and step.op == wire.DECODE:
                 self.state.flush_admitted()  # after the send too
             self.metrics.iteration_done(self.state)  # after the send: off the next stage's path
+            self.state.give_back_if_idle()
             if step.op == wire.STOP:
                 wire.flush()
                 return

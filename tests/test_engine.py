@@ -198,3 +198,32 @@ def test_unsupported_family_and_range(tmp_path):
     (path / "config.json").write_text(config)
     with pytest.raises(StageError, match=r"\[1, 5\)"):
         StageRunner(path, 1, 5)
+
+
+def test_the_engine_gives_freed_buffers_back_to_the_device(tmp_path):
+    """MLX keeps freed buffers for reuse and never returns them unasked: a long prompt's chunks
+    and a finished request's KV would stay held on a device another model's worker shares.
+    Chunk by chunk, and once no sequence runs, the engine empties MLX's cache, and its greedy
+    tokens are still mlx-lm's."""
+    path = build_model(tmp_path, "llama", num_layers=4)
+    model, _ = load(str(path))
+    prompt = [(7 * i) % 200 + 3 for i in range(1500)]
+    ref = reference(model, prompt, 6)
+    batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=256)
+    mx.clear_cache()
+    peaks = []
+    seq = batcher.submit(SeqRequest("long", prompt, 6))
+    while not batcher.idle:
+        batcher.step()
+        peaks.append(mx.get_cache_memory())
+    [(tokens, finish)] = drain(batcher, [seq])
+    assert tokens == ref and finish.reason == "length"
+    # A chunk's activations (its attention scores over the prompt so far) are many times the
+    # prompt's KV (4 layers, float32 keys and values); no two steps in a row keep that much
+    # cached: the last chunk, left computing while the first step is built, gives its back at
+    # the next step.
+    a = model.args
+    kv = 4 * 2 * 1500 * a.num_key_value_heads * (a.hidden_size // a.num_attention_heads) * 4
+    high = [c >= 2 * kv for c in peaks]
+    assert any(high) and not any(x and y for x, y in zip(high, high[1:])), (peaks, kv)
+    assert mx.get_cache_memory() == 0  # idle: nothing held back
