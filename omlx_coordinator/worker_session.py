@@ -80,7 +80,7 @@ class _Stream:
 
     def __init__(self, stub: pb_grpc.ShardWorkerStub, metadata: tuple[tuple[str, str], ...]):
         self.calls: dict[str, SessionCall] = {}
-        self._sends: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
+        self._sends: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
         self._call = stub.Session(self._requests(), metadata=metadata)
         self.task = asyncio.create_task(self._read())
 
@@ -92,11 +92,12 @@ class _Stream:
         self._sends.put_nowait(request)
 
     async def _requests(self) -> AsyncIterator[pb.SessionRequest]:
-        while True:
-            yield await self._sends.get()
+        # Ends when the call does (None): grpc.aio leaves the task that sends them running.
+        while (request := await self._sends.get()) is not None:
+            yield request
 
     async def _read(self) -> None:
-        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the session")
+        code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the session"
         try:
             async for message in self._call:
                 for event in message.events:
@@ -111,10 +112,13 @@ class _Stream:
                     else:
                         call._feed(event.chunk)
         except grpc.aio.AioRpcError as e:
-            error = e
+            code, details = e.code(), e.details()
+        except Exception as e:  # the call's own failure, whatever it is: its sequences fail
+            code, details = grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"
         finally:
+            self._sends.put_nowait(None)
             for call in list(self.calls.values()):
-                call._feed(error)
+                call._feed(rpc_error(code, details))
 
     def close(self) -> None:
         self._call.cancel()

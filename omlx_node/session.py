@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # The handler re-checks its call this often while no sequence of the session has news.
 POLL_SECONDS = 1.0
+# At most this many steps' events go in one message: a handler that falls behind (its client
+# reads slowly) catches up in several, each well under gRPC's 4 MiB message limit (64 rows with
+# 20 top logprobs each are ~13 KB a step).
+STEPS_A_MESSAGE = 32
 
 
 def seq_request(request: pb.GenerateRequest) -> SeqRequest:
@@ -97,6 +101,7 @@ class Session:
         self._live: dict[str, Sequence | None] = {}  # None: submitting (a grammar compiles)
         self._cancelled: set[str] = set()  # cancelled while submitting
         self._started: set[str] = set()  # sent their first chunk
+        self._closed = ""  # why the session takes no more requests ("": it takes them)
 
     def read(self, requests: Iterator[pb.SessionRequest]) -> None:
         """Takes the call's requests until it ends (the reader thread)."""
@@ -115,6 +120,9 @@ class Session:
     def _take(self, request: pb.GenerateRequest) -> None:
         rid = request.request_id
         with self._lock:
+            if self._closed:
+                self.outbox.put(_Refusal(rid, grpc.StatusCode.UNAVAILABLE, self._closed))
+                return
             if rid in self._live:
                 self.outbox.put(_Refusal(rid, grpc.StatusCode.ALREADY_EXISTS,
                                          f"request id {rid} is running in this session"))
@@ -135,18 +143,26 @@ class Session:
         try:
             seq = self.engine.submit(seq_request(request), self.outbox)
         except ValueError as e:
-            with self._lock:
-                self._live.pop(rid, None)
-                self._cancelled.discard(rid)
-            self.outbox.put(_Refusal(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        except Exception as e:  # not the request's own fault: as a Generate call's, UNKNOWN
+            log.exception("session: submitting request %s failed", rid)
+            self._refuse(rid, grpc.StatusCode.UNKNOWN,
+                         f"the worker could not take the request: {type(e).__name__}: {e}")
             return
         with self._lock:
-            cancelled = rid in self._cancelled
+            cancelled = rid in self._cancelled or bool(self._closed)
             self._cancelled.discard(rid)
             if rid in self._live:
                 self._live[rid] = seq
         if cancelled:
             self.engine.cancel(rid)
+
+    def _refuse(self, rid: str, code: grpc.StatusCode, details: str) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+            self._cancelled.discard(rid)
+        self.outbox.put(_Refusal(rid, code, details))
 
     def _cancel(self, rid: str) -> None:
         with self._lock:
@@ -157,16 +173,14 @@ class Session:
                 return
         self.engine.cancel(rid)
 
-    def cancel_all(self) -> None:
-        """Cancels every sequence of the session that has not ended (the call is over)."""
+    def close(self, why: str) -> None:
+        """Takes no more requests (a later one is told `why`), cancels every sequence of the
+        session that has not ended, and ends the handler once what its outbox holds is out."""
         with self._lock:
-            live = list(self._live)
-            self._cancelled.update(rid for rid, seq in self._live.items() if seq is None)
+            self._closed = self._closed or why
+            live = [rid for rid, seq in self._live.items() if seq is not None]
         for rid in live:
             self.engine.cancel(rid)
-
-    def wake(self) -> None:
-        """Makes the handler look at its call now (it ended)."""
         self.outbox.put(None)
 
     def messages(self, context: grpc.ServicerContext) -> Iterator[pb.SessionEvents]:
@@ -179,15 +193,16 @@ class Session:
                 if not context.is_active():
                     return
                 continue
-            while True:
+            while len(items) < STEPS_A_MESSAGE and items[-1] is not None:
                 try:
                     items.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
+            ended = items[-1] is None
             message = self._events([i for i in items if i is not None])
             if message.events:
                 yield message
-            if None in items:
+            if ended:
                 return
 
     def _events(self, items: list) -> pb.SessionEvents:

@@ -91,6 +91,8 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
         # Sessions' requests that carry a grammar are submitted here: its compile may take long.
         self.compiler = futures.ThreadPoolExecutor(max_workers=4,
                                                    thread_name_prefix="session-grammar")
+        self._sessions: set[Session] = set()
+        self._sessions_lock = threading.Lock()
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         if self.session is None:
@@ -137,13 +139,25 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
     def Session(self, requests, context: grpc.ServicerContext):
         self._authorize(context)
         session = Session(self.engine, MAX_STREAMS, self.compiler)
-        context.add_callback(session.wake)
+        with self._sessions_lock:
+            self._sessions.add(session)
+        context.add_callback(lambda: session.close("the call ended"))
         threading.Thread(target=session.read, args=(requests,), name="session-requests",
                          daemon=True).start()
         try:
             yield from session.messages(context)
         finally:
-            session.cancel_all()
+            session.close("the call ended")
+            with self._sessions_lock:
+                self._sessions.discard(session)
+
+    def close_sessions(self) -> None:
+        """Ends every Session call (the engine has stopped, its sequences' last events out):
+        a request sent later is told UNAVAILABLE, as a stopping server's new calls are."""
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.close("the worker is shutting down")
 
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
         self._authorize(context)
@@ -365,6 +379,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     if ready_file:
         write_ready(ready_file, {**ready, "port": port})
     engine.run()
+    service.close_sessions()
     if isinstance(engine, PipelineHead):
         engine.shutdown_pipeline()
     server.stop(grace=2).wait(5)

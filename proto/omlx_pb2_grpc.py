@@ -431,7 +431,8 @@ class ShardWorkerServicer:
         the worker a message, a handler thread's wake-up and the GIL time of both per token, which
         on a GPU is taken from the engine's own Python (at 32 streams of a 1.1B model on an H200,
         the streaming threads held the GIL more than the engine did). Ending the call (the gateway
-        went away) cancels every sequence of the session.
+        went away), or its requests (a half-close), cancels every sequence of the session; a
+        worker that stops ends its sessions once their sequences' last events ("aborted") are out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,6 +5,8 @@ gateway's client (omlx_coordinator/worker_session.py) against the worker's side
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -190,3 +192,32 @@ def test_logprobs_and_a_worker_that_goes_away(worker, reference, tmp_path):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(run("127.0.0.1:1", _request("nowhere", ids, 4)))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_stopping_worker_ends_its_session_after_the_last_events(tmp_path):
+    """SIGTERM to the worker: its running sequence ends "aborted" (the gateway runs it again
+    elsewhere), the session call then ends, and a sequence sent after fails UNAVAILABLE rather
+    than waiting on a worker that is gone."""
+    model = build_model(tmp_path / "m", "qwen3", num_layers=2)
+    (tmp_path / "node").mkdir()
+    with running_node(tmp_path / "node") as (_, agent):
+        reply = agent.LoadShard(pb.LoadShardRequest(model_path=str(model), model_id="m"),
+                                timeout=120)
+
+        async def run():
+            async with grpc.aio.insecure_channel(reply.worker_address) as channel:
+                session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+                call = session.generate(_request("long", [5, 6, 7], 1500), timeout=60)
+                chunks = [await call.__aiter__().__anext__()]
+                os.kill(reply.worker_pid, signal.SIGTERM)
+                async for chunk in call:
+                    chunks.append(chunk)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _collect(session.generate(_request("after", [5, 6], 4), timeout=30))
+                session.close()
+                return chunks, err.value
+
+        chunks, err = asyncio.run(run())
+    assert chunks[-1].finish_reason == "aborted"
+    assert sum(len(c.tokens) for c in chunks) < 1500
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
