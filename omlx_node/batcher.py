@@ -218,7 +218,6 @@ class StageState:
         self.defer_stores = defer_stores and self.batchable
         self.deferred: dict[int, tuple[list[int], list[KVCache]]] = {}
         self._decodes = 0  # decode steps since MLX's buffer cache was last emptied
-        self._held = False  # computed since then
         self._chunk_computing = False  # a prefill chunk was left computing (`settle`)
 
     def lookup(self, seq_id: int, tokens: list[int]) -> int:
@@ -255,7 +254,6 @@ class StageState:
         if not (wait or self.defer_stores):
             raise ValueError("a prefill chunk is left computing only with deferred stores")
         cache = self.prefilling.setdefault(seq_id, self.stage.make_cache())
-        self._held = True
         out = self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
                                self._prefill_results(cache), wait=wait)
         self._store(seq_id, cache)
@@ -269,7 +267,7 @@ class StageState:
         """Waits for the prompt chunk `prefill(wait=False)` left computing (timing it), and
         gives back what it freed."""
         self.profile.settle()
-        if self._chunk_computing:
+        if self._chunk_computing:  # (a timed step may have settled it already: still ours)
             self._chunk_computing = False
             mx.clear_cache()
 
@@ -280,7 +278,6 @@ class StageState:
         it: no padding, so each row's attention is exactly a batch of one's."""
         held = [self.prefilling.get(s) for s in seq_ids]
         cache = [KVCache() for _ in self.stage.make_cache()]
-        self._held = True
         if held[0] is not None:
             for layer, c in enumerate(cache):
                 keys, values = zip(*(h[layer].keys_and_values() for h in held))
@@ -376,12 +373,10 @@ class StageState:
     def give_back_if_idle(self) -> None:
         """Empties MLX's buffer cache once this stage holds no sequence: the buffers the last
         ones held (their KV) go back to the device."""
-        if self._held and not self.caches and not self.prefilling:
-            self._held = False
+        if not self.caches and not self.prefilling and mx.get_cache_memory():
             mx.clear_cache()
 
     def forward(self, mb: int, x: mx.array) -> mx.array:
-        self._held = True
         self._decodes += 1
         if self._decodes >= CLEAR_CACHE_STEPS:
             self._decodes = 0

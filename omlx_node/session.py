@@ -31,7 +31,7 @@ from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# The handler re-checks its call this often while no sequence of the session has news.
+# A handler re-checks its call this often while its sequences have no news.
 POLL_SECONDS = 1.0
 # At most this many steps' events go in one message: a handler that falls behind (its client
 # reads slowly) catches up in several, each well under gRPC's 4 MiB message limit (64 rows with

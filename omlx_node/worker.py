@@ -36,7 +36,7 @@ from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
-from omlx_node.session import Session, fill_chunk, seq_request
+from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
 from omlx_node.stage import StageRunner
 from omlx_node.wire import Doorbell, link_doorbells
 from proto import omlx_pb2 as pb
@@ -44,8 +44,6 @@ from proto import omlx_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# A handler thread re-checks its client this often while its sequence waits in the queue.
-POLL_SECONDS = 1.0
 # Every running Generate stream holds one handler thread while it waits for tokens; a Session
 # holds two (requests, events) for at most this many sequences.
 MAX_STREAMS = 512
