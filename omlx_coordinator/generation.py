@@ -141,31 +141,20 @@ REPLAN_WAIT_SECONDS = 5.0
 
 
 class _Attempt:
-    """One Generate call to the head worker, its chunks pumped into a queue."""
+    """One sequence on the head worker's session: its chunks, then its error if it fails,
+    arrive in `queue` (the session's reader puts them there: no task of its own per request)."""
 
     def __init__(self, deployment: Deployment, request: pb.GenerateRequest, timeout: float):
         self.deployment, self.epoch = deployment, deployment.epoch
         self.call = deployment.node.generate(request, timeout=timeout)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = self.call.items
         self.backlog: deque = deque()  # taken from the queue, not handled yet
-        self.task = asyncio.create_task(self._pump())
         self.open = True
         deployment.inflight += 1
         deployment.requests += 1
 
-    async def _pump(self) -> None:
-        try:
-            async for chunk in self.call:
-                self.queue.put_nowait(chunk)
-            self.queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # keep the consumer from waiting forever
-            self.queue.put_nowait(e)
-
     def close(self) -> None:
         self.call.cancel()  # no-op when finished; otherwise the node frees the sequence at once
-        self.task.cancel()
         if self.open:
             self.deployment.inflight -= 1
             self.open = False
@@ -179,13 +168,9 @@ class _Lost:
 
 def _lost(item) -> _Lost | None:
     """How `item` lost the attempt (so the request can run again), else None."""
-    if item is None:
-        return _Lost("the stream ended without finishing", True)
     if isinstance(item, grpc.aio.AioRpcError):
         return (_Lost(f"{item.code().name}: {item.details()}", True)
                 if item.code() in RETRIABLE else None)
-    if isinstance(item, Exception):
-        return _Lost(str(item), True)
     if item.finish_reason == "aborted":
         return _Lost(item.error or "the worker shut down", False)
     return None

@@ -7,7 +7,8 @@ iterated for TokenChunks, raising grpc.aio.AioRpcError with the status the seque
 call would end with (INVALID_ARGUMENT, UNAVAILABLE when the node failed under it,
 DEADLINE_EXCEEDED past its timeout), and `cancel()` frees the sequence on the worker. When the
 call itself fails (the worker went away), each of its sequences fails with that call's status,
-and the next sequence opens a new call.
+and the next sequence opens a new call. A request larger than a message the worker takes is not
+sent: it would end the call, and every sequence the call carries with it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# The largest message a worker's gRPC server takes (gRPC's default, which it keeps).
+MAX_MESSAGE_BYTES = 4 << 20
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -33,7 +36,9 @@ class SessionCall:
 
     def __init__(self, stream: _Stream, request_id: str, timeout: float):
         self._stream, self.request_id = stream, request_id
-        self._items: asyncio.Queue[pb.TokenChunk | grpc.aio.AioRpcError] = asyncio.Queue()
+        # Its TokenChunks, then an AioRpcError if it fails; nothing after a chunk that
+        # finishes it or an error.
+        self.items: asyncio.Queue[pb.TokenChunk | grpc.aio.AioRpcError] = asyncio.Queue()
         self._open = True
         self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
 
@@ -42,7 +47,7 @@ class SessionCall:
 
     async def _chunks(self) -> AsyncIterator[pb.TokenChunk]:
         while True:
-            item = await self._items.get()
+            item = await self.items.get()
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -60,7 +65,7 @@ class SessionCall:
     def _feed(self, item: pb.TokenChunk | grpc.aio.AioRpcError) -> None:
         if not self._open:
             return
-        self._items.put_nowait(item)
+        self.items.put_nowait(item)
         if isinstance(item, Exception) or item.finish_reason:
             self._close()
 
@@ -139,9 +144,25 @@ class WorkerSession:
         stream = self._stream
         call = SessionCall(stream, request.request_id, timeout)
         stream.calls[request.request_id] = call
-        stream.send(pb.SessionRequest(generate=request))
+        message = pb.SessionRequest(generate=request)
+        if (size := message.ByteSize()) > MAX_MESSAGE_BYTES:
+            call._feed(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, _too_large(request, size)))
+        else:
+            stream.send(message)
         return call
 
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
+
+
+def _too_large(request: pb.GenerateRequest, size: int) -> str:
+    """Why a request of `size` bytes on the wire cannot go to a worker, and what to shorten."""
+    mib = 1 << 20
+    why = (f"the request takes {size / mib:.1f} MiB on its way to the node, over the "
+           f"{MAX_MESSAGE_BYTES // mib} MiB a node takes in one message")
+    if len(request.grammar) > size // 2:
+        return (f"{why}: the grammar made from its response_format or tool schemas is "
+                f"{len(request.grammar) / mib:.1f} MiB; shorten those schemas (their "
+                "descriptions and defaults count too)")
+    return f"{why}: shorten the prompt"

@@ -168,6 +168,12 @@ CASES = {
                                     '{"model": "small-ctx", "messages": [{"role": "user", '
                                     '"content": "Hi \\udc00"}]}', 400,
                                     ["messages.0.content", "unicode"], "messages.0.content"),
+    # Its grammar is over the message a node takes; sent, it would end the worker's Session
+    # call and every stream on it (tests/test_worker_session.py holds a bystander to that).
+    "schema padded past a node's message limit": (
+        "chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+            "name": "padded", "schema": {"type": "object", "description": "d" * (5 << 20)}}}),
+        400, ["5.0 MiB", "4 MiB", "schemas"], None),
 }
 
 

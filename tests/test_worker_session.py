@@ -138,6 +138,34 @@ def test_a_bad_request_fails_alone_and_cancels_free_their_sequences(worker, refe
     assert [t for c in again for t in c.tokens] == other_ref
 
 
+def test_a_request_too_large_for_one_message_fails_alone(worker, reference):
+    """A request over the worker's message limit (a huge grammar, from a schema an attacker
+    pads) is refused before it is sent: sent, gRPC would end the whole Session call, failing
+    every sequence it carries."""
+    address, _ = worker
+    (ids, ref), (other_ids, _) = reference[0], reference[1]
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
+            running = session.generate(_request("running", other_ids, 300), timeout=60)
+            first = await running.__aiter__().__anext__()
+            big = session.generate(_request("big", ids, 4, grammar="x" * (5 << 20)),
+                                   timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(big)
+            rest = await _collect(running)
+            after = await _collect(session.generate(_request("after", ids, 24), timeout=60))
+            session.close()
+            return err.value, [first, *rest], after
+
+    err, chunks, after = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5.0 MiB" in err.details() and "schemas" in err.details(), err.details()
+    assert sum(len(c.tokens) for c in chunks) == 300 and chunks[-1].finish_reason == "length"
+    assert [t for c in after for t in c.tokens] == ref
+
+
 def test_a_session_that_ends_cancels_its_sequences_and_deadlines_hold(worker, reference):
     address, _ = worker
     ids = reference[0][0]
