@@ -38,6 +38,7 @@ from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
 from omlx_node.stage import StageRunner
+from omlx_node.warm_up import warm_up
 from omlx_node.wire import Doorbell, link_doorbells
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -329,6 +330,9 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s)", config.rank,
              config.world_size, info.layer_start, info.layer_end, config.model_id,
              info.load_seconds, info.dtype)
+    # Before it says it is ready: the first request after a load, a re-plan or a failover
+    # would otherwise wait for MLX to build every kernel it runs.
+    log.info("rank %d: warmed up in %.2fs", config.rank, warm_up(stage))
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,
              "num_layers": info.num_layers, "port": 0}
