@@ -1,11 +1,12 @@
 """A fresh shard worker's warm-up: what its first requests run, once, before it says it is ready.
 
 MLX builds a kernel the first time a process runs it (on CUDA it compiles it, unless the
-machine's kernel cache holds it already). A fresh worker's first burst of 8 streams on an H200
-waited ~1.2 s for its first tokens, the next bursts ~40 ms (bench/results/diag_first_burst_h200_1b.md);
-on a 2-core CPU a fresh worker's first request waited ~20 ms more than its next ones
-(bench/diag_first_request.py). Unpaid at load, that lands on whoever sends the first request
-after a load, a re-plan or a failover: an agent's next turn.
+machine's kernel cache holds it already). A fresh engine's first burst of 8 streams on an H200
+waited ~1.2 s for its first tokens, the next bursts ~40 ms
+(bench/results/diag_first_burst_h200_1b.md); on a 2-core CPU a fresh worker's first request
+waited ~15 ms more than its next ones, ~3 ms once warmed up (bench/results/first_request_cpu.md).
+Unpaid at load, that lands on whoever sends the first request after a load, a re-plan or a
+failover: an agent's next turn.
 """
 
 from __future__ import annotations
