@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,6 +159,36 @@ def machine_tag(machine: dict) -> str:
 def plain_env() -> dict:
     """This process's environment without the node's BLAS settings (what blas_env adds)."""
     return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}
+
+
+@contextlib.contextmanager
+def node_worker(model: Path, work: Path) -> Iterator[str]:
+    """A node (`omlx-cluster node --model`, its log in `work`) holding every layer of `model`,
+    with the BLAS a node's workers get: yields its worker's address, stops it on exit."""
+    from omlx_shared.blas import blas_env
+
+    ready_file = work / "node.ready.json"
+    ready_file.unlink(missing_ok=True)
+    env = blas_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with open(work / "node.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster", "node", "--port", "0",
+                                 "--ready-file", str(ready_file), "--model", str(model),
+                                 "--log-level", "warning"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((work / "node.log").read_text()[-3000:])
+            time.sleep(0.1)
+        yield json.loads(ready_file.read_text())["worker_address"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def blas_of(env: dict) -> str:

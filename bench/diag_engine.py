@@ -171,25 +171,10 @@ def over_grpc(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
               warm: int, work: Path) -> dict:
     import grpc
 
-    from omlx_shared.blas import blas_env
     from proto import omlx_pb2 as pb
     from proto import omlx_pb2_grpc as pb_grpc
 
-    ready_file = work / "node.ready.json"
-    log = open(work / "node.log", "wb")
-    env = blas_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster", "node", "--port", "0",
-                             "--ready-file", str(ready_file), "--model", str(model_path),
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not ready_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((work / "node.log").read_text()[-3000:])
-            time.sleep(0.1)
-        channel = grpc.insecure_channel(json.loads(ready_file.read_text())["worker_address"])
+    with bsn.node_worker(model_path, work) as address, grpc.insecure_channel(address) as channel:
         stub = pb_grpc.ShardWorkerStub(channel)
         counter = [0]
 
@@ -215,15 +200,7 @@ def over_grpc(model_path: Path, prompts: list[list[int]], tokens: int, repeats: 
         print("E", out["E_node_over_grpc"]["median_tps"], file=sys.stderr, flush=True)
         out["E8_node_over_grpc_8_streams"] = measure(lambda n: e(n, 8), repeats, warm, tokens)
         print("E8", out["E8_node_over_grpc_8_streams"]["median_tps"], file=sys.stderr, flush=True)
-        channel.close()
         return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def over_http(model_path: Path, prompts: list[list[int]], tokens: int, repeats: int,

@@ -14,10 +14,8 @@ script in a tree without it for the reference.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,46 +28,25 @@ import bench_single_node as bsn  # noqa: E402
 
 
 def one_round(model: Path, work: Path, requests: int, prompt: list[int]) -> list[float]:
+    """A fresh worker's TTFTs, in seconds, of `requests` requests one after another."""
     import grpc
 
-    from omlx_shared.blas import blas_env
     from proto import omlx_pb2 as pb
     from proto import omlx_pb2_grpc as pb_grpc
 
-    ready_file = work / "node.ready.json"
-    env = blas_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bsn.REPO), env.get("PYTHONPATH")]))
-    with open(work / "node.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "omlx_cluster", "node", "--port", "0",
-                                 "--ready-file", str(ready_file), "--model", str(model),
-                                 "--log-level", "warning"], stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not ready_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((work / "node.log").read_text()[-3000:])
-            time.sleep(0.1)
-        with grpc.insecure_channel(json.loads(ready_file.read_text())["worker_address"]) as ch:
-            stub = pb_grpc.ShardWorkerStub(ch)
-            for _ in range(3):
-                stub.Health(pb.HealthRequest(), timeout=30)
-            ttfts = []
-            for i in range(requests):
-                t0, first = time.perf_counter(), None
-                req = pb.GenerateRequest(request_id=f"r{i}", prompt_tokens=prompt, max_tokens=8)
-                for chunk in stub.Generate(req, timeout=300):
-                    if first is None and chunk.tokens:
-                        first = time.perf_counter() - t0
-                ttfts.append(first)
-            return ttfts
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        ready_file.unlink(missing_ok=True)
+    with bsn.node_worker(model, work) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ShardWorkerStub(channel)
+        for _ in range(3):
+            stub.Health(pb.HealthRequest(), timeout=30)
+        ttfts = []
+        for i in range(requests):
+            t0, first = time.perf_counter(), None
+            req = pb.GenerateRequest(request_id=f"r{i}", prompt_tokens=prompt, max_tokens=8)
+            for chunk in stub.Generate(req, timeout=300):
+                if first is None and chunk.tokens:
+                    first = time.perf_counter() - t0
+            ttfts.append(first)
+        return ttfts
 
 
 def main() -> int:
