@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,12 +166,15 @@ def paired(name: str, a, b, inputs, key: str, warm, pairs: int, speed: bool) -> 
            "ratio": median([r["ratio"] for r in runs]), "ratios": [r["ratio"] for r in runs],
            "runs": runs}
     ratio = out["ratio"]
-    print(f"  {name}: {fmt(out['a'])} / {fmt(out['b'])}, ratio {fmt(ratio)}",
-          file=sys.stderr, flush=True)
+    print(f"  {name}: {fmt(out['a'])} / {fmt(out['b'])}, ratio {fmt(ratio)} "
+          f"(pairs: {', '.join(fmt(r) for r in out['ratios'])})", file=sys.stderr, flush=True)
     return out
 
 
-def run_pairs(args, model: Path, vocab: int, work: Path, node_env: dict) -> dict:
+def run_pairs(args, model: Path, vocab: int, work: Path, node_env: dict,
+              done: Callable[[dict], None]) -> None:
+    """Runs every workload's pairs; `done(result so far)` after each, so that a run cut short
+    (a device call's time limit) keeps every row it finished."""
     rng = random.Random(1234)
     hi, lo = vocab - 1, min(100, (vocab - 1) // 2)
 
@@ -223,8 +227,8 @@ def run_pairs(args, model: Path, vocab: int, work: Path, node_env: dict) -> dict
                       file=sys.stderr, flush=True)
                 found = {"error": f"{type(e).__name__}: {e}"[:300]}
             (vs_raw if part == "vs_raw" else sampling)[key] = found
-        return {"vs_raw": vs_raw, "sampling": sampling, "raw_info": raw.info,
-                "server_ready_s": ready}
+            done({"vs_raw": vs_raw, "sampling": sampling, "raw_info": raw.info,
+                  "server_ready_s": ready})
     except Exception:
         print(f"server log tail:\n{server.tail()}", file=sys.stderr)
         raise
@@ -315,21 +319,25 @@ def main() -> int:
     machine = machine_info()
     tag = args.tag or machine_tag(machine)
     model, model_name, desc, config = select_model(args, work, plain_env())
-    result = run_pairs(args, model, int(config["vocab_size"]), work, blas_env())
-    result |= {
-        "tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
-        "machine_note": args.machine_note,
-        "model": {"name": model_name, "desc": desc, "path": str(model)},
-        "settings": {k: getattr(args, k) for k in (
-            "pairs", "warmup_runs", "decode_tokens", "conc_tokens", "concurrency",
-            "sampled_concurrency", "prompt_tokens", "ttft_prompts", "ttft_tokens",
-            "client_procs")} | {"server_args": args.server_arg},
-        "bench_seconds": round(time.monotonic() - t_start, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"paired_{tag}.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (args.out / f"paired_{tag}.md").write_text(text)
-    print(text)
+    written = {}
+
+    def write(result: dict) -> None:
+        result |= {
+            "tag": tag, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine,
+            "machine_note": args.machine_note,
+            "model": {"name": model_name, "desc": desc, "path": str(model)},
+            "settings": {k: getattr(args, k) for k in (
+                "pairs", "warmup_runs", "decode_tokens", "conc_tokens", "concurrency",
+                "sampled_concurrency", "prompt_tokens", "ttft_prompts", "ttft_tokens",
+                "client_procs")} | {"server_args": args.server_arg},
+            "bench_seconds": round(time.monotonic() - t_start, 1)}
+        (args.out / f"paired_{tag}.json").write_text(json.dumps(result, indent=1))
+        written["md"] = markdown(result)
+        (args.out / f"paired_{tag}.md").write_text(written["md"])
+
+    run_pairs(args, model, int(config["vocab_size"]), work, blas_env(), write)
+    print(written["md"])
     print(f"wrote {args.out}/paired_{tag}.json and .md", file=sys.stderr)
     return 0
 
