@@ -545,7 +545,7 @@ def test_sdk_exceptions_and_the_server_keeps_serving(client: anthropic.Anthropic
                    headers={"x-api-key": KEY, "content-type": "application/json"},
                    content=json.dumps({"model": qwen_server.model_id, "max_tokens": 4,
                                        "messages": [{"role": "user", "content": "a\ud800"}]}))
-    assert r.status_code == 400 and "messages.0.content.0.text" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "'messages.0.content' is not valid Unicode" in r.json()["error"]["message"]
     r = httpx.post(qwen_server.url + "/v1/messages/batches", headers={"x-api-key": KEY},
                    json={}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

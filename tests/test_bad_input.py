@@ -168,6 +168,29 @@ CASES = {
                                     '{"model": "small-ctx", "messages": [{"role": "user", '
                                     '"content": "Hi \\udc00"}]}', 400,
                                     ["messages.0.content", "unicode"], "messages.0.content"),
+    # Where no tokenizer looks, a grammar compiler or a node's message would fail on one (a
+    # schema's key was a 500).
+    "lone surrogate in a schema's property name": (
+        "chat/completions", '{"model": "small-ctx", "messages": [{"role": "user", "content": '
+        '"Hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+        '"schema": {"type": "object", "properties": {"a\\ud800": {"type": "string"}}}}}}', 400,
+        ["response_format.json_schema.schema.properties", "key", "unicode", "ud800"],
+        "response_format.json_schema.schema.properties"),
+    "lone surrogate in a tool call's arguments": (
+        "chat/completions", '{"model": "small-ctx", "messages": [{"role": "user", "content": '
+        '"Hi"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+        '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]}', 400,
+        ["messages.1.tool_calls.0.function.arguments", "unicode"],
+        "messages.1.tool_calls.0.function.arguments"),
+    "lone surrogate escaped in a tool call's arguments": (
+        "chat/completions", '{"model": "small-ctx", "messages": [{"role": "user", "content": '
+        '"Hi"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+        '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}]}',
+        400, ["messages.1.tool_calls.0.function.arguments.a", "unicode"],
+        "messages.1.tool_calls.0.function.arguments.a"),
+    "lone surrogate in a stop string": (
+        "completions", '{"model": "small-ctx", "prompt": "Hi", "stop": ["ok", "\\udfff"]}', 400,
+        ["stop.1", "unicode"], "stop.1"),
     # Its grammar is over the message a node takes; sent, it would end the worker's Session
     # call and every stream on it (tests/test_worker_session.py holds a bystander to that).
     "schema padded past a node's message limit": (

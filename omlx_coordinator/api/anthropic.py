@@ -52,7 +52,6 @@ from omlx_coordinator.api.anthropic_schema import (
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
-    check_text,
     collect_unless_gone,
     sse,
 )
@@ -122,17 +121,12 @@ def _skip(block: OtherBlock, param: str) -> None:
         log.info("dropping %s content blocks: nothing here renders them", block.type)
 
 
-def _checked(text: str, param: str) -> str:
-    check_text(text, param)
-    return text
-
-
 def _text(blocks: list[Block], param: str) -> str:
     """The text of blocks that may hold only text (system turns)."""
     parts = []
     for j, b in enumerate(blocks):
         if isinstance(b, TextBlock):
-            parts.append(_checked(b.text, f"{param}.{j}.text"))
+            parts.append(b.text)
         elif isinstance(b, OtherBlock):
             _skip(b, f"{param}.{j}")
         else:
@@ -143,14 +137,14 @@ def _text(blocks: list[Block], param: str) -> str:
 
 def _result_text(block: ToolResultBlock, param: str) -> str:
     if isinstance(block.content, str):
-        text = _checked(block.content, f"{param}.content")
+        text = block.content
     else:
         parts = []
         for k, part in enumerate(block.content):
             if isinstance(part, OtherBlock):
                 _skip(part, f"{param}.content.{k}")
             else:
-                parts.append(_checked(part.text, f"{param}.content.{k}.text"))
+                parts.append(part.text)
         text = "".join(parts)
     # Chat templates have no error flag: the model reads it in the text.
     return "Error: " + text if block.is_error else text
@@ -169,7 +163,7 @@ def _user_turn(blocks: list[Block], param: str, calls: dict[str, str]) -> list[d
     for j, b in enumerate(blocks):
         at = f"{param}.{j}"
         if isinstance(b, TextBlock):
-            texts.append(_checked(b.text, f"{at}.text"))
+            texts.append(b.text)
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in calls:
                 raise APIError(400, f"'{at}.tool_use_id': {b.tool_use_id!r} answers no tool_use "
@@ -192,9 +186,8 @@ def _assistant_turn(blocks: list[Block], param: str, calls: dict[str, str]) -> d
     for j, b in enumerate(blocks):
         at = f"{param}.{j}"
         if isinstance(b, TextBlock):
-            texts.append(_checked(b.text, f"{at}.text"))
+            texts.append(b.text)
         elif isinstance(b, ToolUseBlock):
-            check_text(json.dumps(b.input, ensure_ascii=False), f"{at}.input")
             calls[b.id] = b.name
             # Templates render the arguments with `tojson`: a dict, not JSON text.
             tool_calls.append({"id": b.id, "type": "function",
@@ -227,7 +220,7 @@ def template_messages(body: PromptBody, tok: ChatTokenizer) -> list[dict]:
         # place cache breakpoints).
         system = body.system if isinstance(body.system, str) else "\n".join(
             b.text for b in body.system)
-        msgs.append({"role": "system", "content": _checked(system, "system")})
+        msgs.append({"role": "system", "content": system})
     calls: dict[str, str] = {}  # tool_use id -> tool name, of the assistant turns so far
     late_system = False
     for i, m in enumerate(body.messages):
@@ -267,7 +260,6 @@ def template_tools(body: PromptBody) -> list[dict] | None:
         if t.description is not None:
             fn["description"] = t.description
         tools.append({"type": "function", "function": fn})
-    check_text(json.dumps(tools, ensure_ascii=False), "tools")
     return tools
 
 

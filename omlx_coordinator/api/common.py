@@ -1,4 +1,4 @@
-"""What every protocol adapter needs alike: text checks, SSE framing, a stream whose generation
+"""What every protocol adapter needs alike: the Unicode check of a body, SSE framing, a stream whose generation
 starts before its response does, a reply that notices a client going away."""
 
 from __future__ import annotations
@@ -17,13 +17,45 @@ from omlx_coordinator.metrics import GatewayMetrics
 T = TypeVar("T")
 
 
-def check_text(text: str, param: str) -> None:
-    """JSON may carry lone UTF-16 surrogates that no tokenizer accepts."""
+def check_unicode(body: object, at: str = "") -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer, grammar compiler or
+    node message takes: refuses a body holding one anywhere (a value or a key), naming where
+    (`at`: where `body` itself is in the request)."""
+    todo: list[tuple[object, str]] = [(body, at)]
+    while todo:
+        value, at = todo.pop()
+        if isinstance(value, dict):
+            for k in value:
+                if not _valid(k):
+                    raise APIError(400, f"{_where(at)} has a key that is not valid Unicode: "
+                                        f"{_surrogate(k)}", param=at or None)
+            items = list(value.items())
+        elif isinstance(value, list):
+            items = list(enumerate(value))
+        else:
+            items = []
+        if isinstance(value, str) and not _valid(value):
+            raise APIError(400, f"{_where(at)} is not valid Unicode: {_surrogate(value)}",
+                           param=at or None)
+        # Reversed onto the stack: the first bad string in the body's order is the one named.
+        todo.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(items))
+
+
+def _valid(text: str) -> bool:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"'{param}' is not valid Unicode: it holds a lone surrogate "
-                            f"{text[e.start]!r} at character {e.start}", param=param) from None
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _where(at: str) -> str:
+    return f"'{at}'" if at else "the request body"
+
+
+def _surrogate(text: str) -> str:
+    i = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+    return f"it holds a lone surrogate {text[i]!r} at character {i}"
 
 
 def sse(obj: dict, event: str | None = None) -> str:

@@ -27,7 +27,6 @@ from omlx_coordinator import constraints
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
-    check_text,
     collect_unless_gone,
     sse,
 )
@@ -436,8 +435,6 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
         messages = body.template_messages()
-        for i, m in enumerate(messages):
-            check_text(m["content"], f"messages.{i}.content")
         tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
         try:
             prompt = await asyncio.to_thread(served.tokenizer.encode_chat, messages, tools)
@@ -453,7 +450,6 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
         if isinstance(body.prompt, str):
-            check_text(body.prompt, "prompt")
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:
             prompt = list(body.prompt)

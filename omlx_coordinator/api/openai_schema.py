@@ -40,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from omlx_coordinator.api.common import check_unicode
 from omlx_coordinator.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -225,6 +226,7 @@ def _arguments(text: str, param: str) -> dict:
                             "the JSON text of an object", param=param) from None
     if not isinstance(arguments, dict):
         raise APIError(400, f"'{param}' must be the JSON text of an object", param=param)
+    check_unicode(arguments, param)  # its escapes are read only now
     return arguments
 
 
