@@ -1,5 +1,5 @@
-"""What every protocol adapter needs alike: the Unicode check of a body, SSE framing, a stream whose generation
-starts before its response does, a reply that notices a client going away."""
+"""What every protocol adapter needs alike: the Unicode check of a body, SSE framing, a stream
+whose generation starts before its response does, a reply that notices a client going away."""
 
 from __future__ import annotations
 
@@ -24,19 +24,20 @@ def check_unicode(body: object, at: str = "") -> None:
     todo: list[tuple[object, str]] = [(body, at)]
     while todo:
         value, at = todo.pop()
+        if isinstance(value, str):
+            if not _valid(value):
+                raise APIError(400, f"{_where(at)} is not valid Unicode: {_surrogate(value)}",
+                               param=at or None)
+            continue
         if isinstance(value, dict):
-            for k in value:
-                if not _valid(k):
-                    raise APIError(400, f"{_where(at)} has a key that is not valid Unicode: "
-                                        f"{_surrogate(k)}", param=at or None)
+            if (key := next((k for k in value if not _valid(k)), None)) is not None:
+                raise APIError(400, f"{_where(at)} has a key that is not valid Unicode: "
+                                    f"{_surrogate(key)}", param=at or None)
             items = list(value.items())
         elif isinstance(value, list):
             items = list(enumerate(value))
         else:
-            items = []
-        if isinstance(value, str) and not _valid(value):
-            raise APIError(400, f"{_where(at)} is not valid Unicode: {_surrogate(value)}",
-                           param=at or None)
+            continue
         # Reversed onto the stack: the first bad string in the body's order is the one named.
         todo.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(items))
 
