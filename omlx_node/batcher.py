@@ -137,10 +137,28 @@ def device_prefill_chunk() -> int:
     return 512 if mx.default_device() == mx.cpu else 2048
 
 
-# A sequence's events (tokens, then one Finish) go to its own queue, or to an outbox that
-# several sequences share (a worker's session): it gets each engine step's events of them all
-# as one list of (sequence, event), so its reader wakes once a step, not once a token.
-Outbox = queue.SimpleQueue
+class Outbox:
+    """Where the engine hands the events of sequences that share one reader (a worker's
+    session): each step's events of them all as one list of (sequence, event), so the reader
+    wakes once a step, not once a token. A list holding a sequence's first token or its end
+    sets `urgent`: a reader that holds steps back to send several at once (`Session`) must
+    not hold those, which a client waits for."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self.urgent = threading.Event()
+
+    def put(self, item: object, urgent: bool = True) -> None:
+        self._items.put(item)
+        if urgent:
+            self.urgent.set()
+
+    def get(self, timeout: float | None = None) -> object:
+        """The oldest item; raises queue.Empty after `timeout` seconds without one."""
+        return self._items.get(timeout=timeout)
+
+    def get_nowait(self) -> object:
+        return self._items.get_nowait()
 
 
 class Sequence:
@@ -416,8 +434,10 @@ class Engine:
         self.requests_total = 0
         self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
         self._stores_due: list[int] = []  # prompts kept at the next step (`_emit_step`)
-        # Events bound for shared outboxes, handed over together (`_deliver`).
+        # Events bound for shared outboxes, handed over together (`_deliver`), and the
+        # outboxes (ids) whose events this step include a first token or an end.
         self._outgoing: dict[int, tuple[Outbox, list[tuple[Sequence, int | Finish]]]] = {}
+        self._urgent: set[int] = set()
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
 
@@ -694,14 +714,18 @@ class Engine:
     def _put(self, seq: Sequence, event: int | Finish) -> None:
         if seq.outbox is None:
             seq.events.put(event)
-        else:
-            self._outgoing.setdefault(id(seq.outbox), (seq.outbox, []))[1].append((seq, event))
+            return
+        key = id(seq.outbox)
+        self._outgoing.setdefault(key, (seq.outbox, []))[1].append((seq, event))
+        if seq.generated == 0 or isinstance(event, Finish):  # (counted once the token is out)
+            self._urgent.add(key)
 
     def _deliver(self) -> None:
         """Hands the outboxes what this step gave their sequences, one list each."""
-        for outbox, events in self._outgoing.values():
-            outbox.put(events)
+        for key, (outbox, events) in self._outgoing.items():
+            outbox.put(events, urgent=key in self._urgent)
         self._outgoing.clear()
+        self._urgent.clear()
 
     def _finish_all(self, finish: Finish) -> None:
         """Ends every sequence, waiting or running, the same way."""

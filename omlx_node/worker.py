@@ -66,6 +66,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
     max_batch: int = 64
+    stream_interval: float = 0.02  # seconds (session.Session's interval)
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
     init_timeout: float = 60.0
@@ -137,7 +138,7 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
 
     def Session(self, requests, context: grpc.ServicerContext):
         self._authorize(context)
-        session = Session(self.engine, MAX_STREAMS, self.compiler)
+        session = Session(self.engine, MAX_STREAMS, self.compiler, self.config.stream_interval)
         with self._sessions_lock:
             self._sessions.add(session)
         context.add_callback(lambda: session.close("the call ended"))

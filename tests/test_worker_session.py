@@ -5,8 +5,11 @@ gateway's client (omlx_coordinator/worker_session.py) against the worker's side
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import queue
 import signal
+import threading
 import time
 
 import grpc
@@ -15,6 +18,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from omlx_coordinator.generation import RETRIABLE
 from omlx_coordinator.worker_session import WorkerSession
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
@@ -224,8 +228,9 @@ def test_logprobs_and_a_worker_that_goes_away(worker, reference, tmp_path):
 
 def test_a_stopping_worker_ends_its_session_after_the_last_events(tmp_path):
     """SIGTERM to the worker: its running sequence ends "aborted" (the gateway runs it again
-    elsewhere), the session call then ends, and a sequence sent after fails UNAVAILABLE rather
-    than waiting on a worker that is gone."""
+    elsewhere), the session call then ends, and a sequence sent after fails rather than
+    waiting on a worker that is gone, with a status the gateway runs it again on: UNAVAILABLE,
+    or INTERNAL when gRPC meets the server half-way through its stop."""
     model = build_model(tmp_path / "m", "qwen3", num_layers=2)
     (tmp_path / "node").mkdir()
     with running_node(tmp_path / "node") as (_, agent):
@@ -248,4 +253,68 @@ def test_a_stopping_worker_ends_its_session_after_the_last_events(tmp_path):
         chunks, err = asyncio.run(run())
     assert chunks[-1].finish_reason == "aborted"
     assert sum(len(c.tokens) for c in chunks) < 1500
-    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
+    assert err.code() in RETRIABLE
+
+
+class _LiveCall:
+    """What `Session.messages` asks of its gRPC call: whether the client is still there."""
+
+    def is_active(self) -> bool:
+        return True
+
+
+def test_a_session_holds_steps_for_its_interval_but_never_a_first_token_or_an_end(worker,
+                                                                                  reference):
+    """Steps that come faster than the stream interval (here 1000 s: forever) go out together;
+    a sequence's first token, while another's tokens are held, and a sequence's end go out at
+    once. The engine runs on this thread, one step at a time; the handler's messages are read
+    on another."""
+    from omlx_node.batcher import Batcher
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.session import Session
+    from omlx_node.stage import StageRunner
+
+    engine = Batcher(StageRunner(worker[1]), NodeMetrics())
+    session = Session(engine, 8, concurrent.futures.ThreadPoolExecutor(1), interval=1000.0)
+    out: queue.Queue = queue.Queue()
+    handler = threading.Thread(target=lambda: [out.put(m) for m in session.messages(_LiveCall())],
+                               daemon=True)
+    handler.start()
+
+    def step_until_message() -> pb.SessionEvents:
+        for _ in range(100):
+            engine.step()
+            try:
+                return out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        raise AssertionError("no message in 100 steps")
+
+    (a_ids, a_ref), (b_ids, b_ref) = reference[0], reference[1]
+    session._take(_request("a", a_ids, 12))
+    first = step_until_message()  # a session's first message is never held
+    assert [e.request_id for e in first.events] == ["a"]
+    for _ in range(3):
+        engine.step()  # a's tokens, held
+    session._take(_request("b", b_ids, 6))
+    with_b = step_until_message()  # b's first token: urgent
+    b_first = next(e.chunk for e in with_b.events if e.request_id == "b")
+    assert len(b_first.tokens) == 1 and not b_first.finish_reason
+    a_held = next(e.chunk for e in with_b.events if e.request_id == "a")
+    assert len(a_held.tokens) >= 3  # the held steps, in one message
+    messages = [first, with_b]
+    while not any(e.chunk.finish_reason for m in messages for e in m.events
+                  if e.request_id == "a"):
+        messages.append(step_until_message())  # each sequence's end: urgent
+    session.close("done")
+    handler.join(10)
+    assert not handler.is_alive()
+    tokens: dict[str, list[int]] = {}
+    for m in messages:
+        for e in m.events:
+            tokens.setdefault(e.request_id, []).extend(e.chunk.tokens)
+    assert tokens == {"a": a_ref[:12], "b": b_ref[:6]}
+    # a: its first message, the held steps with b's first, b's end, a's end (with what was
+    # held since): no message a step.
+    assert len(messages) <= 4
