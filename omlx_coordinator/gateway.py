@@ -93,13 +93,31 @@ class _Request(Request):
             try:
                 self._json = orjson.loads(body)
             except orjson.JSONDecodeError:
-                parsed = json.loads(body)
+                try:
+                    parsed = json.loads(body)
+                except (RecursionError, UnicodeDecodeError, ValueError) as e:
+                    if isinstance(e, json.JSONDecodeError):  # FastAPI says where, as JSON's
+                        raise
+                    raise _BodyRefused(APIError(400, _unreadable(e))) from None
                 try:
                     check_unicode(parsed)
                 except APIError as e:
                     raise _BodyRefused(e) from None
                 self._json = parsed
         return self._json
+
+
+def _unreadable(e: Exception) -> str:
+    """Why a body JSON's parser gave up on is refused (FastAPI would say only "There was an
+    error parsing the body")."""
+    if isinstance(e, RecursionError):
+        return ("the request body nests JSON arrays or objects too deeply; no field of the API "
+                "takes more than a few levels")
+    if isinstance(e, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at "
+                f"offset {e.start}); send JSON text in UTF-8")
+    return ("the request body holds a number too long to read (over 4300 digits); no field "
+            "of the API takes one that long")
 
 
 class _Route(APIRoute):

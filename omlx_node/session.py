@@ -151,6 +151,16 @@ class Session:
 
     def _submit(self, request: pb.GenerateRequest) -> None:
         rid = request.request_id
+        with self._lock:
+            dropped = rid in self._cancelled or bool(self._closed)
+            if dropped:
+                self._cancelled.discard(rid)
+                self._live.pop(rid, None)
+        if dropped:
+            # Cancelled (or its session ended) while its grammar waited for the compiler: the
+            # compile, seconds for a large schema, would hold up the requests queued behind it.
+            # The gateway reads nothing more of a cancelled sequence.
+            return
         try:
             seq = self.engine.submit(seq_request(request), self.outbox)
         except ValueError as e:

@@ -188,6 +188,14 @@ CASES = {
         '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}]}',
         400, ["messages.1.tool_calls.0.function.arguments.a", "unicode"],
         "messages.1.tool_calls.0.function.arguments.a"),
+    # Bodies JSON's own parser gives up on: each was "There was an error parsing the body".
+    "JSON nested 5000 levels deep": ("chat/completions",
+                                     '{"model": "small-ctx", "stop": ' + "[" * 5000 + "]" * 5000
+                                     + "}", 400, ["nests", "too deeply"], None),
+    "a 5000-digit number": ("completions", '{"model": "small-ctx", "prompt": "Hi", "seed": '
+                            + "9" * 5000 + "}", 400, ["number", "4300 digits"], None),
+    "a body that is not UTF-8": ("completions", b'{"model": "small-ctx", "prompt": "Hi \xff"}',
+                                 400, ["utf-8", "0xff", "offset 37"], None),
     "lone surrogate in a stop string": (
         "completions", '{"model": "small-ctx", "prompt": "Hi", "stop": ["ok", "\\udfff"]}', 400,
         ["stop.1", "unicode"], "stop.1"),
@@ -201,7 +209,7 @@ CASES = {
 
 
 def _post(server: Server, path: str, body, content_type: str = "application/json"):
-    data = body if isinstance(body, str) else json.dumps(body)
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{server.base_url}/{path}", content=data, timeout=30,
                       headers={"content-type": content_type})
 

@@ -4,8 +4,11 @@ mlx-lm's own generation, and a two-stage pipeline (separate worker processes) ag
 from __future__ import annotations
 
 import json
+import queue
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.constraints import Grammars, Verdict, fill_masks
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.session import Session
 from omlx_node.stage import StageRunner
 from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
@@ -193,6 +197,31 @@ def test_bad_grammar_fails_only_its_own_request(model_path, batcher, mlx_lm_mode
     with pytest.raises(ValueError, match="does not apply grammars"):
         no_grammars.submit(SeqRequest("bad", ids, 8, grammar=GRAMMAR))
     assert drain(batcher, [running])[0][0] == reference(model, ids, 30)
+
+
+def test_a_grammar_request_dropped_while_its_compile_waits_is_never_compiled(batcher,
+                                                                             mlx_lm_model):
+    """A session's requests with a grammar wait for the compiler's threads; one cancelled, or
+    whose session ended, meanwhile is dropped there: no compile, no sequence, nothing sent."""
+    _, tok = mlx_lm_model
+    ids = tok.encode(PROMPTS[0])
+    compiler = ThreadPoolExecutor(1)
+    busy = threading.Event()
+    compiler.submit(busy.wait, 30)  # another request's long compile
+    session = Session(batcher, 8, compiler)
+    before = batcher.requests_total
+    for rid in ("cancelled", "left-behind"):
+        session._take(pb.GenerateRequest(request_id=rid, prompt_tokens=ids, max_tokens=8,
+                                         grammar=GRAMMAR))
+    session._cancel("cancelled")
+    session.close("the call ended")
+    busy.set()
+    compiler.shutdown(wait=True)
+    batcher.step()
+    assert batcher.requests_total == before and batcher.idle
+    assert session.outbox.get_nowait() is None  # the session's end, and nothing else
+    with pytest.raises(queue.Empty):
+        session.outbox.get_nowait()
 
 
 def test_matcher_verdicts(model_path, mlx_lm_model):
