@@ -26,10 +26,11 @@ IDENTITY_LABELS = ("node", "model", "plan", "stage", "layers")
 # every stage times the same steps, one in PROFILE_EVERY: a timed step drains the stages before
 # it, so each one's wait for its input is the previous stages' own time, which the rebalancer
 # tells compute from (timed at different steps, a stage next to a slow one looked as slow). A
-# single stage times one step in PROFILE_SECONDS: one in 8 cost ~8% of an 8B model's batch-1
-# decode on an H200, and by time a fast device pays for one in ~50 steps.
+# single stage times one step a PROFILE_SECONDS: one in 8 cost ~8% of an 8B model's batch-1
+# decode on an H200 (a timed step costs ~0.6 of another), so one in 0.25 s (~33 steps) still
+# cost ~2% of it; one a second, ~0.5%, and 30 over the busy share's window.
 PROFILE_EVERY = 8
-PROFILE_SECONDS = 0.25
+PROFILE_SECONDS = 1.0
 # The engine's gauges read from MLX (KV bytes, active and peak memory) are refreshed at most
 # this often: read every step they cost a fast device's decode a few percent.
 GAUGE_SECONDS = 0.25
