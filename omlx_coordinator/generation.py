@@ -331,12 +331,10 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             elif tokens:
                 metrics.itl.observe((now - last) / len(tokens))
             last = now
-            text = detok.add_many(tokens) if tokens else ""
+            out, hit, taken = stops.feed_tokens(detok, tokens, bool(item.finish_reason))
+            tokens, logprobs = tokens[:taken], logprobs[:taken]
             generated += tokens
             metrics.generated_tokens.inc(len(tokens))
-            if item.finish_reason:
-                text += detok.flush()
-            out, hit = stops.feed(text)
             if hit:
                 if out or tokens:
                     yield Delta(out, tokens, logprobs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from omlx_coordinator.tokenizer import IncrementalDetokenizer
+
 
 class StopMatcher:
     def __init__(self, stops: list[str]):
@@ -28,6 +30,27 @@ class StopMatcher:
         cut = len(self.pending) - hold
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
+
+    def feed_tokens(self, detok: IncrementalDetokenizer, tokens: list[int], last: bool
+                    ) -> tuple[str, bool, int]:
+        """`feed` for a chunk of tokens: the text safe to emit, whether a stop string was
+        reached, and how many of `tokens` it took to reach it (all of them if none was). A
+        chunk holds several steps' tokens where a node sends a stream interval's together;
+        the tokens past the one that completes a stop string were generated, not answered,
+        and the usage does not count them. `last`: the stream's last chunk (what the
+        detokenizer holds back is flushed)."""
+        if not self.stops or len(tokens) <= 1:
+            text = (detok.add_many(tokens) if tokens else "") + (detok.flush() if last else "")
+            out, hit = self.feed(text)
+            return out, hit, len(tokens)
+        out = ""
+        for k, token in enumerate(tokens, 1):
+            piece, hit = self.feed(detok.add_many([token])
+                                   + (detok.flush() if last and k == len(tokens) else ""))
+            out += piece
+            if hit:
+                return out, True, k
+        return out, False, len(tokens)
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""

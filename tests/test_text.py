@@ -54,3 +54,24 @@ def test_stop_matcher_earliest_stop_and_flush():
     assert m.feed("az") == ("a", False)
     assert m.flush() == "z"
     assert StopMatcher([]).feed("anything") == ("anything", False)
+
+
+def test_a_chunk_of_tokens_counts_only_those_up_to_the_stop_string(tokenizer):
+    """A node sends several steps' tokens in one chunk: the text stops where the stop string
+    starts, and the tokens answered are those up to the one that completed it, as if they had
+    come one at a time."""
+    prompt = tokenizer.encode("Hello")
+    completion = tokenizer.encode(" world! How are you today? Fine, thanks.")
+    text = tokenizer.decode(prompt + completion)[len("Hello"):]
+    stop = "are you"
+    one_by_one, m = tokenizer.detokenizer(prompt), StopMatcher([stop])
+    for n, token in enumerate(completion, 1):
+        if m.feed(one_by_one.add(token))[1]:
+            break
+    chunked, m = tokenizer.detokenizer(prompt), StopMatcher([stop])
+    out, hit, taken = m.feed_tokens(chunked, completion, last=True)
+    assert hit and out == text[:text.index(stop)] and taken == n < len(completion)
+    # No stop string reached: every token counts, the held-back text flushed at the end.
+    chunked, m = tokenizer.detokenizer(prompt), StopMatcher(["never there"])
+    out, hit, taken = m.feed_tokens(chunked, completion, last=True)
+    assert not hit and out + m.flush() == text and taken == len(completion)
