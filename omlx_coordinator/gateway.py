@@ -95,9 +95,9 @@ class _Request(Request):
             except orjson.JSONDecodeError:
                 try:
                     parsed = json.loads(body)
-                except (RecursionError, UnicodeDecodeError, ValueError) as e:
-                    if isinstance(e, json.JSONDecodeError):  # FastAPI says where, as JSON's
-                        raise
+                except json.JSONDecodeError:  # FastAPI says where, as JSON's
+                    raise
+                except (RecursionError, ValueError) as e:
                     raise _BodyRefused(APIError(400, _unreadable(e))) from None
                 try:
                     check_unicode(parsed)

@@ -39,18 +39,17 @@ class StopMatcher:
         the tokens past the one that completes a stop string were generated, not answered,
         and the usage does not count them. `last`: the stream's last chunk (what the
         detokenizer holds back is flushed)."""
-        if not self.stops or len(tokens) <= 1:
-            text = (detok.add_many(tokens) if tokens else "") + (detok.flush() if last else "")
-            out, hit = self.feed(text)
-            return out, hit, len(tokens)
-        out = ""
-        for k, token in enumerate(tokens, 1):
-            piece, hit = self.feed(detok.add_many([token])
-                                   + (detok.flush() if last and k == len(tokens) else ""))
-            out += piece
+        # Token by token only where a stop string may cut the chunk.
+        groups = [[t] for t in tokens] if self.stops and tokens else [tokens]
+        out, taken = "", 0
+        for k, group in enumerate(groups, 1):
+            text = (detok.add_many(group) if group else "") + (
+                detok.flush() if last and k == len(groups) else "")
+            piece, hit = self.feed(text)
+            out, taken = out + piece, taken + len(group)
             if hit:
-                return out, True, k
-        return out, False, len(tokens)
+                return out, True, taken
+        return out, False, taken
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
