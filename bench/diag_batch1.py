@@ -7,6 +7,12 @@
     S' the same on a stream of its own                    (as generate_step runs: does the
                                                            default stream cost the gap?)
     D  our Batcher, a consumer thread reading its events  (+ scheduler, sampling, metrics)
+    H  our server over HTTP (`--http`), one stream         (+ worker process, gRPC, gateway,
+                                                           SSE; its own processes, started
+                                                           once, idle while the others run)
+
+With `--http`, also the CPU each thread of the server's processes and of this process spent a
+token (/proc ticks over the rounds' runs): where the server's extra time per token goes.
 
 Every variant runs once as a warm-up, then `--rounds` times in turn (R S S' D R ...), so a
 device whose speed drifts during the run (a shared GPU's clocks) moves all of them alike.
@@ -14,12 +20,13 @@ Prints each variant's median decode rate and its ratio to R; for the loops it ti
 S'), the median milliseconds a step spends building its graph and then waiting for the device:
 a loop that never waits is bound by its Python, one that waits by the device.
 
-    python bench/diag_batch1.py --random-llama 8b [--tokens 128] [--rounds 5]
+    python bench/diag_batch1.py --random-llama 8b [--tokens 128] [--rounds 5] [--http]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -39,13 +46,63 @@ def rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def thread_ticks(pids: list[int]) -> dict[tuple[str, str], int]:
+    """utime + stime clock ticks of every thread of `pids`, by (process, thread): a thread is
+    its name and id, "main" for the process's first (Python names its threads only inside)."""
+    out: dict[tuple[str, str], int] = {}
+    for pid in pids:
+        named = bsn.proc_ticks(pid)
+        if named is None:
+            continue
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            tid = int(task.name)
+            comm = "main" if tid == pid else f"{stat[stat.index('(') + 1:stat.rindex(')')]} {tid}"
+            fields = stat[stat.rindex(")") + 2:].split()
+            key = (f"{named[0]} [{pid}]", comm)
+            out[key] = out.get(key, 0) + int(fields[11]) + int(fields[12])
+    return out
+
+
+class CpuLedger:
+    """CPU ticks of the threads of some processes, summed over measured runs, and the tokens
+    those runs made."""
+
+    def __init__(self) -> None:
+        self.ticks: dict[tuple[str, str], int] = {}
+        self.tokens = 0
+
+    def measure(self, pids: list[int], run) -> float:
+        before = thread_ticks(pids)
+        tps, tokens = run()
+        after = thread_ticks(pids)
+        for key, t in after.items():
+            self.ticks[key] = self.ticks.get(key, 0) + t - before.get(key, 0)
+        self.tokens += tokens
+        return tps
+
+    def report(self, title: str) -> None:
+        hz = os.sysconf("SC_CLK_TCK")
+        print(f"{title}: CPU ms a token over {self.tokens} tokens (threads over 0.01 ms)")
+        for (proc, thread), t in sorted(self.ticks.items(), key=lambda kv: -kv[1]):
+            ms = 1e3 * t / hz / max(self.tokens, 1)
+            if ms >= 0.01:
+                print(f"  {ms:7.3f}  {proc[-60:]:60s} {thread}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bsn.add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--http", action="store_true",
+                    help="add H, our server over HTTP, and the CPU a token of its threads")
     args = ap.parse_args()
-    model_path, _, _, _ = bsn.select_model(args, Path(tempfile.mkdtemp()), dict(os.environ))
+    work = Path(tempfile.mkdtemp())
+    model_path, _, _, _ = bsn.select_model(args, work, dict(os.environ))
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -106,14 +163,52 @@ def main() -> int:
             batcher.step()
         return rate(times)
 
-    variants = {"R mlx-lm generate_step": reference,
+    ledgers = {"R": CpuLedger(), "H": CpuLedger()}
+    me = [os.getpid()]
+
+    def reference_counted(n: int) -> float:
+        return ledgers["R"].measure(me, lambda: (reference(n), n))
+
+    server = loop = client = None
+    if args.http:
+        import httpx
+
+        server = bsn.Server(model_path, work / "server.log", [])
+        server.wait_ready(bsn.SERVER_START_TIMEOUT)
+        loop = asyncio.new_event_loop()
+        client = httpx.AsyncClient(timeout=120)
+
+    def http(n: int) -> float:
+        def one() -> tuple[float, int]:
+            res = loop.run_until_complete(bsn.stream_one(client, server.base, prompt, n))
+            return res["decode_tps"], res["tokens"]
+        return ledgers["H"].measure(server.pids() + me, one)
+
+    variants = {"R mlx-lm generate_step": reference_counted,
                 "R' mlx-lm's model, S's loop": looped("R'", MlxLmModel()),
                 "S our stage, generate_step's loop": looped("S", stage),
                 "S' the same, on a stream of its own": looped("S'", stage, own),
                 "D our Batcher + consumer thread": engine}
+    if server is not None:
+        variants["H our server over HTTP"] = http
+    try:
+        report(variants, phases, ledgers, args)
+    finally:
+        if server is not None:
+            loop.run_until_complete(client.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            server.stop()
+    return 0
+
+
+def report(variants: dict, phases: dict, ledgers: dict[str, CpuLedger], args) -> None:
+    import mlx.core as mx
+
     for fn in variants.values():
         fn(args.tokens)
     phases.clear()
+    ledgers.update({k: CpuLedger() for k in ledgers})
     runs: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
@@ -126,7 +221,9 @@ def main() -> int:
     for name, steps in phases.items():
         build, wait = (statistics.median(p[i] for p in steps) * 1e3 for i in (0, 1))
         print(f"{name:3s} a step: {build:.2f} ms building its graph, then {wait:.2f} ms waiting")
-    return 0
+    if ledgers["H"].tokens:
+        ledgers["R"].report("R (this process)")
+        ledgers["H"].report("H (the server's processes and this client)")
 
 
 if __name__ == "__main__":

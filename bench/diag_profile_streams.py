@@ -10,7 +10,9 @@ full speed, one file per thread kind with --threads) and prints each process's h
 then each thread's share of a core over the sampling window (/proc ticks). `--gil` samples only
 the thread holding the GIL: how the GIL is shared between a worker's engine thread and its
 streaming threads, which on a GPU whose steps are bound by the engine's Python is what they
-cost the engine. Needs py-spy on PATH.
+cost the engine. `--idle` keeps the samples of threads that wait (py-spy --idle): where the
+engine thread waits (for the device, for the GIL, for work) when it is not busy. Needs py-spy
+on PATH.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=4, help="how long py-spy samples")
     ap.add_argument("--gil", action="store_true",
                     help="sample only the thread holding the GIL (py-spy --gil)")
+    ap.add_argument("--idle", action="store_true",
+                    help="keep the samples of waiting threads too (py-spy --idle)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if shutil.which("py-spy") is None:
@@ -123,6 +127,7 @@ def profile(args: argparse.Namespace, streams: int, prompts: list[list[int]], ba
             spies.append((pid, name, raw, subprocess.Popen(
                 ["py-spy", "record", "-p", str(pid), "-d", str(args.seconds), "-r", "200",
                  "-f", "raw", "--nonblocking", "--threads", *(["--gil"] if args.gil else []),
+                 *(["--idle"] if args.idle else []),
                  "-o", str(raw)], stdout=subprocess.DEVNULL)))
 
     timer = threading.Timer(0.5, sample)  # once every stream decodes
