@@ -199,8 +199,11 @@ def cgroup_unavailable() -> str | None:
 
 
 def body(model: str, i: int, stream: bool) -> dict:
+    # logprobs 0: each event lists its tokens. An event carries every token made since the last
+    # one (a node's stream interval), so events are not tokens: a fast stream sends fewer.
     return {"model": model, "prompt": [5 + i, 6, 7 + i, 8, 9, 10 + 2 * i],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "logprobs": 0}
 
 
 def references(url: str, model: str) -> list[str]:
@@ -246,9 +249,10 @@ class Streams:
                         self.errors.append(str(d["error"]))
                     elif d.get("choices"):
                         text += d["choices"][0]["text"]
+                        n = len((d["choices"][0].get("logprobs") or {}).get("tokens", []))
                         with self._lock:
-                            self.progress[i] += 1
-                            self.times.append(time.monotonic())
+                            self.progress[i] += n
+                            self.times += [time.monotonic()] * n
         except httpx.HTTPError as e:
             self.errors.append(repr(e))
         self.texts[i] = text
@@ -319,7 +323,7 @@ def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_pat
         assert not streams.errors, streams.errors
         assert streams.texts == refs  # greedy output identical across the move
         end = max(streams.times)
-        unthrottled = streams.rate(t_unthrottled - 2, t_throttle)
+        unthrottled = streams.rate(max(t_unthrottled - 2, min(streams.times)), t_throttle)
         throttled = streams.rate(t_throttle + 2, t_move - 0.5)
         moved = streams.rate(t_move + 1, end)
         print(f"tok/s: {unthrottled:.0f} before, {throttled:.0f} throttled, {moved:.0f} after "
