@@ -638,6 +638,20 @@ def proc_ticks(pid: int) -> tuple[str, int] | None:
     return name, int(fields[11]) + int(fields[12])
 
 
+def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """(name, utime + stime in clock ticks) of each thread of a live process, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")],
+                               int(fields[11]) + int(fields[12]))
+    return out
+
+
 def idle_cpu(server: Server, seconds: float) -> list[dict]:
     """Each server process's CPU (% of one core) over `seconds` with no request in flight."""
     hz = os.sysconf("SC_CLK_TCK")

@@ -54,16 +54,8 @@ def thread_ticks(pids: list[int]) -> dict[tuple[str, str], int]:
         named = bsn.proc_ticks(pid)
         if named is None:
             continue
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue
-            tid = int(task.name)
-            comm = "main" if tid == pid else f"{stat[stat.index('(') + 1:stat.rindex(')')]} {tid}"
-            fields = stat[stat.rindex(")") + 2:].split()
-            key = (f"{named[0]} [{pid}]", comm)
-            out[key] = out.get(key, 0) + int(fields[11]) + int(fields[12])
+        for tid, (name, ticks) in bsn.thread_ticks(pid).items():
+            out[(f"{named[0]} [{pid}]", "main" if tid == pid else f"{name} {tid}")] = ticks
     return out
 
 
@@ -192,7 +184,7 @@ def main() -> int:
     if server is not None:
         variants["H our server over HTTP"] = http
     try:
-        report(variants, phases, ledgers, args)
+        run_rounds(variants, phases, ledgers, args)
     finally:
         if server is not None:
             loop.run_until_complete(client.aclose())
@@ -202,7 +194,9 @@ def main() -> int:
     return 0
 
 
-def report(variants: dict, phases: dict, ledgers: dict[str, CpuLedger], args) -> None:
+def run_rounds(variants: dict, phases: dict, ledgers: dict[str, CpuLedger], args) -> None:
+    """A warm-up of every variant, then `args.rounds` rounds of them in turn; prints the
+    rates, the loops' step phases and (with H) the CPU a token of each thread."""
     import mlx.core as mx
 
     for fn in variants.values():

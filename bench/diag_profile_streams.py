@@ -44,19 +44,6 @@ def hottest(raw: Path, top: int) -> list[tuple[str, int]]:
     return counts.most_common(top)
 
 
-def thread_ticks(pid: int) -> dict[int, int]:
-    """utime + stime, in clock ticks, of each thread of a live process."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(task.name)] = int(fields[11]) + int(fields[12])
-    return out
-
-
 def thread_names(raw: Path) -> dict[int, str]:
     """tid -> Python thread name, from a py-spy --threads raw profile."""
     names = {}
@@ -121,7 +108,7 @@ def profile(args: argparse.Namespace, streams: int, prompts: list[list[int]], ba
     spies, ticks = [], {}
 
     def sample() -> None:
-        ticks.update({pid: (time.perf_counter(), thread_ticks(pid)) for pid in names})
+        ticks.update({pid: (time.perf_counter(), bsn.thread_ticks(pid)) for pid in names})
         for pid, name in names.items():
             raw = args.out / f"s{streams}_profile_{name}_{pid}.txt"
             spies.append((pid, name, raw, subprocess.Popen(
@@ -149,10 +136,11 @@ def profile(args: argparse.Namespace, streams: int, prompts: list[list[int]], ba
         if pid not in ticks:
             continue
         start, before = ticks[pid]
-        after, span = thread_ticks(pid), time.perf_counter() - start
+        after, span = bsn.thread_ticks(pid), time.perf_counter() - start
         raw = args.out / f"s{streams}_profile_{name}_{pid}.txt"
         tnames = thread_names(raw) if raw.exists() else {}
-        busy = sorted(((after[t] - before.get(t, 0)) / hz / span, t) for t in after)
+        busy = sorted(((after[t][1] - before.get(t, ('', 0))[1]) / hz / span, t)
+                      for t in after)
         print(f"== {name} {pid}: % of a core by thread over {span:.1f} s")
         for share, t in reversed(busy[-8:]):
             print(f"  {100 * share:6.1f}% {t} {tnames.get(t, '')}")
