@@ -110,6 +110,11 @@ def _size_or_auto(value: str) -> int | None:
     return None if value.strip().lower() == "auto" else _size(value)
 
 
+def _add_hot_cache_flag(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--hot-cache-max-size", type=_size, default="1GiB", metavar="SIZE",
+                   help=f"{help} (default: 1GiB)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=None, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
@@ -122,9 +127,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "to the gateway as one message (a third less gateway CPU a token at "
                         "batch 1 on a GPU); a stream's first token and its end are never held; "
                         "0 sends every step's tokens at once (default: 20)")
-    p.add_argument("--hot-cache-max-size", type=_size, default="1GiB", metavar="SIZE",
-                   help="RAM for the prefix KV cache of each stage, e.g. 4GiB; 0 turns the "
-                        "prefix cache off (default: 1GiB)")
+    _add_hot_cache_flag(p, "RAM for the prefix KV cache of each stage, e.g. 4GiB; 0 turns the "
+                           "prefix cache off; plans count it beside the stage's weights and KV")
     p.add_argument("--device-cache-max-size", type=_size_or_auto, default=None, metavar="SIZE",
                    help="device memory for the latest prompts' prefix KV blocks, restored without "
                         "a copy from RAM; pays off where the device has memory of its own (a "
@@ -426,6 +430,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="KV reserved per sequence (default: 4096)")
     plan.add_argument("--sequences", type=_positive, default=8, metavar="N",
                       help="concurrent sequences the KV reserve covers (default: 8)")
+    _add_hot_cache_flag(plan, "RAM each node's shard worker keeps for its prefix KV cache, as "
+                              "`join --hot-cache-max-size` sets it")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     status = sub.add_parser(
@@ -725,6 +731,7 @@ def _serve(args: argparse.Namespace) -> int:
                              node_args=tuple(_engine_args(args)),
                              node_metrics_port=args.node_metrics_port,
                              node_memory_bytes=args.node_memory or 0,
+                             worker_cache_bytes=args.hot_cache_max_size,
                              secret=new_secret())
     manager = _manager(args, models, options)
     try:
@@ -786,7 +793,8 @@ def _join(args: argparse.Namespace) -> int:
         if speed:
             log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
     agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=secret, node_id=args.name, speed=speed)
+                      secret=secret, node_id=args.name, speed=speed,
+                      worker_cache_bytes=args.hot_cache_max_size)
     advertiser = None
     if not args.no_announce:
         from omlx_shared.discovery import (
@@ -851,7 +859,8 @@ def _node(args: argparse.Namespace) -> int:
     from proto import omlx_pb2 as pb
 
     agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=_secret(args), node_id=args.name)
+                      secret=_secret(args), node_id=args.name,
+                      worker_cache_bytes=args.hot_cache_max_size)
     if args.model:
         from omlx_shared.child import ChildError
         from omlx_shared.model_spec import resolve_model
@@ -912,6 +921,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from omlx_coordinator.model_layout import read_layout
     from omlx_coordinator.planner import (
         PlanError,
@@ -925,7 +936,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         path = resolve_model(args.model, progress=True)
-        nodes = [parse_node_arg(n) for n in args.node]
+        nodes = [replace(parse_node_arg(n), cache_bytes=args.hot_cache_max_size)
+                 for n in args.node]
         plan = make_plan(read_layout(path), nodes, os_reserve_bytes=parse_size(args.os_reserve),
                          context_tokens=args.context, max_sequences=args.sequences,
                          split=args.split)

@@ -48,6 +48,7 @@ class ClusterOptions:
     # Local node i's shard worker exports /metrics on this port + i (0: each on any free one).
     node_metrics_port: int = 0
     node_memory_bytes: int = 0  # what each local node may hold (0: this machine's share)
+    worker_cache_bytes: int = 0  # each local node's workers' RAM prefix cache (their flag's)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Member:
     agent: AgentClient
     process: ChildProcess | None  # set when this coordinator started the agent itself
     budget_bytes: int = 0  # memory the plan may use on it
+    cache_bytes: int = 0  # what each of its shard workers keeps for its RAM prefix cache
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
     chip: str = ""
     alive: bool = True
@@ -131,7 +133,8 @@ class Cluster:
                 "healthy": bool(m.alive and h),
                 "agent_pid": h.pid if h else (m.process.pid if m.process else None),
                 "version": h.version if h else None,
-                "memory_budget": m.budget_bytes, "chip": m.chip, "speed_gbps": m.speed,
+                "memory_budget": m.budget_bytes, "worker_cache_bytes": m.cache_bytes,
+                "chip": m.chip, "speed_gbps": m.speed,
                 "memory_total": (h.memory_total_bytes or None) if h else None,
                 "memory_available": (h.memory_available_bytes or None) if h else None,
                 "memory_pressure": (h.memory_pressure or None) if h else None,
@@ -196,6 +199,7 @@ class Cluster:
             hellos = await asyncio.gather(*(m.agent.admit() for m in self.members))
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
+                m.cache_bytes = hello.worker_cache_bytes
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
             self.ready, self.status = True, "ready"
@@ -250,6 +254,7 @@ class Cluster:
                              if member.name not in k}
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
+        member.cache_bytes = hello.worker_cache_bytes
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:

@@ -80,11 +80,12 @@ class Deployment:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
         within what the other deployments leave free on it."""
         if members is None:
-            nodes = [NodeSpec(f"local{i}", self.cluster.local_budget())
+            nodes = [NodeSpec(f"local{i}", self.cluster.local_budget(),
+                              cache_bytes=self.cluster.options.worker_cache_bytes)
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.cluster.free_budget(m.name, self), m.speed)
-                     for m in members]
+            nodes = [NodeSpec(m.name, self.cluster.free_budget(m.name, self), m.speed,
+                              cache_bytes=m.cache_bytes) for m in members]
         split = self.model.config.split
         return make_plan(self.model.layout, nodes, os_reserve_bytes=0,
                          split=split if split and len(split) == len(nodes) else None)

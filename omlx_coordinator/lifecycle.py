@@ -242,7 +242,8 @@ class ModelManager:
         """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
         at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
         would pause every stream the gateway serves."""
-        nodes = [NodeSpec(m.name, m.budget_bytes, m.speed) for m in self.cluster.servable()]
+        nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes)
+                 for m in self.cluster.servable()]
         return await asyncio.to_thread(placement.place_evicting, model.layout, nodes, loaded,
                                        model.config.replicas, model.config.split, PLAN_SETTINGS)
 

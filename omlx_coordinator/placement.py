@@ -248,7 +248,8 @@ def _smallest_group(
     """The plan over the fewest of `nodes` that holds the model; among those, the one whose
     nodes offer the least memory (best fit), then the most speed; None if none fits."""
     least = _least_need(layout, settings)
-    budget = {n.name: max(0, n.memory_bytes - settings.os_reserve_bytes) for n in nodes}
+    budget = {n.name: max(0, n.memory_bytes - settings.os_reserve_bytes - n.cache_bytes)
+              for n in nodes}
     largest = sorted(budget.values(), reverse=True)
     for size in range(1, len(nodes) + 1):
         if sum(largest[:size]) < least:

@@ -29,6 +29,10 @@ Memory (what a stage must hold, which must fit in memory_bytes - os_reserve_byte
   its kind of cache holds (`ModelLayout.kv_bytes`: a full-attention layer every token, a
   sliding-window layer at most its window, a linear-attention layer a constant state).
 - Activations and scratch buffers are small next to these and are covered by the OS reserve.
+- Every shard worker on a node also keeps its prefix KV cache in RAM (`NodeSpec.cache_bytes`,
+  the node's `--hot-cache-max-size`): a stage counts it beside its weights and KV, so a node's
+  budget for weights and KV is memory_bytes - os_reserve_bytes - cache_bytes, and a second model
+  on the same node pays its own worker's cache too.
 
 Objective: minimise the bottleneck (slowest stage's est_ms), which bounds the pipeline's step
 rate once micro-batches keep every stage busy. Among the splits that reach the optimal
@@ -83,18 +87,21 @@ class NodeSpec:
     memory_bytes: its total memory (the plan keeps os_reserve_bytes of it free).
     speed: weight-streaming throughput in GB/s (see the module docstring); 1.0 if uncalibrated.
     link_ms: one-way latency from this node to the next stage in the ring.
+    cache_bytes: what each shard worker on it keeps for its prefix KV cache in RAM, beside the
+    KV the plan reserves.
     """
 
     name: str
     memory_bytes: int
     speed: float = 1.0
     link_ms: float = 0.0
+    cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ",= \t\n"):
             raise ValueError(f"bad node name {self.name!r}: non-empty, no spaces, ',' or '='")
-        if self.memory_bytes < 0:
-            raise ValueError(f"node {self.name}: memory_bytes must be >= 0")
+        if self.memory_bytes < 0 or self.cache_bytes < 0:
+            raise ValueError(f"node {self.name}: memory_bytes and cache_bytes must be >= 0")
         if not (math.isfinite(self.speed) and self.speed > 0):
             raise ValueError(f"node {self.name}: speed must be a positive number (GB/s)")
         if not (math.isfinite(self.link_ms) and self.link_ms >= 0):
@@ -104,7 +111,9 @@ class NodeSpec:
 @dataclass(frozen=True)
 class Stage:
     """Layers [layer_start, layer_end) on `node`. weight_bytes includes the embedding (first
-    stage) and norm + head (last stage); est_ms includes the node's link_ms (see module doc)."""
+    stage) and norm + head (last stage); cache_bytes is its worker's prefix cache in RAM;
+    memory_budget is the node's memory less the OS reserve; est_ms includes the node's link_ms
+    (see module doc)."""
 
     node: str
     layer_start: int
@@ -113,6 +122,7 @@ class Stage:
     kv_bytes: int
     memory_budget: int
     est_ms: float
+    cache_bytes: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -120,7 +130,7 @@ class Stage:
 
     @property
     def memory_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.cache_bytes
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,8 @@ class _Costs:
                 self.kv_prefix[-1] + layout.kv_bytes(i, context_tokens) * max_sequences)
         # What one full-attention layer reserves, for the explanation.
         self.kv_layer = layout.kv_bytes_per_token_per_layer * context_tokens * max_sequences
-        self.budgets = [n.memory_bytes - os_reserve_bytes for n in nodes]
+        # What a stage's weights and KV may take of each node.
+        self.budgets = [n.memory_bytes - os_reserve_bytes - n.cache_bytes for n in nodes]
         self.limits = [math.inf if unlimited_memory else b for b in self.budgets]
         # The head matmul streams lm_head, or the embedding when tied.
         self.head_compute = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
@@ -511,8 +522,9 @@ def make_plan(
             layer_end=b,
             weight_bytes=c.weights(a, b),
             kv_bytes=c.kv(a, b),
-            memory_budget=c.budgets[j],
+            memory_budget=c.budgets[j] + c.nodes[j].cache_bytes,
             est_ms=c.ms(j, a, b),
+            cache_bytes=c.nodes[j].cache_bytes,
         )
         for j, a, b in ranges
     )
@@ -565,7 +577,8 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
     missing = max(0, need - have)
     lines = [
         f"{lay.model_id} does not fit: it needs {_b(need)} ({need} bytes: weights {_b(weights)} "
-        f"+ KV {_b(c.kv(0, L))}); the nodes offer {_b(have)} after the OS reserve."
+        f"+ KV {_b(c.kv(0, L))}); the nodes offer {_b(have)} after the OS reserve"
+        + (" and their workers' prefix caches." if any(n.cache_bytes for n in c.nodes) else ".")
     ]
     if missing:
         lines.append(f"Missing overall: {_b(missing)} ({missing} bytes).")
@@ -592,7 +605,8 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
             lines.append(f"  {name}: no layers (budget {_b(max(budget, 0))})")
     lines.append(
         "Add memory or a node, reserve less KV (`omlx-cluster plan --context N --sequences N`), "
-        "lower the OS reserve (--os-reserve), or use a more quantized model."
+        "lower the OS reserve (--os-reserve) or the nodes' prefix cache (--hot-cache-max-size), "
+        "or use a more quantized model."
     )
     return PlanError("\n".join(lines), missing_bytes=missing, missing_by_node=over)
 
@@ -632,7 +646,10 @@ def _explain(
         nd = nodes[j]
         out.append(
             f"Stage {s}: {nd.name} layers [{a}, {b}) ({b - a}): weights {_b(c.weights(a, b))}, "
-            f"KV {_b(c.kv(a, b))}, uses {_b(c.mem(a, b))} of {_b(max(c.budgets[j], 0))} budget; "
+            f"KV {_b(c.kv(a, b))}"
+            + (f", prefix cache {_b(nd.cache_bytes)}" if nd.cache_bytes else "")
+            + f", uses {_b(c.mem(a, b) + nd.cache_bytes)} of "
+            f"{_b(max(c.budgets[j] + nd.cache_bytes, 0))} budget; "
             f"est {c.ms(j, a, b):.3f} ms = {c.compute_ms(j, a, b):.3f} ms at {nd.speed:g} GB/s "
             f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
@@ -640,7 +657,9 @@ def _explain(
     for j, nd in enumerate(nodes):
         if j not in used:
             why = (
-                "its memory is within the OS reserve"
+                "its memory is within the OS reserve and its prefix cache"
+                if c.budgets[j] <= 0 and nd.cache_bytes
+                else "its memory is within the OS reserve"
                 if c.budgets[j] <= 0
                 else "cannot hold a stage"
                 if not any(c.fits(j, i, k) for i in range(c.L) for k in range(i + 1, c.L + 1))

@@ -133,12 +133,14 @@ class Reading:
 class NodeState:
     """A node the plan may use: the memory a plan may take of it now, its calibrated speed
     (GB/s), and the memory it has for the model (its footprint is held against this one, not
-    against a budget lowered by shedding; 0: budget_bytes)."""
+    against a budget lowered by shedding; 0: budget_bytes), and what its shard worker keeps
+    for its RAM prefix cache (NodeSpec.cache_bytes)."""
 
     name: str
     budget_bytes: int
     speed: float = 1.0
     memory_bytes: int = 0
+    cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,8 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
             "current_bottleneck_s": current_s, "current": plan}
 
     def best_plan(budget: Mapping[str, int]) -> Plan:
-        return make_plan(layout, [NodeSpec(n.name, budget[n.name], speeds[n.name])
+        return make_plan(layout, [NodeSpec(n.name, budget[n.name], speeds[n.name],
+                                           cache_bytes=n.cache_bytes)
                                   for n in nodes], os_reserve_bytes=0)
 
     # Memory pressure first: it does not wait for the gain, only for the pressure to last.
@@ -464,7 +467,7 @@ class Rebalancer:
 
     def decide(self) -> Decision:
         nodes = [NodeState(m.name, m.budget_bytes, m.speed,
-                           self.memory.setdefault(m.name, m.budget_bytes))
+                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes)
                  for m in self.cluster.servable()]
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,

@@ -141,7 +141,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
                  metrics_port: int = 0, engine_args: list[str] | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
-                 speed: float = 0.0, standby: bool = True):
+                 speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0):
         self.secret = secret
         self.node_id = node_id or default_node_id()
         self.chip = chip or hardware.chip()
@@ -170,6 +170,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         # a port binds once. 0: every worker on any port.
         self.metrics_port = metrics_port
         self.engine_args = list(engine_args or [])  # passed on to every worker
+        self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
@@ -215,7 +216,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             node_id=self.node_id, version=__version__, node_nonce=n_nonce,
             proof=transcript.proof(self.secret, "node") if self.secret else b"",
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
-            rdma_ports=self.rdma_ports)
+            rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)

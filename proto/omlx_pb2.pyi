@@ -15,7 +15,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports")
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class HandshakeReply(_message.Message):
     CHIP_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
     RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     node_nonce: bytes
@@ -32,7 +33,8 @@ class HandshakeReply(_message.Message):
     chip: str
     speed: float
     rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ...) -> None: ...
+    worker_cache_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class RdmaPort(_message.Message):
     __slots__ = ("device", "uuid", "peer_uuid")

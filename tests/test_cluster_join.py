@@ -104,9 +104,10 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT)],
                           tmp_path / "coordinator.log")
             procs.append(coord)
-            nodes = {name: start(ns, ["join", "--name", name, "--port", str(port)],
+            nodes = {name: start(ns, ["join", "--name", name, "--port", str(port), *extra],
                                  tmp_path / f"{name}.log")
-                     for name, port in (("mac-a", 50061), ("mac-b", 50062))}
+                     for name, port, extra in (("mac-a", 50061, []),
+                                               ("mac-b", 50062, ["--hot-cache-max-size", "64MiB"]))}
             procs += nodes.values()
             # A node without the secret is refused and never planned: its certificate is not
             # from this cluster's CA, so the TLS handshake fails before any admission message
@@ -121,6 +122,10 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             assert "rogue" not in {n["id"] for n in status["nodes"]}
             # Each node measured its speed when it joined; the planner weighs the split by it.
             assert all(n["speed_gbps"] > 0.01 for n in status["nodes"]), status["nodes"]
+            # And told the coordinator what its workers keep for their RAM prefix cache, which
+            # the planner counts beside each stage's weights and KV.
+            assert {n["id"]: n["worker_cache_bytes"] for n in status["nodes"]} == {
+                "mac-a": 1 << 30, "mac-b": 64 << 20}
             r = complete(ns)
             assert r["status"] == 200, r
             reference = r["body"]["choices"][0]["text"]

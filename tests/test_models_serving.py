@@ -35,14 +35,20 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "beta": build_model(root / "beta", "qwen3", num_layers=3, seed=4)}
 
 
+# Each model's worker keeps this much for its RAM prefix cache (--hot-cache-max-size), more
+# than the tiny models weigh: were the cache not counted, one_fits would hold both models.
+CACHE_FLAGS = ("--hot-cache-max-size", "32MiB")
+
+
 def planned_bytes(path: Path) -> int:
-    """What the planner reserves for a model on one node (weights and KV)."""
-    plan = make_plan(read_layout(path), [NodeSpec("n", 1 << 40)], os_reserve_bytes=0)
+    """What the planner reserves for a model on one node (weights, KV, the worker's cache)."""
+    plan = make_plan(read_layout(path), [NodeSpec("n", 1 << 40, cache_bytes=32 << 20)],
+                     os_reserve_bytes=0)
     return sum(placement.plan_bytes(plan).values())
 
 
 def one_fits(models: dict[str, Path]) -> str:
-    """A --node-memory that holds either model but not both."""
+    """A --node-memory that holds either model but not both (with CACHE_FLAGS)."""
     sizes = [planned_bytes(p) for p in models.values()]
     assert max(sizes) * 1.2 < sum(sizes)
     return f"{max(sizes) * 1.1 / 2**20:.0f}MiB"
@@ -140,7 +146,7 @@ def test_a_budget_for_one_evicts_the_least_recently_used(models, tmp_path):
     a, b = models["alpha"], models["beta"]
     pa, pb = prompts_for(a)[:1], prompts_for(b)[:1]
     want_a, want_b = expected(a, pa)[0], expected(b, pb)[0]
-    with start_server(a, "--model", f"beta={b}", "--node-memory", one_fits(models),
+    with start_server(a, "--model", f"beta={b}", "--node-memory", one_fits(models), *CACHE_FLAGS,
                       home=tmp_path / "home") as server:
         assert card(server.url, "beta")["state"] == "unloaded"
         assert complete(server.url, "alpha", pa[0])["choices"][0]["text"] == want_a
@@ -164,7 +170,7 @@ def test_a_leased_model_is_not_evicted_until_its_stream_ends(models, tmp_path):
     pa, pb = prompts_for(a)[0], prompts_for(b)[0]
     long_n = 1500  # seconds of decoding: beta waits that long
     want_a, want_b = expected(a, [pa], long_n)[0], expected(b, [pb])[0]
-    with start_server(a, "--model", f"beta={b}", "--node-memory", one_fits(models),
+    with start_server(a, "--model", f"beta={b}", "--node-memory", one_fits(models), *CACHE_FLAGS,
                       home=tmp_path / "home") as server:
         results: dict[str, tuple] = {}
         t = threading.Thread(target=lambda: results.update(
@@ -191,8 +197,8 @@ def test_pinned_models_stay_and_idle_ones_time_out(models, tmp_path):
     a, b = models["alpha"], models["beta"]
     pb = prompts_for(b)[0]
     budget = one_fits(models)
-    with start_server(a, "--model", f"beta={b}", "--node-memory", budget, "--pin", "alpha",
-                      home=tmp_path / "pinned") as server:
+    with start_server(a, "--model", f"beta={b}", "--node-memory", budget, *CACHE_FLAGS,
+                      "--pin", "alpha", home=tmp_path / "pinned") as server:
         r = httpx.post(server.url + "/v1/completions", json={
             "model": "beta", "prompt": pb, "max_tokens": 4}, timeout=60)
         assert r.status_code == 503, r.text

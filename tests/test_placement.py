@@ -82,6 +82,20 @@ def test_plan_bytes_is_what_the_stages_hold_and_sums_over_replicas() -> None:
     assert plan_bytes(*plans) == {**per_plan[0], **per_plan[1]}
 
 
+def test_every_models_worker_on_a_node_pays_its_own_prefix_cache() -> None:
+    """Each model's shard worker on a node keeps its own RAM prefix cache: two 6 GiB models fit
+    a 16 GiB node with a 1 GiB cache per worker (14 GiB), not with 3 GiB each (18 GiB)."""
+    cluster = [NodeSpec("n0", 16 * GiB, cache_bytes=GiB)]
+    [first] = place_model(model(6, "a"), cluster, {}, settings=BARE)
+    assert plan_bytes(first) == {"n0": 7 * GiB}  # its weights and its worker's cache
+    [second] = place_model(model(6, "b"), cluster, plan_bytes(first), settings=BARE)
+    assert plan_bytes(first, second) == {"n0": 14 * GiB}
+    big = [NodeSpec("n0", 16 * GiB, cache_bytes=3 * GiB)]
+    [first] = place_model(model(6, "a"), big, {}, settings=BARE)
+    with pytest.raises(PlanError, match="prefix cache"):
+        place_model(model(6, "b"), big, plan_bytes(first), settings=BARE)
+
+
 def test_one_replica_is_the_planner_over_the_shared_budgets() -> None:
     layout, cluster, held = model(20), nodes(16, 16, 16), {"n0": 10 * GiB}
     [plan] = place_model(layout, cluster, held, settings=BARE)

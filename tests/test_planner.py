@@ -72,7 +72,7 @@ def brute_force(lay, nodes, reserve, kv_tokens):
         for node, a, b in zip(nodes, bounds, bounds[1:]):
             if b == a:
                 continue
-            if stage_memory(lay, a, b, kv_tokens) > node.memory_bytes - reserve:
+            if stage_memory(lay, a, b, kv_tokens) + node.cache_bytes > node.memory_bytes - reserve:
                 break
             times.append(stage_ms(lay, node, a, b))
         else:
@@ -106,6 +106,7 @@ def random_cluster(rng: random.Random, n: int, L: int):
             memory_bytes=RESERVE + int(need * rng.uniform(0.05, 1.1)),
             speed=rng.choice([0.5, 1.0, 2.0, 3.7, 8.0]) * rng.uniform(0.8, 1.2),
             link_ms=rng.choice([0.0, 0.0, 0.3, 2.0, 25.0]),
+            cache_bytes=rng.choice([0, 0, 64 * MiB, 512 * MiB]),
         )
         for j in range(n)
     ]
@@ -151,8 +152,11 @@ def test_matches_brute_force_on_random_heterogeneous_clusters():
             assert s.layer_end == t.layer_start
         for s in plan.stages:
             assert s.layer_end > s.layer_start
-            assert s.memory_bytes == stage_memory(lay, s.layer_start, s.layer_end, kv_tokens)
-            assert s.memory_bytes <= s.memory_budget
+            node = by_name[s.node]
+            assert s.cache_bytes == node.cache_bytes
+            assert s.memory_bytes == stage_memory(lay, s.layer_start, s.layer_end,
+                                                  kv_tokens) + node.cache_bytes
+            assert s.memory_bytes <= s.memory_budget == node.memory_bytes - RESERVE
             assert s.est_ms == pytest.approx(
                 stage_ms(lay, by_name[s.node], s.layer_start, s.layer_end)
             )
@@ -243,6 +247,27 @@ def test_refuses_with_missing_bytes_overall_and_per_node():
     assert sum(e.missing_by_node.values()) == need - have
     for name, short in e.missing_by_node.items():
         assert f"{name}: layers" in str(e) and str(short) in str(e)
+
+
+def test_each_stage_counts_its_workers_ram_prefix_cache():
+    """A node's --hot-cache-max-size is memory its shard worker takes beside the weights and KV:
+    a model that just fits a node without it does not fit with it, and the refusal says so."""
+    lay = uniform_layout(L=4, layer=GiB)  # 4 GiB of layers + 1 GiB embedding and head
+    kw = dict(os_reserve_bytes=GiB, context_tokens=0, max_sequences=1)
+    need = stage_memory(lay, 0, 4, 0)
+    plan = make_plan(lay, [NodeSpec("a", need + GiB)], **kw)
+    assert plan.stages[0].memory_bytes == need and plan.stages[0].cache_bytes == 0
+    cached = NodeSpec("a", need + GiB, cache_bytes=GiB)
+    with pytest.raises(PlanError) as info:
+        make_plan(lay, [cached], **kw)
+    assert info.value.missing_bytes == GiB
+    assert "prefix cache" in str(info.value) and "--hot-cache-max-size" in str(info.value)
+    # Given the memory for it, the stage shows the cache in what it uses.
+    plan = make_plan(lay, [NodeSpec("a", need + 2 * GiB, cache_bytes=GiB)], **kw)
+    stage = plan.stages[0]
+    assert (stage.cache_bytes, stage.memory_bytes, stage.memory_budget) == (
+        GiB, need + GiB, need + GiB)
+    assert "prefix cache 1.00 GiB" in "\n".join(plan.explanation)
 
 
 def test_refuses_when_the_total_fits_but_no_contiguous_split_does():
