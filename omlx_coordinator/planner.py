@@ -757,8 +757,11 @@ def format_plan(plan: Plan) -> str:
         title=f"Plan {plan.plan_hash} for {plan.model_id}: bottleneck {plan.bottleneck_ms:.3f} ms",
         title_justify="left",
     )
-    for col in ("stage", "node", "layers", "n", "weights", "KV", "memory / budget", "est ms"):
-        table.add_column(col, justify="left" if col in ("node", "layers") else "right")
+    cache = any(st.cache_bytes for st in plan.stages)
+    for col in ("stage", "node", "layers", "n", "weights", "KV", "prefix cache", "memory / budget",
+                "est ms"):
+        if col != "prefix cache" or cache:
+            table.add_column(col, justify="left" if col in ("node", "layers") else "right")
     worst = plan.bottleneck_stage
     for s, st in enumerate(plan.stages):
         table.add_row(
@@ -768,6 +771,7 @@ def format_plan(plan: Plan) -> str:
             str(st.num_layers),
             _b(st.weight_bytes),
             _b(st.kv_bytes),
+            *([_b(st.cache_bytes)] if cache else []),
             f"{_b(st.memory_bytes)} / {_b(max(st.memory_budget, 0))}",
             f"{st.est_ms:.3f}" + (" *" if s == worst else ""),
         )
