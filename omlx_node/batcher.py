@@ -316,17 +316,21 @@ class StageState:
         if self.defer_stores:
             self.deferred[seq_id] = (self.tokens[seq_id], cache)
         else:
-            self.prefix_cache.store(self.tokens[seq_id], cache)
+            self._keep(self.tokens[seq_id], cache)
 
     def flush_stores(self, seq_ids: list[int]) -> None:
-        """The deferred stores of `seq_ids`' prompts (any not deferred are skipped). A store
-        that fails is logged: it costs a later prefill, never the step."""
+        """The deferred stores of `seq_ids`' prompts (any not deferred are skipped)."""
         for s in seq_ids:
             if (held := self.deferred.pop(s, None)) is not None:
-                try:
-                    self.prefix_cache.store(*held)
-                except Exception:
-                    log.exception("KV cache: storing a prompt's blocks failed")
+                self._keep(*held)
+
+    def _keep(self, tokens: list[int], cache: list) -> None:
+        """The prefix cache keeps a prompt's blocks. A store that fails (a device allocation,
+        say) is logged: it costs a later prefill, never the step nor its other sequences."""
+        try:
+            self.prefix_cache.store(tokens, cache)
+        except Exception:
+            log.exception("KV cache: storing a prompt's blocks failed")
 
     def flush_admitted(self) -> None:
         """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
@@ -389,9 +393,14 @@ class StageState:
             self.rows.pop(mb, None)
 
     def give_back_if_idle(self) -> None:
-        """Empties MLX's buffer cache once this stage holds no sequence: the buffers the last
-        ones held (their KV) go back to the device."""
-        if not self.caches and not self.prefilling and mx.get_cache_memory():
+        """Once this stage holds no sequence: drops the device copies of the blocks the prefix
+        cache has copied to the host, and empties MLX's buffer cache: the buffers the last
+        sequences held (their KV) go back to the device."""
+        if self.caches or self.prefilling:
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.release_device_copies()
+        if mx.get_cache_memory():
             mx.clear_cache()
 
     def forward(self, mb: int, x: mx.array) -> mx.array:
@@ -520,6 +529,7 @@ class Engine:
         Python thread that later exits can abort the interpreter at shutdown (seen with mlx 0.32)."""
         while not self._stop.is_set():
             self.step(block=True)
+        self._drain_inbox(block=False)  # requests that came during the last step end too
         # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
         self._finish_all(Finish("aborted", "the node is shutting down"))
         self._deliver()

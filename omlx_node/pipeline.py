@@ -32,6 +32,7 @@ every stage exits 0; a stage ignores its own SIGTERM and waits for that STOP (wo
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ def hidden_dtype(stage: StageRunner) -> mx.Dtype:
 
 # Each micro-batch beyond the first costs host work and a hop per step: ask this much gain each.
 MICRO_BATCH_PENALTY = 0.25
+# Queued sequences looked up beyond the room the batch has now: their lookups' round trips
+# through the pipeline are done by the time a slot frees.
+LOOKUP_AHEAD = 2
 
 
 def step_cost(costs: dict[int, float], rows: int) -> float:
@@ -144,11 +148,14 @@ class PipelineHead(Engine):
         for m in self.mbs:
             if not m.in_flight and m.pending:
                 self._launch(m, None)
+        room = self.max_batch - len(self.running_seqs())
         if self.state.prefix_cache is not None:
-            for seq in self._waiting:
+            # Every stage holds a looked-up sequence's restored KV until it runs: only the ones
+            # that may start soon are looked up (a burst of queued agent turns sharing a long
+            # cached prompt would otherwise hold one copy of it each, on every stage).
+            for seq in itertools.islice(self._waiting, max(room, 0) + LOOKUP_AHEAD):
                 if not seq.lookup_sent:
                     self._send_lookup(seq)
-        room = self.max_batch - len(self.running_seqs())
         if self._waiting and room > 0:
             self._prefill_step(room)
         if self._replies:

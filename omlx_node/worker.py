@@ -193,6 +193,7 @@ def join_group(config: WorkerConfig):
     reached: MLX's ring init waits forever for a missing peer, and jaccl's rank 0 for the
     others on its side channel."""
     import json
+    import shutil
     import tempfile
 
     import mlx.core as mx
@@ -246,6 +247,7 @@ def join_group(config: WorkerConfig):
     finally:
         watchdog.kill()
         watchdog.wait()
+        shutil.rmtree(scratch, ignore_errors=True)  # MLX read its files in init
     if group.size() != world or group.rank() != rank:
         raise RuntimeError(f"joined a group of {group.size()} as rank {group.rank()}, expected "
                            f"{world} / {rank}")

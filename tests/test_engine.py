@@ -10,6 +10,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from omlx_node.batcher import Batcher, Finish, SeqRequest
+from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageError, StageRunner
@@ -227,3 +228,65 @@ def test_the_engine_gives_freed_buffers_back_to_the_device(tmp_path):
     high = [c >= 2 * kv for c in peaks]
     assert any(high) and not any(x and y for x, y in zip(high, high[1:])), (peaks, kv)
     assert mx.get_cache_memory() == 0  # idle: nothing held back
+
+
+def test_idle_engine_lets_go_of_the_device_copies_of_stored_blocks(tmp_path):
+    """The prefix cache copies a prompt's blocks to the host on a thread of its own, from device
+    arrays the engine keeps until the copy is done. Once the engine is idle those go too: a
+    node between requests holds no device memory for the last prompt (on a GPU, gigabytes for
+    a long one), and the blocks stay in the cache."""
+    path = build_model(tmp_path / "m", "llama", num_layers=3)
+    cache = PrefixCache("m", (0, 3), block_size=16, hot_max_bytes=1 << 30)
+    batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=512, prefix_cache=cache)
+    mx.synchronize()
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    prompt = [11 + (i * 7) % 300 for i in range(2000)]
+    [(tokens, finish)] = drain(batcher, [batcher.submit(SeqRequest("a", prompt, 3))])
+    assert len(tokens) == 3 and finish.reason == "length"
+    batcher.step()  # an idle iteration, as the engine's loop runs between requests
+    assert mx.get_active_memory() - baseline < 64 << 10, mx.get_active_memory() - baseline
+    assert cache.lookup(prompt) == 1984  # its 124 whole blocks are kept
+    cache.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])  # stores deferred, and at once
+def test_a_failed_prefix_cache_store_costs_no_request(tmp_path, family):
+    """Keeping a prompt's blocks can fail (a device allocation for the cut, say): that prompt
+    is simply not cached; neither it nor the requests in its batch fail, and their tokens are
+    mlx-lm's."""
+    path = build_model(tmp_path / family, family, num_layers=3)
+    model, _ = load(str(path))
+    cache = PrefixCache("m", (0, 3), block_size=4, hot_max_bytes=1 << 30)
+    store = cache.store
+
+    def failing_store(tokens, kv) -> None:
+        if tokens[:2] == [99, 98]:
+            raise RuntimeError("[malloc] Unable to allocate 1073741824 bytes")
+        store(tokens, kv)
+
+    cache.store = failing_store
+    batcher = Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=64, prefix_cache=cache)
+    prompts = [[20 + i for i in range(20)], [99, 98] + [30 + i for i in range(20)]]
+    seqs = [batcher.submit(SeqRequest(str(i), p, 5)) for i, p in enumerate(prompts)]
+    for (tokens, finish), p in zip(drain(batcher, seqs), prompts):
+        assert (tokens, finish.reason) == (reference(model, p, 5), "length")
+    assert cache.lookup(prompts[0]) == 16 and cache.lookup(prompts[1]) == 0  # whole blocks
+    cache.close()
+
+
+def test_a_request_that_arrives_as_the_engine_stops_is_aborted(tmp_path):
+    """A request that reached the engine during its last step ends "aborted" like the running
+    ones (the gateway runs it again elsewhere), never without an end."""
+    path = build_model(tmp_path, "llama", num_layers=2)
+    batcher = Batcher(StageRunner(path), NodeMetrics())
+    running = batcher.submit(SeqRequest("running", [5, 6, 7], 1000))
+    batcher.step()
+    late = batcher.submit(SeqRequest("late", [8, 9], 10))
+    batcher.stop()
+    batcher.run()
+    for seq in (running, late):
+        events = []
+        while not seq.events.empty():
+            events.append(seq.events.get_nowait())
+        assert isinstance(events[-1], Finish) and events[-1].reason == "aborted", events

@@ -140,3 +140,54 @@ def test_two_stage_pipeline_hits_on_both_stages(model, prompts, references, tmp_
     with start_server(model, *flags, home=home, keepalive=None) as server:
         cached = check_all(server, prompts, references, tok)
         assert cached[0] == 0 and cached[1] > 0  # the first request stored them again
+
+
+def test_a_queued_burst_on_a_cached_prompt_holds_few_restored_copies(model, tmp_path,
+                                                                     monkeypatch):
+    """Agent turns queue up behind a full batch, all resending one long cached prompt: a
+    pipeline's stages hold the restored KV of only the few that may start next, not one copy
+    per queued request (which grows without bound with the queue), and every answer is still
+    mlx-lm's. (And the workers leave no scratch files of their group behind.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    ref_model, tok = load(str(model))
+    system = tok.encode("You are a coding agent working in a large repository. " * 30)
+    burst = [system + tok.encode(f" Task {i}: fix bug number {i}.") for i in range(12)]
+    refs = [tok.decode([int(t) for t, _ in generate_step(mx.array(p), ref_model,
+                                                           max_tokens=12)]) for p in burst]
+    mx.synchronize()
+    flags = (*FLAGS, "--nodes", "2", "--split", "1,3", "--max-batch", "1")
+    with start_server(model, *flags, home=tmp_path / "home", keepalive=None,
+                      node_metrics=True) as server:
+        used = 'omlx_node_kv_cache_used_bytes'
+        highest = [0.0]
+        done = threading.Event()
+
+        def watch() -> None:  # the head stage's KV, sampled while the requests run
+            while not done.wait(0.02):
+                highest[0] = max(highest[0], server.node_metrics().get(used, 0.0))
+
+        assert complete(server.url, server.model_id, burst[0])[0] == refs[0]
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        assert complete(server.url, server.model_id, burst[0])[1] > len(system) // 2
+        alone = highest[0]  # one request on the cached prompt, restored and decoding
+        results: list = [None] * len(burst)
+
+        def one(i: int) -> None:
+            results[i] = complete(server.url, server.model_id, burst[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(burst))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        done.set()
+        watcher.join(10)
+    assert [text for text, _ in results] == refs
+    assert sum(cached > 0 for _, cached in results) >= len(burst) - 1
+    # One running and up to LOOKUP_AHEAD (2) queued ones hold the prompt; were every queued
+    # request looked up at once, that would be 12 copies.
+    assert 0 < alone and highest[0] <= 4 * alone, (highest[0], alone)
+    assert not list(scratch.glob("omlx-group-*"))

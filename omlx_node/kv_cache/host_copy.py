@@ -71,6 +71,11 @@ class HostCopier:
             self._held.popleft()
             self._reaped += 1
 
+    @property
+    def holding(self) -> bool:
+        """Engine thread: whether it still references a cut (copied or not)."""
+        return bool(self._held)
+
     def settle(self, timeout: float | None = None) -> bool:
         """Waits until every cut submitted so far is kept (any thread); False on a timeout."""
         with self._cv:

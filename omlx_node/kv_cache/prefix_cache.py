@@ -333,6 +333,15 @@ class PrefixCache:
         self.metrics.stored.inc(len(blocks))
         self._update_gauges()
 
+    def release_device_copies(self, timeout: float = 1.0) -> None:
+        """Engine thread, once its stage holds no sequence: waits for the host copies in
+        flight (at most `timeout`; they end well before a next prompt's prefill would) and drops
+        the device arrays they were made from. Otherwise the last prompts' blocks would stay on
+        the device until the next request's lookup."""
+        if self._copier.holding:
+            self._copier.settle(timeout)
+            self._copier.reap()
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until the writer has nothing queued (writes and recency updates); False if
         `timeout` passed first."""
