@@ -213,6 +213,13 @@ class StageRunner:
             load_seconds=time.perf_counter() - t0,
         )
 
+    def sample_input(self, rows: int, length: int) -> mx.array:
+        """An input of this stage's kind (token ids on the first stage, hidden states on the
+        others) for a forward pass whose result does not matter (a warm-up, a probe)."""
+        if self.info.is_first:
+            return mx.ones((rows, length), dtype=mx.int32)
+        return mx.zeros((rows, length, self.hidden_size), dtype=getattr(mx, self.info.dtype))
+
     def make_cache(self) -> list:
         """Fresh caches for this stage's layers, of the types the family's make_cache gives."""
         return [copy.deepcopy(c) for c in self._templates]

@@ -46,13 +46,7 @@ def warm_up(stage: StageRunner) -> float:
     t0 = time.perf_counter()
     key = random_key()
     state = StageState(stage, StageProfile(CollectorRegistry()))
-    info = stage.info
-
-    def inputs(rows: int, length: int) -> mx.array:
-        if info.is_first:
-            return mx.ones((rows, length), dtype=mx.int32)
-        return mx.zeros((rows, length, stage.hidden_size), dtype=getattr(mx, info.dtype))
-
+    info, inputs = stage.info, stage.sample_input
     try:
         for seq in range(len(SAMPLERS)):
             state.prefill(seq, inputs(1, PROMPT_TOKENS))

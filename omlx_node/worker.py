@@ -34,6 +34,7 @@ from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine, Finish
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
+from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
@@ -273,11 +274,24 @@ def weights_fingerprint(model_path: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def block_layout(stage: StageRunner, block_size: int) -> Layout:
+    """The layout of the stage's prefix-cache blocks, from one token through fresh caches.
+    Given to its cache, a block on disk of other shapes (written by an mlx-lm that kept this
+    family's KV otherwise) is a miss from the first request on, not a failed step for the
+    request's whole batch."""
+    import mlx.core as mx
+
+    cache = stage.make_cache()
+    mx.eval(stage(stage.sample_input(1, 1), cache))
+    return cache_layout(cache, block_size)
+
+
 def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
                       metrics: NodeMetrics) -> PrefixCache | None:
     if config.hot_cache_bytes <= 0:
         return None
     info = stage.info
+    layout = None if stage.prefix_cache_off else block_layout(stage, config.cache_block_size)
     return PrefixCache(
         f"{config.model_id}@{weights_fingerprint(config.model_path)}",
         (info.layer_start, info.layer_end), config.cache_block_size,
@@ -285,7 +299,7 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
         ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
         dtype=info.dtype,
         device_max_bytes=(default_max_bytes() if config.device_cache_bytes is None
-                          else config.device_cache_bytes))
+                          else config.device_cache_bytes), layout=layout)
 
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:

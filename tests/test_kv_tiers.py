@@ -980,3 +980,44 @@ def test_a_killed_stage_lets_go_of_its_range(tmp_path):
         proc.wait(10)
     make_pc(tmp_path, layers=(0, 2), ssd_max_bytes=1).close()
     assert range_dirs(tmp_path) == ["0-2"]  # the OS dropped its lock with it
+
+
+def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, model_path,
+                                                                     stage, vocab):
+    """A worker knows its blocks' shapes from its first forward pass: a block on disk under
+    the same model, layers and dtype but of other shapes (an mlx-lm that kept the family's KV
+    otherwise wrote it) is a miss for the first request after a restart, which gets mlx-lm's
+    answer, not a failed step."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from omlx_node.batcher import Batcher, SeqRequest
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.worker import WorkerConfig, make_prefix_cache, weights_fingerprint
+
+    config = WorkerConfig(model_path=model_path, model_id="tiny", layer_start=0, layer_end=None,
+                          cache_block_size=BS, hot_cache_bytes=BIG, ssd_cache_dir=tmp_path,
+                          ssd_cache_bytes=BIG, device_cache_bytes=0)
+    prompt = rand_tokens(3 * BS + 1, vocab, seed=11)
+    odd = PrefixCache(f"tiny@{weights_fingerprint(model_path)}", (0, stage.info.num_layers), BS,
+                      ssd_dir=tmp_path, dtype=stage.info.dtype)
+    c = [KVCache() for _ in range(stage.info.num_layers)]
+    for x in c:
+        x.update_and_fetch(mx.zeros((1, 3, 3 * BS, 5)), mx.zeros((1, 3, 3 * BS, 5)))
+    odd.store(prompt, c)
+    assert odd.flush() and len(files(odd)) == 3
+    odd.close()
+
+    cache = make_prefix_cache(config, stage, NodeMetrics())
+    batcher = Batcher(stage, NodeMetrics(), prefill_chunk=64, prefix_cache=cache)
+    seq = batcher.submit(SeqRequest("after-restart", prompt, 6))
+    while not batcher.idle:
+        batcher.step()
+    events = []
+    while not seq.events.empty():
+        events.append(seq.events.get_nowait())
+    model, _ = load(str(model_path))
+    assert events[:-1] == [int(t) for t, _ in generate_step(mx.array(prompt), model,
+                                                             max_tokens=6)]
+    assert events[-1].reason == "length" and seq.cached == 0
+    cache.close()

@@ -125,6 +125,16 @@ def span_layout(spans: Spans, dt: DType, block_size: int) -> Layout:
     return dt.name, tuple(shapes[0::2]), tuple(shapes[1::2])
 
 
+def cache_layout(cache: Sequence[KVCache | RotatingKVCache], block_size: int) -> Layout:
+    """The layout of the blocks a stage's cache is cut into, from one that holds any tokens
+    (a stage's first forward pass tells it before a block is stored)."""
+    def shape(a: mx.array) -> tuple[int, ...]:
+        return a.shape[1], block_size, a.shape[3]
+
+    return (BY_MX[cache[0].keys.dtype].name, tuple(shape(c.keys) for c in cache),
+            tuple(shape(c.values) for c in cache))
+
+
 def _in_span_order(spans: Spans, split) -> list:
     """`split(stack)`'s items (one per span the stack holds) put back in span order."""
     out: list = [None] * sum(len(idx) for _, idx in spans)

@@ -111,6 +111,7 @@ class PrefixCache:
         ssd_min_free_bytes: int | None = None,
         write_queue_max_bytes: int = 1 * GiB,
         device_max_bytes: int = 0,
+        layout: Layout | None = None,
     ):
         start, end = layer_range
         if not 0 <= start < end:
@@ -135,7 +136,9 @@ class PrefixCache:
 
         # One lock guards every index below; file I/O and numpy copies happen outside it.
         self._lock = threading.RLock()
-        self._layout: Layout | None = None  # learned from the caller's caches in store()
+        # The stage's blocks' layout: given (blocks.cache_layout), so that a block on disk of
+        # another layout is a miss from the first lookup on, or learned in store().
+        self._layout: Layout | None = layout
         self._copying: set[str] = set()  # blocks stored but still on their way to host memory
         self._copier = HostCopier(self._keep)
         self.dir: Path | None = None
