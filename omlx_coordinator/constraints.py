@@ -2,9 +2,9 @@
 with llguidance's own compilers and checked here, at the gateway, so a schema the node's engine
 cannot compile is a 400 that says which part, never a failed generation.
 
-- `grammar_for_json_object()`: any JSON object (OpenAI's `response_format: json_object`).
-- `grammar_for_json_schema(schema)`: JSON that follows `schema` (`json_schema` formats; OpenAI's
-  `strict: false` is enforced all the same: the engine can only constrain fully).
+- `grammar_for_json_schema(schema)`: JSON that follows `schema` (OpenAI's `json_object` format
+  is {"type": "object"}; `json_schema` formats' `strict: false` is enforced all the same: the
+  engine can only constrain fully).
   JSON is laid out as json.dumps writes it (see _JSON_LAYOUT).
 - `grammar_for_tool_call(fmt, tools, name)`: the model's own tool-call markup, `fmt.start` +
   the call JSON its family's parser reads + `fmt.end`, with the arguments constrained by the
@@ -15,6 +15,9 @@ cannot compile is a 400 that says which part, never a failed generation.
   minicpm5, longcat, muse_spark, kimi_k3 write XML-like parameters, pythonic and gemma4 /
   function_gemma call syntax, and mistral and kimi_k2 open their calls with a special token
   that a text grammar does not produce.
+- `grammar_for_tools_or_reply(fmt, tools, parallel, reply)`: tool_choice `auto` with the
+  calls' arguments constrained (OpenAI's `strict` tools): free text and then calls, or a JSON
+  reply following `response_format` instead of calls. Same families as above.
 - `validate(grammar, param)`: compiles a grammar as the engine will (without its vocabulary).
 
 Grammars come out in llguidance's JSON TopLevelGrammar form, which the node's LLMatcher reads.
@@ -41,10 +44,6 @@ _CALL_PADDING = "\n"
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_for_json_object() -> str:
-    return grammar_for_json_schema({"type": "object"})
-
-
 def grammar_for_json_schema(schema: dict[str, Any] | bool) -> str:
     """JSON that follows `schema` (a JSON Schema; `true` or `{}` is any JSON value)."""
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_LAYOUT)
@@ -59,6 +58,48 @@ def grammar_for_tool_call(fmt: ToolCallFormat, tools: list[dict], name: str | No
 
     Raises APIError 400 for a family that cannot be forced, a name not among the tools, or a
     tool whose parameters the engine cannot compile (naming the tool)."""
+    return _grammar(f"start: {_calls(parallel)}\n", _call_rule(fmt, tools, name, schema_param))
+
+
+def grammar_for_tools_or_reply(fmt: ToolCallFormat, tools: list[dict], parallel: bool,
+                               reply: dict[str, Any] | bool | None) -> str:
+    """tool_choice auto, constrained: a reply, then or instead calls (several when `parallel`)
+    whose arguments follow their tool's schema (OpenAI's `strict` tools). `reply`: the JSON
+    Schema of a reply that calls no tool (`response_format`), or None for free text before the
+    calls. Free text needs a call marker that is a token of its own, which text never writes:
+    otherwise a 400 naming `tools`."""
+    if fmt.family not in FORCEABLE_FAMILIES:
+        raise APIError(400, f"this model's tool calls ({fmt.family} format) cannot be "
+                            "constrained (their markup is not a JSON object between plain-text "
+                            "markers), so neither strict tool schemas nor a response_format "
+                            "beside tools can be enforced: drop strict or response_format",
+                       param="tools")
+    call = _call_rule(fmt, tools, None, "tools.{i}.function.parameters")
+    if reply is not None:
+        schema = json.dumps({**(reply if isinstance(reply, dict) else {}),
+                             "x-guidance": _JSON_LAYOUT})
+        return _grammar(f"start: {_calls(parallel)} | reply\nreply: %json {schema}\n", call)
+    if fmt.start_id is None:
+        raise APIError(400, f"this model writes its tool-call marker {fmt.start!r} as plain "
+                            "text, so free text cannot be told from a call and strict tool "
+                            "schemas cannot be enforced under tool_choice \"auto\": use "
+                            "tool_choice \"required\" or a named function, or drop strict",
+                       param="tools")
+    return _grammar(f"start: TEXT ({_calls(parallel)})?\nTEXT: /(.|\\n)*/\n", call)
+
+
+def _calls(parallel: bool) -> str:
+    # Qwen's templates put a newline between two calls.
+    return f"call ({json.dumps(chr(10))} call)*" if parallel else "call"
+
+
+def _grammar(lark: str, call: str) -> str:
+    return json.dumps({"grammars": [{"lark_grammar": lark + f"call: {call}\n"}]})
+
+
+def _call_rule(fmt: ToolCallFormat, tools: list[dict], name: str | None,
+               schema_param: str) -> str:
+    """The lark rule of one call of the tool named `name` (None: any of `tools`)."""
     if fmt.family not in FORCEABLE_FAMILIES:
         raise APIError(400, f"this model's tool calls ({fmt.family} format) cannot be forced: "
                             "its call markup is not a JSON object between plain-text markers; "
@@ -82,11 +123,8 @@ def grammar_for_tool_call(fmt: ToolCallFormat, tools: list[dict], name: str | No
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
                             f"tools {names}", param="tool_choice")
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_LAYOUT}
-    call = " ".join([_marker(fmt.start, fmt.start_id), json.dumps(_CALL_PADDING), "%json",
+    return " ".join([_marker(fmt.start, fmt.start_id), json.dumps(_CALL_PADDING), "%json",
                      json.dumps(schema), json.dumps(_CALL_PADDING), _marker(fmt.end, fmt.end_id)])
-    # Qwen's templates put a newline between two calls.
-    lark = f"start: call ({json.dumps(chr(10))} call)*\n" if parallel else "start: call\n"
-    return json.dumps({"grammars": [{"lark_grammar": lark + f"call: {call}\n"}]})
 
 
 def _marker(text: str, token_id: int | None) -> str:

@@ -215,6 +215,13 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        kind = request.headers.get("content-type", "")
+        if param is None and "json" not in kind:
+            # FastAPI reads a body as JSON only when its content type says so (curl -d sends
+            # form data): the content is fine, the header is what to fix.
+            message = (f"the request body must be sent as JSON, with the header "
+                       f"Content-Type: application/json (this one came as "
+                       f"{kind.split(';')[0] or 'no content type'})")
         return error(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

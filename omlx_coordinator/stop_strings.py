@@ -21,10 +21,11 @@ class StopMatcher:
             at, self.matched = min(hits)
             out, self.pending = self.pending[:at], ""
             return out, True
-        hold = 0
+        hold, p = 0, self.pending
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
-                if self.pending.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(p)), hold, -1):
+                # The first character rules out most k without building s[:k].
+                if p[-k] == s[0] and p.endswith(s[:k]):
                     hold = k
                     break
         cut = len(self.pending) - hold

@@ -6,6 +6,8 @@ It loads with transformers alone, so a coordinator needs no MLX and no weights.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,23 @@ def _eos_ids(model_path: Path, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character each byte is written as in a
+    vocabulary piece -> the byte (printable bytes stand for themselves, the rest are shifted
+    past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class ChatTokenizer:
@@ -110,6 +129,38 @@ class ChatTokenizer:
             text = self.tokenizer.convert_tokens_to_string([piece]) if piece is not None else ""
             self._token_strings[token_id] = text
         return text
+
+    @cached_property
+    def _piece_bytes(self) -> Callable[[str], bytes] | None:
+        """How a vocabulary piece spells its bytes, from the tokenizer's decoder: byte-level
+        BPE (GPT-2, Llama 3, Qwen), SentencePiece with byte fallback (Llama 2, Mistral); None
+        for any other."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        try:
+            decoder = json.loads(backend.decoder.__getstate__())
+        except (AttributeError, TypeError, ValueError):
+            return None
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        if "ByteLevel" in kinds:
+            table = _byte_level_table()
+            return lambda piece: bytes(table[c] for c in piece)
+        if "ByteFallback" in kinds:
+            return lambda piece: (bytes([int(m[1], 16)]) if (m := _BYTE_PIECE.fullmatch(piece))
+                                  else piece.replace("\u2581", " ").encode())
+        return None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs `bytes`): a piece of a multi-byte character
+        is its bytes, which with its neighbours' make the character."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        spell = self._piece_bytes
+        if piece is not None and spell is not None and \
+                token_id not in self.tokenizer.added_tokens_decoder:
+            try:
+                return spell(piece)
+            except KeyError:  # a piece outside the byte alphabet
+                pass
+        return self.token_string(token_id).encode()
 
     def detokenizer(self, prompt: list[int]) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt)

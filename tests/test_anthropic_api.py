@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import anthropic
@@ -171,6 +172,23 @@ def test_follow_up_turn_extends_the_previous_prompt(tok: ChatTokenizer) -> None:
     assert tok.tokenizer.decode(after[len(before):]).startswith(written)
 
 
+def test_a_text_block_sent_back_with_its_citations(tok: ChatTokenizer) -> None:
+    """The SDK sends an earlier reply's text blocks back as it got them, `"citations": null`
+    included (a reply from Anthropic's API may hold real ones): the model reads the text."""
+    said = {"type": "text", "text": "It is sunny."}
+    cited = [{"type": "char_location", "cited_text": "sunny", "document_index": 0,
+              "document_title": None, "start_char_index": 0, "end_char_index": 5}]
+
+    def prompt(block: dict) -> list[int]:
+        body = _body(messages=[{"role": "user", "content": "Weather?"},
+                               {"role": "assistant", "content": [block]},
+                               {"role": "user", "content": "Thanks."}])
+        return tok.encode_chat(adapter.template_messages(body, tok), adapter.template_tools(body))
+
+    assert prompt({**said, "citations": None}) == prompt({**said, "citations": cited}) == \
+        prompt(said)
+
+
 def _reply(tok: ChatTokenizer, one_call: bool = False) -> adapter._Reply:
     tools = [{"type": "function", "function": {"name": "get_weather",
                                                "parameters": WEATHER["input_schema"]}}]
@@ -223,12 +241,13 @@ def test_stream_errors_are_error_events() -> None:
 
     async def run(error: Exception) -> list[str]:
         reply = adapter._Reply("m", 3, None)
-        return [chunk async for chunk in adapter._stream(reply, events(error), GatewayMetrics())]
+        return [chunk async for chunk in adapter._stream(reply, events(error), GatewayMetrics(),
+                                                         keepalive_seconds=5.0)]
 
     for error, kind in ((APIError(503, "the node is gone", type="server_error"),
                          "overloaded_error"), (RuntimeError("bug"), "api_error")):
         chunks = asyncio.run(run(error))
-        names = [c.split("\n")[0] for c in chunks]
+        names = [line for c in chunks for line in c.split("\n") if line.startswith("event: ")]
         assert names == ["event: message_start", "event: ping", "event: content_block_start",
                          "event: content_block_delta", "event: error"]
         body = json.loads(chunks[-1].split("data: ", 1)[1])
@@ -421,6 +440,13 @@ def test_max_tokens_past_the_context_is_a_cap(client: anthropic.Anthropic,
     assert m.stop_reason == "end_turn" or (m.stop_reason == "max_tokens"
                                            and m.usage.output_tokens == room)
 
+    # A prompt past the context is refused in Anthropic's words, which agents act on.
+    too_long = [{"role": "user", "content": "The capital of France is Paris. " * 400}]
+    n = client.messages.count_tokens(model=qwen_server.model_id, messages=too_long).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=qwen_server.model_id, max_tokens=10, messages=too_long)
+    assert e.value.body["error"]["message"] == f"prompt is too long: {n} tokens > {CONTEXT} maximum"
+
 
 @slow
 def test_beta_route_headers_and_keys(qwen_server: Server, client: anthropic.Anthropic) -> None:
@@ -503,6 +529,8 @@ BAD = {  # name: (body fields over a valid body, words the message must contain)
     "content is a number": ({"messages": [{"role": "user", "content": 5}]},
                             ["messages.0.content", "string or a list"]),
     "temperature above 1": ({"temperature": 1.5}, ["temperature"]),
+    "stop sequence too long": ({"stop_sequences": ["ok", "x" * 1025]},
+                               ["stop_sequences.1", "1024"]),
 }
 
 
@@ -564,3 +592,58 @@ def test_sdk_exceptions_and_the_server_keeps_serving(client: anthropic.Anthropic
     assert log.count("dropping thinking content blocks") == 1
     assert log.count("dropping redacted_thinking content blocks") == 1
     assert "Traceback" not in log
+
+
+WRITE = {"name": "write_file", "description": "Writes a file",
+         "input_schema": {"type": "object", "properties": {
+             "content": {"type": "string", "minLength": 2500, "maxLength": 2500}},
+             "required": ["content"], "additionalProperties": False}}
+
+
+def test_a_long_tool_call_keeps_the_stream_alive(tmp_path: Path) -> None:
+    """A tool call is held back until it is whole, so its tokens render to nothing for as long
+    as the model writes it (minutes for a large file at a Mac's speed). Tokens keep coming, so
+    the generation sends no keep-alive of its own; the stream still sends one every keep-alive
+    interval (Anthropic's ping, OpenAI's SSE comment), or a proxy or a client's read timeout
+    would drop it. The call itself arrives whole."""
+    dest = tmp_path / "tiny-qwen"
+    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
+                extra_config={"vocab_size": 400, "max_position_embeddings": 4096})
+    qwen_tokenizer(dest)
+    every = 0.3
+    with start_server(dest, home=tmp_path / "home", keepalive=every) as server:
+        def timeline(path: str, body: dict) -> list[tuple[float, str]]:
+            out = []
+            with httpx.stream("POST", server.url + path, json=body, timeout=300) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith(("event: ", ": keep-alive", "data: {")):
+                        out.append((time.monotonic(), line))
+            return out
+
+        anth = timeline("/v1/messages", {
+            "model": server.model_id, "max_tokens": 3000, "stream": True, "messages": ASK,
+            "tools": [WRITE], "tool_choice": {"type": "tool", "name": "write_file"}})
+        names = [line.removeprefix("event: ") for _, line in anth if line.startswith("event: ")]
+        opened = names.index("content_block_start")
+        assert names[opened:] == ["content_block_start", "content_block_delta",
+                                  "content_block_stop", "message_delta", "message_stop"]
+        events = [(t, line) for t, line in anth if line.startswith("event: ")]
+        quiet = events[opened][0] - events[0][0]  # message_start to the call, whole
+        assert quiet > 4 * every, "the call came too fast to test; make it longer"
+        assert names[1:opened].count("ping") >= quiet / every / 2, (quiet, names[:opened])
+        call = json.loads([line for _, line in anth if '"input_json_delta"' in line][0][6:])
+        assert len(json.loads(call["delta"]["partial_json"])["content"]) == 2500
+
+        tool = {"type": "function", "function": {"name": "write_file",
+                                                 "parameters": WRITE["input_schema"]}}
+        oai = timeline("/v1/chat/completions", {
+            "model": server.model_id, "max_tokens": 3000, "stream": True, "messages": ASK,
+            "tools": [tool], "tool_choice": {"type": "function",
+                                             "function": {"name": "write_file"}}})
+        data = [i for i, (_, line) in enumerate(oai) if line.startswith("data: ")]
+        first_call = next(i for i in data if '"tool_calls"' in oai[i][1])
+        quiet = oai[first_call][0] - oai[data[0]][0]
+        assert quiet > 4 * every
+        alive = sum(line == ": keep-alive" for _, line in oai[data[0]:first_call])
+        assert alive >= quiet / every / 2, (quiet, alive)

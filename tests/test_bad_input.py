@@ -137,6 +137,10 @@ CASES = {
     "temperature NaN": ("completions", '{"model": "small-ctx", "prompt": "Hi", '
                                        '"temperature": NaN}', 400, ["temperature"],
                         "temperature"),
+    "repetition_penalty Infinity": ("chat/completions", '{"model": "small-ctx", "messages": '
+                                    '[{"role": "user", "content": "Hi"}], '
+                                    '"repetition_penalty": Infinity}', 400,
+                                    ["repetition_penalty", "finite"], "repetition_penalty"),
     "top_p 0": ("completions", _cmpl(top_p=0), 400, ["top_p"], "top_p"),
     "top_p above 1": ("completions", _cmpl(top_p=1.5), 400, ["top_p"], "top_p"),
     "top_k negative": ("completions", _cmpl(top_k=-1), 400, ["top_k"], "top_k"),
@@ -149,6 +153,8 @@ CASES = {
     "seed beyond 2**63": ("completions", _cmpl(seed=2**64), 400, ["seed"], "seed"),
     "too many stop strings": ("completions", _cmpl(stop=[str(i) for i in range(17)]), 400,
                               ["stop", "16"], "stop"),
+    "stop string too long": ("chat/completions", _chat(stop=["ok", "x" * 1025]), 400,
+                             ["stop", "1024", "1025"], "stop"),
     "logprobs above 5": ("completions", _cmpl(logprobs=6), 400, ["logprobs", "5"], "logprobs"),
     "tools on a model without a tool-call format": (
         "chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
@@ -240,9 +246,14 @@ def test_bad_request_is_a_clear_4xx(small_server: Server, name: str) -> None:
 
 
 def test_body_that_is_not_json_content(small_server: Server) -> None:
-    r = _post(small_server, "chat/completions", json.dumps(_chat()), content_type="text/plain")
-    assert 400 <= r.status_code < 500, r.text
-    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    """JSON sent without its content type (curl -d sends form data): the error names the
+    header to set, not the body, which is fine."""
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):
+        r = _post(small_server, "chat/completions", json.dumps(_chat()), content_type=kind)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert "Content-Type: application/json" in err["message"] and kind in err["message"]
 
 
 def test_unknown_path_and_method_are_openai_errors(small_server: Server) -> None:

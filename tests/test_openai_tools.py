@@ -34,6 +34,7 @@ from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import Delta, Done
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from proto import omlx_pb2 as pb
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
 
@@ -253,6 +254,48 @@ def test_forced_call_grammar(tok: ChatTokenizer, ll_tokenizer) -> None:
                                                                         "days": 2})]
 
 
+def test_auto_grammars_constrain_the_calls_and_the_reply(tok: ChatTokenizer,
+                                                         ll_tokenizer) -> None:
+    """tool_choice auto with strict tools: free text, then calls whose arguments follow their
+    schemas. With a response_format beside the tools: calls, or a reply in that format; the
+    model can still call a tool (a reply grammar alone would leave it none)."""
+    fmt = tok.tool_call_format
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    strict = constraints.grammar_for_tools_or_reply(fmt, TOOLS, True, None)
+    constraints.validate(strict, "tools")
+    for text in ("Sure, let me look.", "", CALL_TEXT, "Checking.\n" + CALL_TEXT,
+                 CALL_TEXT + "\n" + time_call):
+        assert _accepts(ll_tokenizer, tok, strict, text), text
+    for wrong in (CALL_TEXT.replace("Paris", "Oslo"), "Here: " + CALL_TEXT.replace("2", "9"),
+                  CALL_TEXT + " and more text"):
+        assert not _accepts(ll_tokenizer, tok, strict, wrong), wrong
+    single = constraints.grammar_for_tools_or_reply(fmt, TOOLS, False, None)
+    assert not _accepts(ll_tokenizer, tok, single, CALL_TEXT + "\n" + time_call)
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = constraints.grammar_for_tools_or_reply(fmt, TOOLS, True, schema)
+    constraints.validate(reply, "tools")
+    for text in ('{"ok": true}', CALL_TEXT, CALL_TEXT + "\n" + time_call):
+        assert _accepts(ll_tokenizer, tok, reply, text), text
+    for wrong in ('{"ok": 1}', "Sure.", '{"ok": true}' + CALL_TEXT,
+                  CALL_TEXT.replace("Paris", "Oslo")):
+        assert not _accepts(ll_tokenizer, tok, reply, wrong), wrong
+    assert _accepts(ll_tokenizer, tok, constraints.grammar_for_tools_or_reply(
+        fmt, TOOLS, True, True), "[1, 2]")
+
+    # A marker that is plain text cannot be told from free text: strict is refused there.
+    plain = ToolCallFormat("json_tools", "<call>", "</call>", lambda t, tools: {})
+    with pytest.raises(APIError) as e:
+        constraints.grammar_for_tools_or_reply(plain, TOOLS, True, None)
+    assert e.value.param == "tools" and "plain text" in e.value.message
+    constraints.grammar_for_tools_or_reply(plain, TOOLS, True, schema)  # a reply is JSON: fine
+    coder = ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", lambda t, tools: {})
+    with pytest.raises(APIError) as e:
+        constraints.grammar_for_tools_or_reply(coder, TOOLS, True, schema)
+    assert e.value.param == "tools" and "qwen3_coder" in e.value.message
+
+
 def test_forced_call_errors(tok: ChatTokenizer) -> None:
     fmt = tok.tool_call_format
     with pytest.raises(APIError) as e:
@@ -277,7 +320,7 @@ def test_json_grammars(tok: ChatTokenizer, ll_tokenizer) -> None:
     constraints.validate(g, "response_format")
     assert _accepts(ll_tokenizer, tok, g, '{"ok": true}')
     assert not _accepts(ll_tokenizer, tok, g, '{"ok": 1}')
-    obj = constraints.grammar_for_json_object()
+    obj = constraints.grammar_for_json_schema({"type": "object"})
     assert _accepts(ll_tokenizer, tok, obj, '{"a": [1, "x"]}')
     assert not _accepts(ll_tokenizer, tok, obj, "[1]")
     with pytest.raises(APIError) as e:
@@ -459,6 +502,53 @@ def test_response_format_json_schema(client: openai.OpenAI, qwen_server: Server)
     if obj.choices[0].finish_reason == "stop":  # an object may run past a few tokens
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
+    # Beside tools the model chooses, and a reply that calls none is in the format; strict
+    # tools' calls follow their schemas. Either way the output is what was asked for.
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    for extra in ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {
+                      "name": "count", "schema": schema}}},
+                  {"tools": strict}):
+        m = client.chat.completions.create(model=qwen_server.model_id, messages=ASK,
+                                           **FORCED, **extra).choices[0]
+        assert m.finish_reason in ("stop", "tool_calls", "length")  # free text may run on
+        for call in m.message.tool_calls or []:
+            tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments),
+                                tool["function"]["parameters"])
+        if m.finish_reason == "stop" and "response_format" in extra:
+            jsonschema.validate(json.loads(m.message.content), schema)
+
+
+def test_logprobs_of_tokens_that_split_a_character(tok: ChatTokenizer) -> None:
+    """Tokens each holding part of a character ("é" is two here): chat gives each its own
+    bytes, which joined are the text; completions spell such a token by its bytes (OpenAI's
+    "bytes:\\xc3"), so two of them are two entries of top_logprobs, and text_offset counts
+    characters of the text."""
+    text = "né à ü"
+    ids = tok.encode(text)
+    assert sum(tok.token_string(i) == "\ufffd" for i in ids) == 6
+    lps = [pb.TokenLogprob(logprob=-0.5, top_ids=[i, j], top_logprobs=[-0.5, -1.0])
+           for i, j in zip(ids, ids[1:] + ids[:1])]
+    chat = _Choice(0, True, tok, _Output(logprobs=True, top_logprobs=2))
+    [delta] = chat.delta(Delta(text, ids, lps))
+    entries = delta["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    split = [e for e in entries if e["token"].startswith("bytes:")]
+    assert len(split) == 6 and all(len(e["bytes"]) == 1 for e in split)
+    assert all(e["token"] == bytes(e["bytes"]).decode() for e in entries if e not in split)
+
+    plain = _Choice(0, False, tok, _Output(logprobs=True, top_logprobs=2))
+    [delta] = plain.delta(Delta(text, ids, lps))
+    logprobs = delta["logprobs"]
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])  # no two names alike
+    assert "bytes:\\xc3" in logprobs["tokens"]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    # Each whole token starts where its text does in the completion.
+    for token, at in zip(logprobs["tokens"], offsets):
+        if not token.startswith("bytes:"):
+            assert text[at:at + len(token)] == token, (token, at)
+
 
 @slow
 def test_logprobs(client: openai.OpenAI, qwen_server: Server) -> None:
@@ -467,8 +557,8 @@ def test_logprobs(client: openai.OpenAI, qwen_server: Server) -> None:
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
     for entry in content:
-        assert entry.bytes == list(entry.token.encode("utf-8"))
         assert len(entry.top_logprobs) == 3
         # Greedy: the sampled token is the likeliest.
         assert entry.top_logprobs[0].token == entry.token

@@ -75,3 +75,37 @@ def test_a_chunk_of_tokens_counts_only_those_up_to_the_stop_string(tokenizer):
     chunked, m = tokenizer.detokenizer(prompt), StopMatcher(["never there"])
     out, hit, taken = m.feed_tokens(chunked, completion, last=True)
     assert not hit and out + m.flush() == text and taken == len(completion)
+
+
+def _spm_byte_fallback_tokenizer(dest):
+    """A Llama-2-style tokenizer: SentencePiece pieces ("▁" for a space) whose BPE falls back
+    to byte pieces (<0xE6>) for characters outside its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "h", "e", "l", "o", "▁h", "he", "ll", "▁he", "▁hell", "▁hello", "w", "r",
+                  "d", "▁w", "▁wo", "or", "ld", "c", "a", "f", "é"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(dest)
+    (dest / "config.json").write_text('{"eos_token_id": 2}')
+    return ChatTokenizer(dest)
+
+
+def test_token_bytes_make_the_text_where_tokens_split_characters(tokenizer, tmp_path):
+    """OpenAI's logprobs `bytes`: a token holding part of a multi-byte character has that
+    part's bytes (its text alone is U+FFFD), so a client joining them gets the text back."""
+    spm = _spm_byte_fallback_tokenizer(tmp_path)
+    for tok, text in ((tokenizer, " Émile café naïve 東京 🙂 done"), (spm, " hello wörld 東京 🙂")):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids).decode().strip() == text.strip()
+        split = [i for i in ids if tok.token_string(i) == "\ufffd"]
+        assert len(split) >= 4  # the text does have characters split over tokens
+        assert all(len(tok.token_bytes(i)) < 4 for i in split)

@@ -52,6 +52,7 @@ from omlx_coordinator.api.anthropic_schema import (
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
+    Silence,
     collect_unless_gone,
     sse,
 )
@@ -418,7 +419,15 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         served = await check_servable(manager, body.model)
         metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(_encode, tok, body)
-        max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
+        try:
+            max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            # Anthropic's words: agents (Claude Code) read them to compact their conversation.
+            raise APIError(400, f"prompt is too long: {len(prompt)} tokens > "
+                                f"{served.max_context} maximum", param=e.param,
+                           code=e.code) from None
         fmt, grammar = await asyncio.to_thread(_tool_use, tok, body, tools)
         one_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         # One call only: its end marker ends generation (the parser takes a call without it).
@@ -435,7 +444,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
 
         if body.stream:
             events = Primed(events)
-            return ClosingStream(_stream(reply, events, metrics), events)
+            return ClosingStream(_stream(reply, events, metrics, settings.keepalive_seconds),
+                                 events)
 
         async def collect() -> JSONResponse:
             async for ev in events:
@@ -458,17 +468,21 @@ def _event(data: dict) -> str:
     return sse(data, event=data["type"])
 
 
-async def _stream(reply: _Reply, events: AsyncIterator, metrics: GatewayMetrics
-                  ) -> AsyncIterator[str]:
+async def _stream(reply: _Reply, events: AsyncIterator, metrics: GatewayMetrics,
+                  keepalive_seconds: float) -> AsyncIterator[str]:
     outcome = "error"
+    silence = Silence(keepalive_seconds)
     try:
         yield _event(reply.start())
         async for ev in events:
-            if isinstance(ev, KeepAlive):
+            outs = ([] if isinstance(ev, KeepAlive) else
+                    reply.feed(ev.text) if isinstance(ev, Delta) else reply.finish(ev)[0])
+            if outs:
+                yield "".join(_event(out) for out in outs)
+                silence.wrote()
+            elif isinstance(ev, KeepAlive) or silence.overdue():
                 yield _event({"type": "ping"})
-                continue
-            for out in reply.feed(ev.text) if isinstance(ev, Delta) else reply.finish(ev)[0]:
-                yield _event(out)
+                silence.wrote()
             if isinstance(ev, Done):
                 outcome = "ok"
     except APIError as e:

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from omlx_coordinator.api.openai_schema import MAX_STOP_STRINGS
+from omlx_coordinator.api.openai_schema import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # Starts the tags of the discriminated unions below; error messages leave them out of the field
 # path (gateway.py), so a missing tool_use id reads 'messages.0.content.1.id'.
@@ -37,7 +37,8 @@ def _tag(kind: str) -> Tag:
 class _Strict(BaseModel):
     # Unknown fields are refused, and so are values of the wrong JSON type ("stream": "yes",
     # "max_tokens": true): no coercion (an integer still passes where a number is wanted).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities (Python's JSON reads them) are no number a sampler can use.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class CacheControl(_Strict):
@@ -51,6 +52,9 @@ class TextBlock(_Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    # Where an earlier reply's text came from (the SDK sends back `"citations": null` with
+    # every text block it got): the model reads the text itself, so they are not rendered.
+    citations: list[dict[str, Any]] | None = None
 
 
 class ToolUseBlock(_Strict):
@@ -212,7 +216,8 @@ class PromptBody(_Strict):
 
 class MessagesRequest(PromptBody):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] = Field(default=[], max_length=MAX_STOP_STRINGS)
+    stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default=[], max_length=MAX_STOP_STRINGS)
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)

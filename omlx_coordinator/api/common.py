@@ -1,9 +1,11 @@
 """What every protocol adapter needs alike: the Unicode check of a body, SSE framing, a stream
-whose generation starts before its response does, a reply that notices a client going away."""
+whose generation starts before its response does and that is never silent for long, a reply that
+notices a client going away."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -15,6 +17,26 @@ from omlx_coordinator.errors import APIError
 from omlx_coordinator.metrics import GatewayMetrics
 
 T = TypeVar("T")
+
+
+class Silence:
+    """How long a stream has written nothing. The generation sends a keep-alive only while no
+    token comes; tokens that render to nothing (a tool call, held back until it is whole) must
+    not leave the client without a byte either: proxies and clients drop a silent stream."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._since = time.monotonic()
+
+    def wrote(self) -> None:
+        self._since = time.monotonic()
+
+    def overdue(self) -> bool:
+        """Whether a keep-alive is due now (then it counts as written)."""
+        if time.monotonic() - self._since < self.seconds:
+            return False
+        self.wrote()
+        return True
 
 
 def check_unicode(body: object, at: str = "") -> None:

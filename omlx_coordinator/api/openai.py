@@ -13,6 +13,7 @@ calls the model writes. parallel_tool_calls false ends the generation after the 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from omlx_coordinator import constraints
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
+    Silence,
     collect_unless_gone,
     sse,
 )
@@ -94,6 +96,8 @@ class _Choice:
         self.text_logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [],
                                                "top_logprobs": [], "text_offset": []}
         self.offset = 0  # completions' text_offset: characters so far
+        # Counts them from the tokens' bytes: a multi-byte character split over tokens is one.
+        self._chars = codecs.getincrementaldecoder("utf-8")("replace")
         self.done: Done | None = None
 
     def delta(self, ev: Delta) -> list[dict]:
@@ -146,15 +150,15 @@ class _Choice:
             return {"content": content, "refusal": None}
         part: dict[str, list] = {k: [] for k in self.text_logprobs}
         for t, lp in zip(ev.tokens, ev.logprobs):
-            token = self.tok.token_string(t)
-            top = {self.tok.token_string(i): l
+            token = self._spelling(t)
+            top = {self._spelling(i): l
                    for i, l in zip(lp.top_ids[: self.out.top_logprobs], lp.top_logprobs)}
             top.setdefault(token, lp.logprob)  # OpenAI: the sampled token is always there
             part["tokens"].append(token)
             part["token_logprobs"].append(lp.logprob)
             part["top_logprobs"].append(top)
             part["text_offset"].append(self.offset)
-            self.offset += len(token)
+            self.offset += len(self._chars.decode(self.tok.token_bytes(t)))
         for key, values in part.items():
             self.text_logprobs[key] += values
         return part
@@ -165,8 +169,17 @@ class _Choice:
         return {**self._token(token_id, lp.logprob), "top_logprobs": top}
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.tok.token_string(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self._spelling(token_id), "logprob": logprob,
+                "bytes": list(self.tok.token_bytes(token_id))}
+
+    def _spelling(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or where it holds part of a character, its
+        bytes as OpenAI spells them ("bytes:\\xe6\\x97"), so no two tokens share a name."""
+        raw = self.tok.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def full(self, echo: str) -> dict:
         """The choice of a non-streamed reply."""
@@ -334,11 +347,14 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
                         yield sse(shape.chunk(i, {"role": "assistant", "content": ""}))
                     elif echo:
                         yield sse(shape.chunk(i, {"text": echo}))
+                silence = Silence(settings.keepalive_seconds)
                 async for items in chunks():
-                    if items is None:
-                        yield ": keep-alive\n\n"
-                    elif items:  # one write for all of an event's chunks
+                    if items:  # one write for all of an event's chunks
                         yield "".join(sse(shape.chunk(*item)) for item in items)
+                        silence.wrote()
+                    elif items is None or silence.overdue():
+                        yield ": keep-alive\n\n"
+                        silence.wrote()
                 if body.include_usage:
                     yield sse(shape.usage_chunk([c.done for c in choices]))
                 outcome = "ok"
@@ -392,21 +408,33 @@ def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
             fmt, tools, name, parallel=mode == "required" and body.parallel_tool_calls)
         constraints.validate(grammar, "tool_choice")
         return tools, output, grammar
-    return (tools if mode != "none" else None), output, _response_grammar(body)
+    reply = _reply_schema(body)
+    if mode == "auto" and fmt is not None and (
+            reply is not None or any(t["function"].get("strict") for t in tools)):
+        # The model may call a tool or reply: the calls' arguments follow their schemas (strict
+        # tools), and a reply that calls none follows the response_format.
+        grammar = constraints.grammar_for_tools_or_reply(fmt, tools, body.parallel_tool_calls,
+                                                         reply)
+        constraints.validate(grammar, "tools")
+        return tools, output, grammar
+    if reply is None:
+        return (tools if mode != "none" else None), output, ""
+    return (tools if mode != "none" else None), output, constraints.grammar_for_json_schema(reply)
 
 
-def _response_grammar(body: ChatCompletionRequest) -> str:
+def _reply_schema(body: ChatCompletionRequest) -> dict | bool | None:
+    """The JSON Schema the reply follows (response_format), checked; None for free text."""
     rf = body.response_format
     if rf is None or rf.type == "text":
-        return ""
+        return None
     if rf.type == "json_object":
-        return constraints.grammar_for_json_object()
+        return {"type": "object"}
     assert rf.json_schema is not None
-    schema = rf.json_schema.schema_
-    grammar = constraints.grammar_for_json_schema(True if schema is None else schema)
-    constraints.validate(grammar, "response_format.json_schema.schema",
+    schema = True if rf.json_schema.schema_ is None else rf.json_schema.schema_
+    constraints.validate(constraints.grammar_for_json_schema(schema),
+                         "response_format.json_schema.schema",
                          f"the response_format schema {rf.json_schema.name!r}")
-    return grammar
+    return schema
 
 
 def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMetrics],

@@ -44,6 +44,9 @@ from omlx_coordinator.api.common import check_unicode
 from omlx_coordinator.errors import APIError
 
 MAX_STOP_STRINGS = 16
+# Characters in one stop string: the gateway holds back up to that much of a stream and checks
+# it at every token, on the loop every stream shares.
+MAX_STOP_CHARS = 1024
 MAX_CHOICES = 8  # n: each choice is a sequence of its own on the node
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits
 MAX_COMPLETION_LOGPROBS = 5
@@ -79,7 +82,8 @@ def _refuse(field: str, value: Any) -> Any:
 class _Strict(BaseModel):
     # Unknown fields are refused, and so are values of the wrong JSON type ("stream": "yes",
     # "max_tokens": true): no coercion (an integer still passes where a number is wanted).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities (Python's JSON reads them) are no number a sampler can use.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -120,6 +124,9 @@ class _Common(_Strict):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if longest := max((len(s) for s in stops if len(s) > MAX_STOP_CHARS), default=0):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters; "
+                             f"one has {longest}")
         return stops
 
     @field_validator("logit_bias")
@@ -237,7 +244,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # forced calls follow the schema fully either way
+    strict: bool | None = None  # true: auto calls follow the schema too (forced ones always)
 
     @model_validator(mode="after")
     def _object_schema(self) -> FunctionDefinition:
