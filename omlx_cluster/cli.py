@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from omlx_shared import __version__
 
+REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
 log = logging.getLogger("omlx_cluster")
 
 
@@ -18,6 +20,26 @@ def _positive(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _host_port(value: str) -> str:
+    """HOST:PORT ([v6]:PORT); an http:// in front is dropped (a gateway's URL, pasted)."""
+    text = value.strip().removeprefix("http://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 192.168.1.20:8000), got "
+                                         f"{value!r}")
+    return text
+
+
+def _port(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a number, got {value!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {n}")
     return n
 
 
@@ -54,16 +76,18 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address the gateway listens on (default: 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes it to the network and then needs --api-key)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="gateway port (default: 8000)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
                         "default: $OMLX_API_KEY, comma-separated; none: open, only allowed "
                         "on a loopback address)")
-    p.add_argument("--request-timeout", type=float, default=900.0, metavar="SECONDS",
+    p.add_argument("--request-timeout", type=_positive_seconds, default=900.0,
+                   metavar="SECONDS",
                    help="longest a request may run before it fails with 504 (default: 900)")
-    p.add_argument("--keepalive", type=float, default=5.0, metavar="SECONDS",
-                   help="SSE keep-alive comment interval while a stream waits for its first "
-                        "token (default: 5)")
+    p.add_argument("--keepalive", type=_positive_seconds, default=5.0, metavar="SECONDS",
+                   help="a stream that wrote nothing for this long (a prompt being prefilled, "
+                        "a tool call held back until it is whole, a model loading) sends an "
+                        "SSE keep-alive comment (Anthropic: a ping event) (default: 5)")
     p.add_argument("--default-max-tokens", type=_positive, default=4096, metavar="N",
                    help="completion limit when a request sets none, capped by the context "
                         "(default: 4096)")
@@ -104,6 +128,13 @@ def _milliseconds(value: str) -> float:
     if not 0 <= x <= 1000:
         raise argparse.ArgumentTypeError(f"must be 0 to 1000 milliseconds, got {value}")
     return x
+
+
+def _positive_size(value: str) -> int:
+    n = _size(value)
+    if n == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 bytes")
+    return n
 
 
 def _size_or_auto(value: str) -> int | None:
@@ -170,6 +201,8 @@ def _share(value: str) -> float:
 
 def _seconds(value: str) -> float:
     x = float(value)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {value!r}")
     if x < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {x}")
     return x
@@ -263,7 +296,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the model is ready.",
     )
     _add_gateway_flags(serve)
-    serve.add_argument("--node-metrics-port", type=int, default=0, metavar="PORT",
+    serve.add_argument("--node-metrics-port", type=_port, default=0, metavar="PORT",
                        help="each local node's shard worker exports Prometheus /metrics on its "
                             "own port: PORT, PORT+1, ... (0: any free port; GET "
                             "/cluster/status and /cluster/prometheus-targets show them; "
@@ -274,7 +307,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--split", type=_split, metavar="A,B,...",
                        help="the main model's layers per node, e.g. 1,6,2 (must sum to its "
                             "layers, no stage empty; default: the planner's split)")
-    serve.add_argument("--node-memory", type=_size, default=None, metavar="SIZE",
+    serve.add_argument("--node-memory", type=_positive_size, default=None, metavar="SIZE",
                        help="memory each local node may hold for models (default: this "
                             "machine's memory less 4 GiB, shared by the nodes); models past "
                             "it evict the least recently used idle ones")
@@ -289,13 +322,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--host", default="127.0.0.1",
                       help="address for gRPC and the data plane (default: 127.0.0.1)")
-    node.add_argument("--port", type=int, default=50051, help="gRPC port, 0 for any (default: 50051)")
-    node.add_argument("--data-port", type=int, default=0,
+    node.add_argument("--port", type=_port, default=50051, help="gRPC port, 0 for any (default: 50051)")
+    node.add_argument("--data-port", type=_port, default=0,
                       help="mx.distributed (ring) port of this node's workers (default: any free)")
     node.add_argument("--ready-file", type=Path,
                       help="write {port, data_port, pid, worker_address} as JSON here once "
                            "listening")
-    node.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+    node.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
                       help="the shard worker exports Prometheus /metrics on this port "
                            "(default: 0, any free port)")
     node.add_argument("--model", metavar="PATH_OR_NAME",
@@ -341,7 +374,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="decode micro-batches in flight on the head, always K (default 0: "
                              "up to one per stage, as many as pay off on this device)")
     worker.add_argument("--host", default="127.0.0.1", help="gRPC address of the head worker (default: 127.0.0.1)")
-    worker.add_argument("--metrics-port", type=int, default=0,
+    worker.add_argument("--metrics-port", type=_port, default=0,
                         help="export Prometheus /metrics on this port (default: 0, any free "
                              "port)")
     worker.add_argument("--node-id", default="",
@@ -385,16 +418,16 @@ def _build_parser() -> argparse.ArgumentParser:
     join.add_argument("--host", default="127.0.0.1",
                       help="address for gRPC and the data plane (default: 127.0.0.1; use this "
                            "Mac's LAN address, or 0.0.0.0, to join other Macs)")
-    join.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
-    join.add_argument("--data-port", type=int, default=0,
+    join.add_argument("--port", type=_port, default=50051, help="gRPC port (default: 50051)")
+    join.add_argument("--data-port", type=_port, default=0,
                       help="mx.distributed (ring) port (default: any free)")
     join.add_argument("--name", default="",
                       help="this node's id (default: the host name plus a key kept in "
                            "$OMLX_CLUSTER_HOME/node-key: unique and stable)")
-    join.add_argument("--coordinator", metavar="HOST:PORT",
+    join.add_argument("--coordinator", type=_host_port, metavar="HOST:PORT",
                       help="also register with the coordinator's HTTP address directly, every "
                            "few seconds (default: Bonjour only)")
-    join.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+    join.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
                       help="the shard worker exports Prometheus /metrics here; the coordinator's "
                            "/cluster/prometheus-targets tells Prometheus (default: 0, any free "
                            "port)")
@@ -424,7 +457,7 @@ def _build_parser() -> argparse.ArgumentParser:
                            "latency to the next node; repeat for each node")
     plan.add_argument("--split", type=_split, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
-    plan.add_argument("--os-reserve", default="8GiB",
+    plan.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
                       help="memory kept free on every node (default: 8GiB)")
     plan.add_argument("--context", type=_positive, default=4096, metavar="TOKENS",
                       help="KV reserved per sequence (default: 4096)")
@@ -515,9 +548,9 @@ def _add_remote_command_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _add_node_port_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--node-port", type=int, metavar="PORT", default=50051,
+    p.add_argument("--node-port", type=_port, metavar="PORT", default=50051,
                    help="join's gRPC port on the hosts (default: 50051)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", default=9101,
+    p.add_argument("--metrics-port", type=_port, metavar="PORT", default=9101,
                    help="join's metrics port on the hosts (default: 9101)")
 
 
@@ -546,7 +579,7 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
                         help="plan this model over the hosts, so that the disk and GPU "
                              "wired-memory checks judge each host's planned shard")
     _add_node_port_flags(doctor)
-    doctor.add_argument("--probe-port", type=int, metavar="PORT", default=31070,
+    doctor.add_argument("--probe-port", type=_port, metavar="PORT", default=31070,
                         help="rank 0 of a link probe listens on it, rank 1 on the next one "
                              "(default: 31070, below Linux's and macOS's ephemeral ranges, so "
                              "no outgoing connection of a host holds it)")
@@ -562,7 +595,7 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
     _add_remote_command_flag(up)
     up.add_argument("--secret-file", type=Path, required=True, metavar="FILE",
                     help="the cluster secret (mode 0600), copied to each host")
-    up.add_argument("--coordinator", metavar="HOST:PORT",
+    up.add_argument("--coordinator", type=_host_port, metavar="HOST:PORT",
                     help="the coordinator's HTTP address: join registers with it, and up waits "
                          "for the admission there (default: Bonjour only, no wait)")
     up.add_argument("--api-key", metavar="KEY",
@@ -792,9 +825,13 @@ def _join(args: argparse.Namespace) -> int:
         speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
         if speed:
             log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
-    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=secret, node_id=args.name, speed=speed,
-                      worker_cache_bytes=args.hot_cache_max_size)
+    try:
+        agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
+                          _engine_args(args), secret=secret, node_id=args.name, speed=speed,
+                          worker_cache_bytes=args.hot_cache_max_size)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     advertiser = None
     if not args.no_announce:
         from omlx_shared.discovery import (
@@ -840,14 +877,24 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
         # One client for good: each new one builds a TLS context (~20 ms of CPU here), which
         # every 2 s was most of what an idle `join` spent.
         client = httpx.Client(timeout=5)
+        failing_since, warned = None, False
         while True:
             try:
                 r = client.post(url, json=registration(secret, address, node_id))
+                failing_since, warned = None, False
                 if r.status_code == 401:
                     log.warning("the coordinator %s refused this node's registration: %s",
                                 coordinator, r.json()["error"]["message"])
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.debug("registration with %s failed: %s", coordinator, e)
+                # A coordinator restarting is gone for seconds; one that never answers is
+                # worth a line.
+                failing_since = failing_since or time.monotonic()
+                if not warned and time.monotonic() - failing_since > REGISTER_WARN_SECONDS:
+                    log.warning("cannot reach the coordinator at %s for %.0f s (%s): is it "
+                                "running, and is that its HTTP address?", coordinator,
+                                REGISTER_WARN_SECONDS, e)
+                    warned = True
             time.sleep(every)
 
     threading.Thread(target=loop, name="register", daemon=True).start()
@@ -858,9 +905,13 @@ def _node(args: argparse.Namespace) -> int:
     from omlx_shared.child import write_ready
     from proto import omlx_pb2 as pb
 
-    agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port, _engine_args(args),
-                      secret=_secret(args), node_id=args.name,
-                      worker_cache_bytes=args.hot_cache_max_size)
+    try:
+        agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
+                          _engine_args(args), secret=_secret(args), node_id=args.name,
+                          worker_cache_bytes=args.hot_cache_max_size)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.model:
         from omlx_shared.child import ChildError
         from omlx_shared.model_spec import resolve_model
@@ -929,7 +980,6 @@ def _plan(args: argparse.Namespace) -> int:
         format_plan,
         make_plan,
         parse_node_arg,
-        parse_size,
     )
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
@@ -938,7 +988,7 @@ def _plan(args: argparse.Namespace) -> int:
         path = resolve_model(args.model, progress=True)
         nodes = [replace(parse_node_arg(n), cache_bytes=args.hot_cache_max_size)
                  for n in args.node]
-        plan = make_plan(read_layout(path), nodes, os_reserve_bytes=parse_size(args.os_reserve),
+        plan = make_plan(read_layout(path), nodes, os_reserve_bytes=args.os_reserve,
                          context_tokens=args.context, max_sequences=args.sequences,
                          split=args.split)
     except (ModelError, PlanError, ValueError) as e:
@@ -1031,7 +1081,16 @@ def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
     except httpx.HTTPError as e:
         print(f"error: cannot get {what} from {args.url}: {e}", file=sys.stderr)
         return None
-    return r.json()
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        print(f"error: {args.url} answered {path} with something other than an omlx-cluster "
+              f"gateway's JSON (is it the gateway's address, not a node's metrics?)",
+              file=sys.stderr)
+        return None
+    return body
 
 
 def _error_message(r) -> str:
@@ -1134,7 +1193,7 @@ def _models(args: argparse.Namespace) -> int:
         else:
             console.print(f"default model ready at {pull_default(progress=True)}")
     except (model_store.ModelError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {e}")
         return 2
     return 0
 
@@ -1176,6 +1235,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     from omlx_cluster import doctor
     from omlx_shared.auth import SecretError, secret_from
+    from omlx_shared.checks import REMOTE_ONLY
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
 
@@ -1191,13 +1251,17 @@ def _doctor(args: argparse.Namespace) -> int:
         only=set(args.check) if args.check else None, grpc_port=args.node_port,
         metrics_port=args.metrics_port, probe_port=args.probe_port)
     hosts = _hosts(args)
+    if not hosts and (remote := [c for c in args.check or [] if c in REMOTE_ONLY]):
+        print(f"error: --check {', '.join(remote)} compare Macs or look at them from another "
+              "machine: name the hosts (doctor HOST ... or --hosts-file FILE)", file=sys.stderr)
+        return 2
     diagnosis = (asyncio.run(doctor.diagnose(hosts, options)) if hosts
                  else doctor.check_here(options))
     if args.json:
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:
         doctor.render(diagnosis, Console())
-    return 1 if any(h.failed for h in diagnosis.hosts) else 0
+    return 1 if diagnosis.failed else 0
 
 
 def _step_printer():
@@ -1297,4 +1361,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the processes it started stop with it; no traceback
         print("stopped", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `plan ... | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 

@@ -84,8 +84,13 @@ class Diagnosis:
     hosts: list[HostReport]
     plan: dict | None = None  # --model: {"model", "stages"} or {"model", "error"}
 
+    @property
+    def failed(self) -> bool:
+        """A host failed, or the model (--model) fits on none of them."""
+        return any(h.failed for h in self.hosts) or bool(self.plan and self.plan.get("error"))
+
     def to_dict(self) -> dict:
-        return {"ok": not any(h.failed for h in self.hosts), "plan": self.plan,
+        return {"ok": not self.failed, "plan": self.plan,
                 "hosts": [h.to_dict() for h in self.hosts]}
 
 
@@ -269,14 +274,14 @@ def _plan(model: Path, memories: dict[str, int]) -> tuple[dict, dict[str, tuple[
     """Plans `model` over the hosts of `memories` ({host: total memory}): (the plan for people,
     {host: (weight bytes, memory bytes)} of each one's shard)."""
     from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.planner import NodeSpec, PlanError, make_plan
+    from omlx_coordinator.planner import NodeSpec, make_plan
 
     # The planner's node names are words: number the hosts, name them back after.
     hosts = list(memories)
     nodes = [NodeSpec(f"host{i}", memories[h]) for i, h in enumerate(hosts)]
     try:
         plan = make_plan(read_layout(model), nodes)
-    except PlanError as e:
+    except ValueError as e:  # a PlanError, or a family no stage can serve (read_layout)
         return {"model": model.name, "error": str(e)}, {}
     stages = [(hosts[int(s.node.removeprefix("host"))], s) for s in plan.stages]
     shards = dict.fromkeys(hosts, (0, 0))  # a host the plan leaves out holds nothing
@@ -400,7 +405,9 @@ def render(diagnosis: Diagnosis, console: Console) -> None:
     unreachable = sum(bool(h.error) for h in diagnosis.hosts)
     console.print(Text(f"{len(diagnosis.hosts)} host(s): {counts[FAIL] + unreachable} fail, "
                        f"{counts[WARN]} warn" + (f" ({unreachable} unreachable)"
-                                                 if unreachable else "")))
+                                                 if unreachable else "")
+                       + ("; the model cannot be planned on them (above)"
+                          if diagnosis.plan and diagnosis.plan.get("error") else "")))
 
 
 def read_hosts_file(path: Path) -> list[str]:

@@ -29,12 +29,17 @@ class SshError(RuntimeError):
 def parse_target(spec: str) -> tuple[str | None, str, int | None]:
     """"[user@]host[:port]" (an IPv6 host in brackets) -> (user, host, port)."""
     user, _, rest = spec.rpartition("@")
-    host, port = rest, None
+    host, text = rest, None
     if rest.startswith("["):
         host, _, tail = rest[1:].partition("]")
-        port = int(tail[1:]) if tail.startswith(":") else None
+        text = tail[1:] if tail.startswith(":") else None
     elif rest.count(":") == 1:
         host, _, text = rest.partition(":")
+    port = None
+    if text is not None:
+        if not (text.isdigit() and 0 < int(text) <= 65535):
+            raise SshError(f"{spec}: the SSH port {text!r} is not a port number (1 to 65535); "
+                           "write the host as [user@]host[:port]")
         port = int(text)
     return user or None, host, port
 

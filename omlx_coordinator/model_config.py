@@ -15,6 +15,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -75,21 +76,27 @@ def _pairs(values: list[str], flag: str, names: set[str]) -> dict[str, str]:
     return dict(_pair(v, flag, names) for v in values)
 
 
-def _replicas(value: str | int, what: str) -> Replicas:
-    if value == "auto" or isinstance(value, int):
+def _replicas(value: object, what: str) -> Replicas:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     try:
-        return int(value)
+        if isinstance(value, str):
+            return int(value)
     except ValueError:
-        raise ModelConfigError(f"{what}: replicas must be an integer or \"auto\", "
-                               f"got {value!r}") from None
+        pass
+    raise ModelConfigError(f"{what}: replicas must be a whole number or \"auto\", "
+                           f"got {value!r}")
 
 
-def _ttl(value: str | float, what: str) -> float:
+def _ttl(value: object, what: str) -> float:
     try:
-        return float(value)
+        if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+            seconds = float(value)
+            if not math.isnan(seconds):  # the model's own check refuses < 0
+                return seconds
     except ValueError:
-        raise ModelConfigError(f"{what}: ttl must be a number of seconds, got {value!r}") from None
+        pass
+    raise ModelConfigError(f"{what}: ttl must be a number of seconds, got {value!r}")
 
 
 def from_flags(models: list[tuple[str, str]], aliases: list[str], pins: list[str],
@@ -141,17 +148,27 @@ def from_file(path: Path) -> list[ModelConfig]:
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
+        if not isinstance(t, dict):
+            raise ModelConfigError(f"{what}: is {t!r}, not a table: write each model as a "
+                                   "[[model]] table with name = ..., path = ...")
         extra = sorted(set(t) - known)
         if extra:
             raise ModelConfigError(f"{what}: unknown key {extra[0]!r} (known: "
                                    f"{', '.join(sorted(known))})")
         if "path" not in t:
             raise ModelConfigError(f"{what}: has no path")
-        name = t.get("name") or Path(str(t["path"])).name
-        out.append(ModelConfig(str(name), str(t["path"]),
-                               tuple(str(a) for a in t.get("aliases", ())),
-                               bool(t.get("pin", False)), _ttl(t.get("ttl", 0), what),
-                               _replicas(t.get("replicas", 1), what)))
+        aliases = t.get("aliases", [])
+        for key, ok, kind in (("path", isinstance(t["path"], str), "a string"),
+                              ("name", isinstance(t.get("name", ""), str), "a string"),
+                              ("pin", isinstance(t.get("pin", False), bool), "true or false"),
+                              ("aliases", isinstance(aliases, list)
+                               and all(isinstance(a, str) for a in aliases),
+                               'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):
+            if not ok:
+                raise ModelConfigError(f"{what}: {key} must be {kind}, got {t[key]!r}")
+        name = t.get("name") or Path(t["path"]).name
+        out.append(ModelConfig(name, t["path"], tuple(aliases), t.get("pin", False),
+                               _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what)))
     check_names(out)
     return out
 

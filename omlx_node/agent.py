@@ -185,9 +185,14 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self._shutdown = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         pb_grpc.add_NodeAgentServicer_to_server(self, self.server)
-        self.port = cluster_tls.add_port(self.server, f"{host}:{port}", self.tls)
+        try:
+            self.port = cluster_tls.add_port(self.server, f"{host}:{port}", self.tls)
+        except RuntimeError:  # grpc's "Failed to bind" (it returns 0 on some versions instead)
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use?)")
+            raise OSError(f"cannot listen for gRPC on {host}:{port}: the port is in use (another "
+                          f"node agent?) or the address is not this machine's; pick another "
+                          f"with --port")
 
     # ---- gRPC ------------------------------------------------------------------------------
 

@@ -503,6 +503,7 @@ PROBES: tuple[Probe, ...] = (
 # Every check's name, in the order doctor shows them: the last four need a view from another
 # machine (omlx_cluster/doctor.py, over SSH).
 CHECK_NAMES = ("versions", *(p.name for p in PROBES), "secret", "clock", "ports", "bonjour", "link")
+REMOTE_ONLY = CHECK_NAMES[-4:]
 
 
 def not_applicable(probe: Probe, system: str) -> CheckResult:

@@ -166,12 +166,15 @@ def import_gguf(gguf_path: Path, dest: Path | None = None, progress: bool = True
     next to `dest` and renamed into place at the end, so a crash never leaves half a model.
     """
     gguf_path = Path(gguf_path)
+    if gguf_path.is_dir():
+        raise ModelError(f"{gguf_path} is a folder: name the .gguf file itself.")
     if not gguf_path.is_file():
         raise ModelError(f"GGUF file {gguf_path} does not exist.")
     try:
         reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise ModelError(f"{gguf_path} is not a readable GGUF file: {e}") from e
+    except Exception as e:  # gguf's reader meets a cut-off file with whatever fails first
+        raise ModelError(f"{gguf_path} is not a readable GGUF file (truncated or not GGUF?): "
+                         f"{type(e).__name__}: {e}") from e
     meta = _Metadata(reader)
 
     arch = meta.get("general.architecture")

@@ -177,7 +177,7 @@ def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_pa
 
 
 @pytest.mark.parametrize("args, words", [
-    (["serve", "--port", "eighty"], ["--port", "invalid int"]),
+    (["serve", "--port", "eighty"], ["--port", "a port is a number"]),
     (["serve", "--prefill-chunk", "0"], ["--prefill-chunk", "at least 1"]),
     (["serve", "--max-batch", "-3"], ["--max-batch", "at least 1"]),
     (["serve", "--log-level", "loud"], ["--log-level", "invalid choice"]),

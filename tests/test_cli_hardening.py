@@ -167,3 +167,97 @@ def test_the_default_models_own_gguf_imports_under_its_name(tmp_path: Path) -> N
     r = run("models", "import-gguf", str(gguf), home=tmp_path / "home", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "home" / "models" / DEFAULT_MODEL_NAME / "config.json").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--keepalive", "0"], ["--keepalive", "more than 0 seconds"]),
+    (["serve", "--request-timeout", "-5"], ["--request-timeout", ">= 0 seconds"]),
+    (["serve", "--keepalive", "nan"], ["--keepalive", "number of seconds"]),
+    (["serve", "--port", "99999"], ["--port", "0 to 65535"]),
+    (["serve", "--node-memory", "0"], ["--node-memory", "more than 0 bytes"]),
+    (["join", "--secret", "s", "--port", "http"], ["--port", "a port is a number"]),
+    (["join", "--secret", "s", "--coordinator", "https://gw:8000"], ["--coordinator",
+                                                                     "HOST:PORT"]),
+    (["join", "--secret", "s", "--coordinator", "gateway"], ["--coordinator", "HOST:PORT"]),
+    (["doctor", "--probe-port", "70000"], ["--probe-port", "0 to 65535"]),
+])
+def test_bad_values_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
+                                                       words: list[str]) -> None:
+    """A value that would make the server misbehave (0 s keep-alives flood every stream with
+    comments, a negative time limit fails every request) is an error naming the flag."""
+    r = run(*args, home=tmp_path, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert all(w in r.stderr for w in words) and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_node_port_in_use_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run("node", "--port", str(port), home=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}: the port is in use" in r.stderr
+
+
+def test_doctor_fails_when_the_model_cannot_be_planned(tiny_model_path: Path,
+                                                       tmp_path: Path) -> None:
+    """doctor --model judges whether the model fits: a model no stage can serve (or too large
+    for the machines) is a failure in the exit code and in --json, never a pass."""
+    import json
+    import shutil
+
+    model = tmp_path / "rwkv"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "rwkv7"}))
+    r = run("doctor", "--json", "--model", str(model), "--check", "disk", home=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    body = json.loads(r.stdout)
+    assert body["ok"] is False and "rwkv7" in body["plan"]["error"]
+    r = run("doctor", "--check", "ports", home=tmp_path)
+    assert r.returncode == 2 and "name the hosts" in r.stderr, r.stderr
+
+
+def test_status_of_something_that_is_not_a_gateway(tmp_path: Path) -> None:
+    """`status --url` at the wrong address (a node's metrics, which answer any path with text)
+    says so rather than failing on the text as JSON."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"# HELP omlx_up 1\nomlx_up 1\n")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = run("status", "--url", f"http://127.0.0.1:{server.server_port}", home=tmp_path)
+    finally:
+        server.shutdown()
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "not an omlx-cluster gateway" in r.stderr or "other than an omlx-cluster" in r.stderr
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    """A GGUF cut short (a download that stopped) or a folder named instead of the file."""
+    import zipfile
+
+    from tests.conftest_models import default_wheel
+
+    with zipfile.ZipFile(default_wheel()) as wheel:
+        member = next(m for m in wheel.namelist() if m.endswith(".gguf"))
+        with wheel.open(member) as f:
+            head = f.read(1000)
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(head)
+    for target, words in ((bad, "is not a readable GGUF file"), (tmp_path, "is a folder")):
+        r = run("models", "import-gguf", str(target), home=tmp_path)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert words in r.stderr, r.stderr

@@ -38,7 +38,7 @@ def test_model_arg(arg, expected):
     ({"ttls": ["a=soon"]}, "--ttl a: ttl must be a number of seconds, got 'soon'"),
     ({"ttls": ["b=3"]}, "--ttl 'b=3': no model named 'b'"),
     ({"replicas": ["a=0"]}, "model a: replicas must be a positive integer"),
-    ({"replicas": ["many"]}, "replicas must be an integer or \"auto\", got 'many'"),
+    ({"replicas": ["many"]}, "replicas must be a whole number or \"auto\", got 'many'"),
     ({"aliases": ["z=b"]}, "--alias 'z=b': no model named 'b' (models: a)"),
     ({"aliases": ["a=a"]}, "model 'a' has the name 'a' twice"),
     ({"aliases": ["x"]}, "--alias 'x': expected ALIAS=NAME"),
@@ -68,6 +68,14 @@ def test_config_file(tmp_path: Path):
     ('[[model]]\npath = "/a"\nsize = 3\n', "unknown key 'size'"),
     ("[[model]\n", "is not valid TOML"),
     ('[[model]]\npath = "/a"\nttl = -1\n', "ttl must be >= 0"),
+    # Values of the wrong TOML type are named, never read some other way or a traceback.
+    ('[[model]]\npath = "/a"\naliases = "gpt-4o-mini"\n', "aliases must be a list of strings"),
+    ('[[model]]\npath = "/a"\nreplicas = 2.7\n', "replicas must be a whole number"),
+    ('[[model]]\npath = "/a"\nreplicas = true\n', "replicas must be a whole number"),
+    ('[[model]]\npath = "/a"\nttl = [1]\n', "ttl must be a number of seconds, got [1]"),
+    ('[[model]]\npath = "/a"\npin = "yes"\n', "pin must be true or false"),
+    ('[[model]]\npath = 5\n', "path must be a string"),
+    ("model = [1]\n", "model 1: is 1, not a table"),
 ])
 def test_bad_config_files(tmp_path: Path, text, message):
     f = tmp_path / "models.toml"
