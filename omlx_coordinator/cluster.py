@@ -98,6 +98,12 @@ class Cluster:
         self.holders: list[Holder] = []  # every deployment: what the others leave free
         self.on_lost: Callable[[set[str]], Awaitable[None]] | None = None
         self.on_joined: Callable[[Member], Awaitable[None]] | None = None
+        # One plan loads at a time over the whole cluster: each load reads the nodes' data
+        # ports, which an agent moves only once its load is done, so two plans loading at once
+        # (two models recovering from one failure) would be given the same ports and join each
+        # other's groups.
+        self.plan_loads = asyncio.Lock()
+        self._reactions: set[asyncio.Task] = set()  # on_joined calls under way
         # Stages (member names in rank order) whose automatic jaccl group failed to form, and
         # why: they go straight to ring until one of them joins again.
         self.jaccl_failed: dict[tuple[str, ...], str] = {}
@@ -280,19 +286,42 @@ class Cluster:
         return None
 
     async def _monitor(self) -> None:
+        """Heartbeats; on_lost checks every plan at each (it starts a recovery without waiting
+        for it), and a node that answers again goes to on_joined in a task of its own: a
+        re-plan takes seconds (minutes, when it waits for weights), and the next failure, of
+        another model's nodes too, must still be noticed meanwhile."""
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
+            back = [m for m in self.members if not m.alive]
             lost = await self.check_members()
             if self.on_lost is not None:
                 await self.on_lost(lost)
+            for m in back:
+                if m.alive and self.on_joined is not None:
+                    self._react(self.on_joined(m))
+
+    def _react(self, call: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(call)
+        self._reactions.add(task)
+        task.add_done_callback(self._reactions.discard)
 
     async def check_members(self) -> set[str]:
-        """Heartbeats every member; returns the names of those found lost just now."""
+        """Heartbeats every member; returns the names of those found lost just now. A node
+        found lost whose agent answers again on its admitted channel (it was stalled, not
+        restarted: a restarted agent knows no session of ours) is a member again, and the
+        monitor plans it back in."""
         lost: set[str] = set()
         now = time.monotonic()
 
         async def beat(m: Member) -> None:
             if not m.alive:
+                if m.process is None or m.process.alive():
+                    try:
+                        m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
+                    except grpc.aio.AioRpcError:
+                        return
+                    log.warning("node %s (%s) answers again", m.name, m.agent.address)
+                    m.alive, m.last_seen = True, now
                 return
             exited = m.process is not None and not m.process.alive()
             try:
@@ -313,6 +342,8 @@ class Cluster:
         self.ready = False
         if self._monitor_task is not None:
             self._monitor_task.cancel()
+        for task in list(self._reactions):
+            task.cancel()
         if self._discovery is not None:
             await self._discovery.stop()
         for m in self.members:

@@ -29,6 +29,7 @@ from proto import omlx_pb2 as pb
 log = logging.getLogger(__name__)
 
 UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
+RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most this far apart
 
 
 class Deployment:
@@ -50,6 +51,8 @@ class Deployment:
         self.requests = 0  # attempts it has run (a resumed request counts again)
         self.prefixes = PrefixIndex()  # block hashes of what it served: cache-aware routing
         self.unloaded = False  # stopped on purpose: never re-planned
+        self.caps: dict[str, int] = {}  # bytes per node it may hold at most (shed by rebalancing)
+        self._recovery: asyncio.Task | None = None  # recover_soon's
         self.siblings: list[Deployment] = []  # the model's other replicas (disjoint nodes)
         self._ready_event = asyncio.Event()
         self._replanning = asyncio.Lock()
@@ -76,6 +79,11 @@ class Deployment:
         taken = {n for d in self.siblings for n in d.held_bytes()}
         return [m for m in self.cluster.servable() if m.name not in taken]
 
+    def room(self, node: str) -> int:
+        """What its plans may hold on `node`: what the other deployments leave free there,
+        and no more than the rebalancer shed it to where the node ran short of memory."""
+        return min(self.cluster.free_budget(node, self), self.caps.get(node, 1 << 62))
+
     def make_plan(self, members: list[Member] | None = None) -> Plan:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
         within what the other deployments leave free on it."""
@@ -84,8 +92,8 @@ class Deployment:
                               cache_bytes=self.cluster.options.worker_cache_bytes)
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.cluster.free_budget(m.name, self), m.speed,
-                              cache_bytes=m.cache_bytes) for m in members]
+            nodes = [NodeSpec(m.name, self.room(m.name), m.speed, cache_bytes=m.cache_bytes)
+                     for m in members]
         split = self.model.config.split
         return make_plan(self.model.layout, nodes, os_reserve_bytes=0,
                          split=split if split and len(split) == len(nodes) else None)
@@ -134,17 +142,18 @@ class Deployment:
         self.placed = plan  # what it holds from now on, for the other models' budgets
         paths = await self._transfer_weights(members, plan)
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
-        try:
-            replies = await self._load_stages(plan, members, paths, choice)
-        except grpc.aio.AioRpcError as e:
-            if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
-                raise
-            error = _error_line(e.details() or str(e.code()))
-            log.warning("the jaccl group of plan %s did not form (%s): loading it over ring",
-                        plan.plan_hash, error)
-            self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
-            choice = BackendChoice("ring", f"jaccl did not form: {error}")
-            replies = await self._load_stages(plan, members, paths, choice)
+        async with self.cluster.plan_loads:
+            try:
+                replies = await self._load_stages(plan, members, paths, choice)
+            except grpc.aio.AioRpcError as e:
+                if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
+                    raise
+                error = _error_line(e.details() or str(e.code()))
+                log.warning("the jaccl group of plan %s did not form (%s): loading it over "
+                            "ring", plan.plan_hash, error)
+                self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
+                choice = BackendChoice("ring", f"jaccl did not form: {error}")
+                replies = await self._load_stages(plan, members, paths, choice)
         if self.node is not None:
             await self.node.close()
         self.node = members[0].agent.worker(replies[0].worker_address)
@@ -278,6 +287,7 @@ class Deployment:
             self.status = f"recovering: {reason}"
             log.warning("re-planning %s: %s", self.name, reason)
             t0, started_at = time.monotonic(), time.time()
+            delay = 1.0
             while True:
                 try:
                     await self._load_plan(plan)
@@ -286,21 +296,53 @@ class Deployment:
                     log.error("cannot serve %s: %s", self.name, e)
                     return  # new and in-flight requests get 503 until a node joins
                 except (grpc.aio.AioRpcError, OSError) as e:
-                    log.warning("re-plan failed, retrying: %s", e)
+                    why = _error_line(e.details() or str(e.code())) if isinstance(
+                        e, grpc.aio.AioRpcError) else str(e)
+                    log.warning("re-plan of %s failed, retrying in %.0fs: %s", self.name,
+                                delay, why)
+                    self.status = f"recovering: {reason}; the last try failed: {why}"
                     plan = None  # what failed may be a node of that plan: plan afresh
-                    await asyncio.sleep(1.0)
+                    # Backing off: a load that fails the same way every time (a model folder
+                    # gone) must not keep the nodes busy; an unload stops the retries.
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, RETRY_MAX_SECONDS)
+                    if self.unloaded:
+                        return
                     await self.cluster.check_members()
             self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
                                   "started_at": started_at, "epoch": self.epoch,
                                   "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
 
+    def replan_changes(self) -> bool:
+        """Whether a new plan over the usable members would differ from the one serving, in
+        its layer ranges or its data plane."""
+        if not self.ready:
+            return True
+        members, next_plan = self._staged(None)
+        if next_plan is None or self.plan is None or next_plan.plan_hash != self.plan.plan_hash:
+            return True
+        try:
+            return self._choose_backend(members) != self.backend
+        except BackendError:
+            return True
+
+    def recover_soon(self, reason: str) -> None:
+        """Starts `recover` in a task of its own unless one runs: a recovery may take minutes
+        (weights on their way, a load that keeps failing), and neither the heartbeat nor the
+        other models' recoveries wait for it."""
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.ensure_future(self.recover(reason))
+            self._recovery.add_done_callback(_log_failure)
+
     async def apply_plan(self, plan: Plan, budgets: dict[str, int], reason: str) -> bool:
         """Moves to `plan` (the rebalancer's) through the re-plan path: weights first while
         the current plan serves, then the switch, in-flight requests resuming on it. `budgets`
-        (lowered for a node short of memory) stay for later plans; whether `plan` serves."""
-        for m in self.cluster.members:
-            m.budget_bytes = budgets.get(m.name, m.budget_bytes)
+        lowered below a node's room (a node short of memory) stay as this model's caps for its
+        later plans, not the node's for every model; whether `plan` serves."""
+        for node, budget in budgets.items():
+            if budget < self.room(node):
+                self.caps[node] = budget
         await self.recover(reason, always=True, plan=plan)
         return self.plan is not None and self.plan.plan_hash == plan.plan_hash
 
@@ -319,6 +361,7 @@ class Deployment:
     async def unload(self, grace: float = UNLOAD_GRACE_SECONDS) -> None:
         """Stops its workers (SIGTERM, `grace`, then SIGKILL), every stage at once; returns once
         each agent saw its worker exit, so the memory is free. Never re-planned afterwards."""
+        self.unloaded = True  # a recovery retrying a failed load stops at its next try
         async with self._replanning:
             self.unloaded, self.ready = True, False
             self._ready_event.clear()
@@ -351,8 +394,15 @@ class Deployment:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def close(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
         if self.node is not None:
             await self.node.close()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a recovery failed", exc_info=task.exception())
 
 
 async def _settled(call):

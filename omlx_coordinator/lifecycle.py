@@ -220,6 +220,10 @@ class ModelManager:
                 if not d.ready:
                     d.placed = None
                     d.capacity_error = str(e) if isinstance(e, NoCapacity) else ""
+            if not isinstance(e, asyncio.CancelledError):
+                # A model loads whole or not at all: replicas that did load would hold memory
+                # no placement counts (an unloaded model holds none) and none could unload.
+                await asyncio.gather(*(d.unload() for d in ds if d.ready))
             raise
         model.state, model.loads = LOADED, model.loads + 1
         model.load_seconds = time.monotonic() - t0
@@ -261,6 +265,17 @@ class ModelManager:
         needs gone (`evict`; else it must fit as things are). Models with leases among those
         are drained and waited for; raises NoCapacity when even unloading every unpinned
         model would not make room."""
+        drained: set[str] = set()
+        try:
+            return await self._plan_room(model, evict, drained)
+        finally:
+            self.draining.difference_update(drained)
+
+    async def _plan_room(self, model: ServedModel, evict: bool, drained: set[str]
+                         ) -> list[Plan]:
+        """_make_room's loop; the models it drains stay drained (`drained`) until the room is
+        made: let go between two looks, they would take new requests, and a steady client
+        would keep the waiting load from ever starting."""
         while True:
             if not self.cluster.servable():
                 raise NoCapacity(NO_NODES if not self.cluster.members
@@ -281,14 +296,12 @@ class ModelManager:
                 if not busy:  # their requests ended while the planner ran: plan again
                     continue
                 # Drained, so that their leases end; then look again.
-                self.draining.update(b.name for b in busy)
+                drained.update(b.name for b in busy)
+                self.draining.update(drained)
                 self.replicas[model.name][0].status = (
                     f"waiting for {', '.join(b.name for b in busy)} to finish "
                     f"{sum(b.leases for b in busy)} request(s)")
-                try:
-                    await busy[0].lease_ended(timeout=1.0)
-                finally:
-                    self.draining.difference_update(b.name for b in busy)
+                await busy[0].lease_ended(timeout=1.0)
                 continue
             # The planner ran on a thread: what it was shown may have changed meanwhile.
             if self._changed(plans, victims):
@@ -335,13 +348,9 @@ class ModelManager:
         if model.leases:
             self.draining.add(model.name)
             try:
-                deadline = time.monotonic() + wait_leases
-                while model.leases and time.monotonic() < deadline:
-                    await model.lease_ended(timeout=min(1.0, deadline - time.monotonic()))
+                await self._await_leases(model, wait_leases)
             finally:
                 self.draining.discard(model.name)
-            if model.leases:
-                raise ModelBusy(f"{model.name} has {model.leases} request(s) in flight")
         if model.state == UNLOADED:
             return
         log.info("unloading %s: %s", model.name, reason)
@@ -356,12 +365,34 @@ class ModelManager:
                                                  "at": time.time()}]
         await self.cluster.check_members()  # its workers gone from every node's picture
 
+    async def unload_asked(self, model: ServedModel, wait_leases: float) -> None:
+        """An operator's unload (HTTP, `models unload --wait`): the model's requests are drained
+        and waited for before the load lock is taken, so that other loads, re-plans and idle
+        unloads go on meanwhile; raises ModelBusy as `unload` does."""
+        self.draining.add(model.name)
+        try:
+            await self._await_leases(model, wait_leases)
+            async with self.loading:
+                await self.unload(model, reason="asked over HTTP", kind="request")
+        finally:
+            self.draining.discard(model.name)
+
+    @staticmethod
+    async def _await_leases(model: ServedModel, wait: float) -> None:
+        """Waits up to `wait` seconds for `model`'s requests to end; raises ModelBusy if some
+        are left."""
+        deadline = time.monotonic() + wait
+        while model.leases and time.monotonic() < deadline:
+            await model.lease_ended(timeout=min(1.0, deadline - time.monotonic()))
+        if model.leases:
+            raise ModelBusy(f"{model.name} has {model.leases} request(s) in flight")
+
     # ---- failures and joins -----------------------------------------------------------------
 
     async def _on_lost(self, lost: set[str]) -> None:
-        broken = [d for d in self.deployments() if d.broken_by(lost)]
-        await asyncio.gather(*(d.recover("a node or shard worker of the plan stopped "
-                                         "answering") for d in broken))
+        for d in self.deployments():
+            if d.broken_by(lost):
+                d.recover_soon("a node or shard worker of the plan stopped answering")
 
     async def _on_joined(self, member: Member) -> None:
         """A node joined: the models with one replica re-plan over it, once any load in
@@ -371,6 +402,11 @@ class ModelManager:
             for m in self.models:
                 ds = self.replicas[m.name]
                 if m.state == LOADED and len(ds) == 1:
+                    if not ds[0].replan_changes():
+                        # The planner leaves the node out: reloading the same plan would only
+                        # cut every stream and empty the caches.
+                        log.info("node %s joined; the plan of %s stays", member.name, m.name)
+                        continue
                     await ds[0].recover(f"node {member.name} joined", always=True)
         if self.models[0].state == UNLOADED:
             try:

@@ -466,7 +466,9 @@ class Rebalancer:
         return decision
 
     def decide(self) -> Decision:
-        nodes = [NodeState(m.name, m.budget_bytes, m.speed,
+        # What the model may hold on each node: other models' plans (and earlier shedding)
+        # leave it less than the node's budget.
+        nodes = [NodeState(m.name, self.deployment.room(m.name), m.speed,
                            self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes)
                  for m in self.cluster.servable()]
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,

@@ -42,9 +42,7 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
         """Unloads the model; 409 with requests in flight, unless `wait` seconds for them."""
         model = find(name)
         try:
-            async with manager.loading:
-                await manager.unload(model, reason="asked over HTTP", kind="request",
-                                     wait_leases=wait)
+            await manager.unload_asked(model, wait)
         except ModelBusy as e:
             raise APIError(409, f"{e}: wait for them (?wait=SECONDS, `omlx-cluster models "
                                 "unload --wait`) or retry later", code="model_busy") from None
