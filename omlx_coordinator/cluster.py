@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 NODE_START_TIMEOUT_SECONDS = 120.0
 HEARTBEAT_SECONDS = 0.5
 NODE_LOST_SECONDS = 3.0  # a node that has not answered for this long is gone
+# A lost node answering again is a member again once it has answered every heartbeat this long:
+# one that is only intermittently responsive (a machine throttled or swapping) would otherwise
+# be planned in and out, each time a pause for every stream, and planned in by its calibrated
+# speed, not the slowness it was lost for.
+NODE_BACK_SECONDS = 30.0
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Member:
     chip: str = ""
     alive: bool = True
     last_seen: float = 0.0
+    answering_since: float | None = None  # lost, but answering every heartbeat since then
     health: pb.HealthReply | None = None
     # Its Thunderbolt ports with RDMA, from its handshake (none off macOS).
     rdma_ports: list[pb.RdmaPort] = field(default_factory=list)
@@ -319,9 +325,12 @@ class Cluster:
                     try:
                         m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
                     except grpc.aio.AioRpcError:
+                        m.answering_since = None
                         return
-                    log.warning("node %s (%s) answers again", m.name, m.agent.address)
-                    m.alive, m.last_seen = True, now
+                    m.answering_since = m.answering_since or now
+                    if now - m.answering_since >= NODE_BACK_SECONDS:
+                        log.warning("node %s (%s) answers again", m.name, m.agent.address)
+                        m.alive, m.last_seen, m.answering_since = True, now, None
                 return
             exited = m.process is not None and not m.process.alive()
             try:

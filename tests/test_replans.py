@@ -17,7 +17,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.cluster import ClusterOptions
+from omlx_coordinator.cluster import NODE_BACK_SECONDS, ClusterOptions
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, serving
 
@@ -119,8 +119,8 @@ def test_a_replan_that_keeps_failing_blocks_no_other_model(models, refs, tmp_pat
 
 def test_a_node_that_stalls_and_answers_again_is_planned_back_in(models, refs, tmp_path):
     """A node agent stopped for a few seconds (a busy machine) is found lost and the model
-    re-planned without it; once it answers again it is a member again and the plan takes it
-    back, rather than serving on one node for good."""
+    re-planned without it; once it has answered again for NODE_BACK_SECONDS it is a member
+    again and the plan takes it back, rather than serving on one node for good."""
     with start_server(models["alpha"], "--nodes", "2", "--rebalance", "off",
                       home=tmp_path / "home") as server:
         agent = next(n for n in status(server)["nodes"] if n["id"] == "local1")["agent_pid"]
@@ -131,7 +131,8 @@ def test_a_node_that_stalls_and_answers_again_is_planned_back_in(models, refs, t
         finally:
             os.kill(agent, signal.SIGCONT)
         wait_for(lambda: (s := status(server))["ready"] and len(s["plan"]["stages"]) == 2
-                 and all(n["alive"] for n in s["nodes"]), 90, "local1 planned back in")
+                 and all(n["alive"] for n in s["nodes"]), NODE_BACK_SECONDS + 60,
+                 "local1 planned back in")
         r = complete(server, server.model_id)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs["alpha"], r.text
 
