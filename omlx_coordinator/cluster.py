@@ -293,18 +293,12 @@ class Cluster:
 
     async def _monitor(self) -> None:
         """Heartbeats; on_lost checks every plan at each (it starts a recovery without waiting
-        for it), and a node that answers again goes to on_joined in a task of its own: a
-        re-plan takes seconds (minutes, when it waits for weights), and the next failure, of
-        another model's nodes too, must still be noticed meanwhile."""
+        for it)."""
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
-            back = [m for m in self.members if not m.alive]
             lost = await self.check_members()
             if self.on_lost is not None:
                 await self.on_lost(lost)
-            for m in back:
-                if m.alive and self.on_joined is not None:
-                    self._react(self.on_joined(m))
 
     def _react(self, call: Awaitable[None]) -> None:
         task = asyncio.ensure_future(call)
@@ -314,8 +308,10 @@ class Cluster:
     async def check_members(self) -> set[str]:
         """Heartbeats every member; returns the names of those found lost just now. A node
         found lost whose agent answers again on its admitted channel (it was stalled, not
-        restarted: a restarted agent knows no session of ours) is a member again, and the
-        monitor plans it back in."""
+        restarted: a restarted agent knows no session of ours) is a member again, and goes to
+        on_joined in a task of its own: a re-plan takes seconds (minutes, when it waits for
+        weights), and the next failure, of another model's nodes too, must still be noticed
+        meanwhile."""
         lost: set[str] = set()
         now = time.monotonic()
 
@@ -331,6 +327,8 @@ class Cluster:
                     if now - m.answering_since >= NODE_BACK_SECONDS:
                         log.warning("node %s (%s) answers again", m.name, m.agent.address)
                         m.alive, m.last_seen, m.answering_since = True, now, None
+                        if self.on_joined is not None:
+                            self._react(self.on_joined(m))
                 return
             exited = m.process is not None and not m.process.alive()
             try:

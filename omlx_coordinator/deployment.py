@@ -363,7 +363,7 @@ class Deployment:
         each agent saw its worker exit, so the memory is free. Never re-planned afterwards."""
         self.unloaded = True  # a recovery retrying a failed load stops at its next try
         async with self._replanning:
-            self.unloaded, self.ready = True, False
+            self.ready = False
             self._ready_event.clear()
             self.status = "unloading"
             by_name = {m.name: m for m in self.cluster.members}

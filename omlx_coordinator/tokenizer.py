@@ -60,6 +60,7 @@ class ChatTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
         self._token_strings: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -151,7 +152,13 @@ class ChatTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes (OpenAI's logprobs `bytes`): a piece of a multi-byte character
-        is its bytes, which with its neighbours' make the character."""
+        is its bytes, which with its neighbours' make the character. Cached, as token_string."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self._spell(token_id)
+        return raw
+
+    def _spell(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         spell = self._piece_bytes
         if piece is not None and spell is not None and \
