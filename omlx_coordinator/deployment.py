@@ -52,6 +52,12 @@ class Deployment:
         self.prefixes = PrefixIndex()  # block hashes of what it served: cache-aware routing
         self.unloaded = False  # stopped on purpose: never re-planned
         self.caps: dict[str, int] = {}  # bytes per node it may hold at most (shed by rebalancing)
+        # Set by the rebalancer (mode auto): the speeds (GB/s) it measured nodes at, and the
+        # measured / calibrated ratio that puts the others in the same units. A re-plan after
+        # a loss or a join then splits by what the nodes did, not by their calibration: a node
+        # lost for its slowness must not come back with its calibrated share.
+        self.measured_speeds: dict[str, float] = {}
+        self.speed_scale = 1.0
         self._recovery: asyncio.Task | None = None  # recover_soon's
         self.siblings: list[Deployment] = []  # the model's other replicas (disjoint nodes)
         self._ready_event = asyncio.Event()
@@ -84,6 +90,10 @@ class Deployment:
         and no more than the rebalancer shed it to where the node ran short of memory."""
         return min(self.cluster.free_budget(node, self), self.caps.get(node, 1 << 62))
 
+    def speed(self, member: Member) -> float:
+        """The GB/s its plans count `member` at: as measured, else as calibrated."""
+        return self.measured_speeds.get(member.name) or member.speed * self.speed_scale
+
     def make_plan(self, members: list[Member] | None = None) -> Plan:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
         within what the other deployments leave free on it."""
@@ -92,7 +102,7 @@ class Deployment:
                               cache_bytes=self.cluster.options.worker_cache_bytes)
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.room(m.name), m.speed, cache_bytes=m.cache_bytes)
+            nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes)
                      for m in members]
         split = self.model.config.split
         return make_plan(self.model.layout, nodes, os_reserve_bytes=0,

@@ -16,7 +16,9 @@ node's speed in the planner's own units (GB/s of weights under the current load,
 included), so the planner's prediction for the current split is what was measured, and its
 best split over those speeds is comparable to it. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
-the measured nodes' are (measured / calibrated), so units do not mix.
+the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
+model's re-plans after a loss or a join split by these speeds too (`Deployment.speed`): a node
+lost for its slowness, or restarted, comes back with the share it was measured for.
 
 When to move (every rule is hysteresis against oscillation):
 - imbalance: the best split's bottleneck beats the measured one by more than `threshold`, in
@@ -150,6 +152,7 @@ class Decision:
     why: str
     speeds: dict[str, float] = field(default_factory=dict)  # GB/s each node is planned at
     measured: tuple[str, ...] = ()  # the nodes whose speed this window measured
+    scale: float = 1.0  # measured / calibrated speed (median over the measured nodes)
     ms_per_layer: dict[str, float] = field(default_factory=dict)  # measured nodes
     current_bottleneck_s: float | None = None
     best_bottleneck_s: float | None = None
@@ -288,7 +291,7 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
     ranges = {s.node: s for s in plan.stages}
     ms_per_layer = {n: step_s[n] * 1e3 / ranges[n].num_layers for n in measured}
     current_s = max(step_s.values()) if len(measured) == len(held) else None
-    base = {"speeds": speeds, "measured": measured, "ms_per_layer": ms_per_layer,
+    base = {"speeds": speeds, "measured": measured, "scale": scale, "ms_per_layer": ms_per_layer,
             "current_bottleneck_s": current_s, "current": plan}
 
     def best_plan(budget: Mapping[str, int]) -> Plan:
@@ -475,6 +478,10 @@ class Rebalancer:
                           time.time(), last_move_at=self.last_move_at,
                           left_plan_hash=self.left_plan_hash, remembered=self.remembered,
                           policy=self.policy)
+        self.remembered.update({n: decision.speeds[n] for n in decision.measured})
+        if decision.measured and self.settings.mode == "auto":
+            self.deployment.measured_speeds = dict(self.remembered)
+            self.deployment.speed_scale = decision.scale
         if self.last is None or (decision.move, decision.why.split(":")[0]) != (
                 self.last.move, self.last.why.split(":")[0]):
             log.info("rebalance %s: %s", "move" if decision.move else "hold", decision.why)
@@ -500,7 +507,6 @@ class Rebalancer:
             moved = await self.deployment.apply_plan(decision.plan, decision.budgets,
                                                      f"rebalance ({reason}): {decision.why}")
             self.metrics.rebalances.labels(reason).inc()
-            self.remembered.update({n: decision.speeds[n] for n in decision.measured})
             self.last_move_at, self.left_plan_hash = time.time(), decision.current.plan_hash
             self.last_move = {"reason": reason, "at": t0, "seconds": time.time() - t0,
                               "moved": moved, "from": decision.current.split,

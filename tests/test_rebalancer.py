@@ -1,12 +1,14 @@
 """The rebalancer: its pure decision on synthetic series, then live: a node slowed for real by a
-cgroup CPU quota loses its layers while 8 greedy streams run across the move, and the speeds
-read through a real Prometheus."""
+cgroup CPU quota loses its layers while 8 greedy streams run across the move (and, lost and
+back, is planned in at the speed it was measured at), and the speeds read through a real
+Prometheus."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omlx_coordinator.cluster import NODE_BACK_SECONDS
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import NodeSpec, Plan, make_plan
 from omlx_coordinator.rebalancer import (
@@ -348,6 +351,25 @@ def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_pat
                              check=False, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0 and "proposed split" in dry.stdout, dry.stdout + dry.stderr
         assert status(server.url)["epoch"] == after["epoch"]  # a dry run moves nothing
+
+        # The node is lost (its agent stopped) and answers again: the plan that takes it back
+        # counts it at the speed it was measured at, not its calibrated one, so it does not
+        # come back with the share the move took from it.
+        agent = slow["agent_pid"]
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not next(n for n in status(server.url)["nodes"]
+                                      if n["id"] == slow["id"])["alive"], 30, "the node lost")
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        wait_for(lambda: next(n for n in status(server.url)["nodes"]
+                              if n["id"] == slow["id"])["alive"], NODE_BACK_SECONDS + 30,
+                 "the node a member again")
+        time.sleep(2)  # its re-plan, if any, starts at once
+        back = wait_for(lambda: (s := status(server.url))["ready"] and s, 120, "ready again")
+        held = {n["id"]: n["layers"] for n in back["nodes"]}[slow["id"]]
+        moved_share = 0 if mine[slow["id"]] is None else mine[slow["id"]][1] - mine[slow["id"]][0]
+        assert (0 if held is None else held[1] - held[0]) <= moved_share, (held, mine)
 
 
 @NEEDS_PROMETHEUS
