@@ -119,9 +119,11 @@ class Deployment:
 
     def _staged(self, plan: Plan | None) -> tuple[list[Member], Plan | None]:
         """The members that run `plan` in rank order, and the plan; a new plan over the usable
-        members when none is given or one of its nodes cannot serve."""
+        members when none is given, one of its nodes cannot serve, or a stage no longer fits
+        its node (a plan made before another model loaded there: a rebalance, a placement)."""
         by_name = {m.name: m for m in self.usable()}
-        if plan is None or any(s.node not in by_name for s in plan.stages):
+        if plan is None or any(s.node not in by_name or s.memory_bytes > self.room(s.node)
+                               for s in plan.stages):
             live, plan = self._next_plan()
             by_name = {m.name: m for m in live}
         return ([by_name[s.node] for s in plan.stages] if plan else []), plan

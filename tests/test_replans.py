@@ -158,3 +158,38 @@ def test_a_join_that_leaves_the_plan_as_it_is_reloads_nothing(models):
 
     before, after, ready, changes = asyncio.run(main())
     assert ready and after == before == 1 and changes
+
+
+class _Holds:
+    """Memory another model holds on a node (a Holder)."""
+
+    def __init__(self, held: dict[str, int]):
+        self.held = held
+
+    def held_bytes(self) -> dict[str, int]:
+        return self.held
+
+
+def test_a_plan_that_no_longer_fits_its_nodes_is_made_again(models):
+    """A plan made before another model took memory on one of its nodes (the rebalancer's,
+    decided a tick before that load; a placement) is not loaded as it was made: the load plans
+    again within the room left, and serves."""
+    async def main() -> tuple[dict, dict, dict, bool]:
+        manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret="s"))
+        await manager.start()
+        try:
+            d, cluster = manager.main, manager.cluster
+            old = d.plan
+            first = old.stages[0]
+            cluster.holders.append(_Holds({first.node: cluster.free_budget(first.node, d)
+                                           - first.memory_bytes + 1}))
+            await d.recover("test: another model loaded", always=True, plan=old)
+            room = {s.node: d.room(s.node) for s in d.plan.stages}
+            return ({s.node: s.memory_bytes for s in old.stages},
+                    {s.node: s.memory_bytes for s in d.plan.stages}, room, d.ready)
+        finally:
+            await manager.stop()
+
+    old, new, room, ready = asyncio.run(main())
+    assert ready and new != old
+    assert all(new[n] <= room[n] for n in new), (new, room)
