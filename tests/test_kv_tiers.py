@@ -290,6 +290,27 @@ def test_recency_survives_a_restart(tmp_path):
 # ---- (c) caps and LRU --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ram_blocks_hold_only_their_own_bytes(kv_heads):
+    """Each block the RAM tier keeps owns a copy of its slice, also with one KV head (MLA
+    models, Gemma 3 1B), where a block's slice is contiguous in the whole prompt's copy: a view
+    would keep that copy alive, uncounted, for as long as any one block of it stays."""
+    caches = []
+    for j in range(4):
+        c = KVCache()
+        k = mx.random.normal((1, kv_heads, 4 * BS, 8), key=mx.random.key(j))
+        c.update_and_fetch(k, k + 1)
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    with make_pc(None) as pc:
+        pc.store(list(range(4 * BS)), caches)
+        pc.flush()
+        arrays = [a for b in pc._ram.blocks.values() for a in b.keys + b.values]
+        assert len(arrays) == 4 * 2 * 4
+        assert all(a.base is None and a.flags.owndata for a in arrays)
+        assert pc.stats().hot_bytes == sum(a.nbytes for a in arrays)
+
+
 def test_ram_cap_and_lru_order():
     one = 2 * 2 * (2 * BS * 8 * 4)  # layers x (k, v) x a (2, BS, 8) float32 tensor
     pc = make_pc(None, layers=(0, 2), hot_max_bytes=3 * one + 100)
@@ -470,6 +491,38 @@ def test_corrupt_truncated_and_garbage_files_are_removed(tmp_path, caplog):
     assert pc.lookup(tokens) == BS
     assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="corrupt") == 2
     assert any("removing" in r.getMessage() for r in caplog.records)
+    pc.close()
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """`path` with its header JSON replaced by `change(header)`'s, the tensor data kept."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = change(json.loads(raw[8 : 8 + n]))
+    text = header.encode() if isinstance(header, str) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def test_headers_of_any_other_json_shape_are_removed_never_fatal(tmp_path):
+    """JSON that parses but is not the format's (a tensor entry that is a string, a list for
+    the dtype, nesting deeper than the parser goes) is a corrupt file: removed when the cache
+    starts, and a miss when it turns up after indexing, never a worker that cannot start or a
+    failed step."""
+    tokens = list(range(4 * BS))
+    names = block_hashes(MODEL_ID, tokens, BS)
+    pc = _write_blocks(tmp_path, tokens)
+    paths = [pc.block_path(h) for h in names]
+    _rewrite_header(paths[3], lambda h: {**h, "k.0": "x"})
+    _rewrite_header(paths[2], lambda h: {**h, "__metadata__": {**h["__metadata__"],
+                                                               "dtype": ["F32"]}})
+    _rewrite_header(paths[1], lambda h: "[" * 5000 + "]" * 5000)
+    pc = make_pc(tmp_path, layers=(0, 2))
+    assert pc.ssd_hashes() == names[:1] and not any(p.exists() for p in paths[1:])
+    assert metric(pc, "omlx_node_kv_cache_ssd_rejected_files_total", reason="corrupt") == 3
+    # Block 0 indexed, then its header changed under the running cache.
+    _rewrite_header(paths[0], lambda h: {**h, "v.1": ["x"]})
+    assert pc.lookup(tokens) == BS
+    assert pc.restore(tokens, BS)[0].offset == 0 and not paths[0].exists()
     pc.close()
 
 

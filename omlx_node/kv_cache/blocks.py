@@ -154,7 +154,9 @@ def host_blocks(
     host = _in_span_order(spans, lambda stack: list(np.array(stack, copy=True)))
     new = []
     for i in todo:
-        part = [np.ascontiguousarray(a[:, (i - base) * bs : (i - base + 1) * bs]) for a in host]
+        # np.array, not ascontiguousarray: a one-head slice (MLA, Gemma 3 1B) is contiguous
+        # already, and ascontiguousarray would hand back a view.
+        part = [np.array(a[:, (i - base) * bs : (i - base + 1) * bs], copy=True) for a in host]
         new.append(Block(hash=hashes[i], parent=hashes[i - 1] if i else "", dtype=dt,
                          keys=part[0::2], values=part[1::2]))
     return new

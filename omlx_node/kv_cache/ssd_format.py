@@ -119,6 +119,17 @@ def check_header(
 ) -> FileInfo:
     """Validates a file's header against `owner` and, with `layout` (the stage's KV, once
     known), its tensor shapes; raises BadFile."""
+    try:
+        return _check_header(owner, block_hash, head, file_size, layout)
+    except BadFile:
+        raise
+    except Exception as e:  # JSON of any other shape (a list for a dtype, deep nesting...)
+        raise BadFile("corrupt", f"header: {type(e).__name__}: {e}") from None
+
+
+def _check_header(
+    owner: Owner, block_hash: str, head: bytes, file_size: int, layout: Layout | None
+) -> FileInfo:
     start, end = owner.layer_start, owner.layer_end
     if file_size < 8 or len(head) < 8:
         raise BadFile("truncated", "shorter than a safetensors header")
