@@ -620,6 +620,27 @@ def test_low_space_guard_skips_writes(tmp_path, stage, vocab, caplog):
         pc.close()
 
 
+def test_a_disk_filled_by_others_makes_room_from_the_oldest_blocks(tmp_path, caplog):
+    """Other files leave the cache less than its cap: its oldest blocks make room for its
+    newest (the reserve kept), rather than its content freezing at what it held when the disk
+    filled up."""
+    reserve = 64 * 1024
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        fill_disk(mnt, leave=reserve + 160 * 1024)  # a dozen block files or so, not 40
+        pc = make_pc(mnt, layers=(0, 2), hot_max_bytes=0, ssd_min_free_bytes=reserve)
+        caplog.set_level(logging.WARNING, logger="omlx_node.kv_cache")
+        prompts = [[1000 * k + i for i in range(4 * BS)] for k in range(10)]
+        for k, p in enumerate(prompts):
+            pc.store(p, synthetic_cache(2, 4 * BS, seed=k))
+            assert pc.flush()
+        assert pc.lookup(prompts[-1]) == 4 * BS and pc.lookup(prompts[0]) == 0
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="low_space") == 0
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="ok") == 40
+        assert shutil.disk_usage(mnt).free >= reserve
+        assert not [r for r in caplog.records if "skipping SSD writes" in r.getMessage()]
+        pc.close()
+
+
 def test_read_only_dir_degrades_to_ram_only(tmp_path, stage, vocab, caplog):
     with tmpfs(tmp_path / "mnt", "4m") as mnt:
         base = rand_tokens(100, vocab, seed=41)

@@ -221,12 +221,14 @@ class SsdTier:
 
     # ---- the byte cap ------------------------------------------------------------------------
 
-    def _evict(self, incoming: int) -> list[str]:
-        """Drops LRU entries until `incoming` more bytes fit under the cap (lock held)."""
-        victims = []
-        while self.files and self.nbytes + incoming > self.max_bytes:
+    def _evict(self, incoming: int, disk_short: int = 0) -> list[str]:
+        """Drops LRU entries until `incoming` more bytes fit under the cap and `disk_short`
+        bytes are freed for the disk's reserve (lock held)."""
+        victims, freed = [], 0
+        while self.files and (self.nbytes + incoming > self.max_bytes or freed < disk_short):
             h, size = self.files.popitem(last=False)
             self.nbytes -= size
+            freed += size
             victims.append(h)
         return victims
 
@@ -301,11 +303,15 @@ class SsdTier:
         if size > self.max_bytes:
             self.metrics.ssd_writes.labels(result="too_large").inc()
             return
-        if not self._space_for(size):
+        short = self._disk_short(size)
+        with self._lock:
+            # A disk filled by others: the cache's own oldest blocks make room for its newest,
+            # rather than its content freezing until something else frees space.
+            fits = short <= self.nbytes
+            victims = self._evict(size, short) if fits else []
+        if not self._low_space_now(not fits, short):
             self.metrics.ssd_writes.labels(result="low_space").inc()
             return
-        with self._lock:
-            victims = self._evict(size)
         self._unlink(victims)
         path = self.block_path(block.hash)
         tmp = path.parent / f".{block.hash}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -338,27 +344,31 @@ class SsdTier:
         self.metrics.ssd_writes.labels(result="ok").inc()
         self.update_gauges()
 
-    def _space_for(self, size: int) -> bool:
-        """The disk guard: keeps max(1 GiB, 5 %) of the disk free (or min_free_bytes)."""
+    def _disk_short(self, size: int) -> int:
+        """The bytes to free for `size` more to leave the disk guard's reserve free: max(1 GiB,
+        5 %) of the disk, or min_free_bytes."""
         try:
             usage = shutil.disk_usage(self.dir)
         except OSError:
-            return True  # the write itself will tell
+            return 0  # the write itself will tell
         reserve = self.min_free_bytes
         if reserve is None:
             reserve = max(GiB, int(usage.total * 0.05))
-        if usage.free - size >= reserve:
-            if self._low_space:
-                log.info("KV cache: free space is back on %s; SSD writes resume", self.dir)
-                self._low_space = False
-            return True
-        if not self._low_space:
+        return max(0, reserve - (usage.free - size))
+
+    def _low_space_now(self, low: bool, short: int) -> bool:
+        """Says (once) when writes stop for want of space, and when they resume; whether to
+        write."""
+        if low and not self._low_space:
             log.warning(
-                "KV cache: %s has %.1f MiB free (reserve %.1f MiB); skipping SSD writes "
-                "until space frees up", self.dir, usage.free / MiB, reserve / MiB,
+                "KV cache: %s is %.1f MiB short of its free-space reserve, more than the "
+                "cache's own %.1f MiB; skipping SSD writes until space frees up", self.dir,
+                short / MiB, self.nbytes / MiB,
             )
-            self._low_space = True
-        return False
+        elif not low and self._low_space:
+            log.info("KV cache: free space is back on %s; SSD writes resume", self.dir)
+        self._low_space = low
+        return not low
 
     def _save_recency(self, hashes: dict[str, None]) -> None:
         """mtime is the recency the index is rebuilt from after a restart."""
