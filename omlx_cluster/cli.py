@@ -78,7 +78,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                         "only; 0.0.0.0 exposes it to the network and then needs --api-key)")
     p.add_argument("--port", type=_port, default=8000, help="gateway port (default: 8000)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                   help="a key clients must send as 'Authorization: Bearer KEY' or "
+                        "'x-api-key: KEY' (repeatable; "
                         "default: $OMLX_API_KEY, comma-separated; none: open, only allowed "
                         "on a loopback address)")
     p.add_argument("--request-timeout", type=_positive_seconds, default=900.0,
@@ -205,6 +206,18 @@ def _seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {value!r}")
     if x < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {x}")
+    return x
+
+
+def _gateway_url(value: str) -> str:
+    """A gateway's address: HOST:PORT is taken as http://HOST:PORT."""
+    return value if "://" in value else "http://" + value
+
+
+def _unload_wait(value: str) -> float:
+    x = _seconds(value)
+    if x > 3600:  # the gateway's own limit (api/models.py)
+        raise argparse.ArgumentTypeError(f"must be at most 3600 seconds, got {x:g}")
     return x
 
 
@@ -337,7 +350,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="exit when the process that started this node exits")
     node.add_argument("--secret", help="the cluster secret a coordinator must prove it holds "
                                        "(default: --secret-file, then $OMLX_CLUSTER_SECRET; "
-                                       "none: any coordinator)")
+                                       "none: any coordinator, allowed on a loopback address "
+                                       "only)")
     _add_secret_file_flag(node)
     node.add_argument("--name", default="",
                       help="this node's id (default: the host name plus a key kept in "
@@ -458,7 +472,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--split", type=_split, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
     plan.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
-                      help="memory kept free on every node (default: 8GiB)")
+                      help="memory kept free on every node (default: 8GiB, a joined Mac's; "
+                           "serve's own local nodes share the machine less 4 GiB)")
     plan.add_argument("--context", type=_positive, default=4096, metavar="TOKENS",
                       help="KV reserved per sequence (default: 4096)")
     plan.add_argument("--sequences", type=_positive, default=8, metavar="N",
@@ -472,7 +487,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Ask a running coordinator (`serve`) for its nodes: id, address, health, "
                     "layer range, agent and shard worker pids, metrics address, and the "
                     "active plan.")
-    status.add_argument("--url", default="http://127.0.0.1:8000",
+    status.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                         help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.add_argument("--api-key", metavar="KEY",
@@ -485,7 +500,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the best split for those speeds and the predicted gain, and move to it "
                     "now (past the threshold, window and cooldown), unless --dry-run.")
     rebalance.add_argument("--dry-run", action="store_true", help="show, do not move")
-    rebalance.add_argument("--url", default="http://127.0.0.1:8000",
+    rebalance.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                            help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
     rebalance.add_argument("--api-key", metavar="KEY",
                            help="the key of a gateway started with --api-key (default: the "
@@ -507,14 +522,14 @@ def _build_parser() -> argparse.ArgumentParser:
                          ("unpin", "let a model be unloaded again")):
         a = msub.add_parser(action, help=what, description=what[0].upper() + what[1:] + ".")
         a.add_argument("name", help="the model's name (as GET /v1/models lists it)")
-        a.add_argument("--url", default="http://127.0.0.1:8000",
+        a.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                        help="the gateway (default: http://127.0.0.1:8000)")
         a.add_argument("--api-key", metavar="KEY",
                        help="a key the gateway takes (default: the first of $OMLX_API_KEY)")
         if action == "unload":
-            a.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                           help="wait this long for its requests in flight to end (default: "
-                                "0, refuse at once)")
+            a.add_argument("--wait", type=_unload_wait, default=0.0, metavar="SECONDS",
+                           help="wait this long for its requests in flight to end, at most "
+                                "3600 (default: 0, refuse at once)")
     imp = msub.add_parser("import-gguf", help="import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)",
                           description="Convert a GGUF file (llama, qwen2, qwen3, qwen3moe, "
                                       "gemma3 or phi3 family) into an MLX "
@@ -724,6 +739,9 @@ def _keys_and_models(args: argparse.Namespace):
             if args.model_id and len(named) > 1:
                 raise mc.ModelConfigError("--model-id names a single model: with several, "
                                           "pass --model NAME=PATH")
+            if args.model_id and named[0][0]:
+                raise mc.ModelConfigError(f"--model-id {args.model_id} and --model "
+                                          f"{named[0][0]}=...: name the model once")
             resolved = [resolve_model(spec, progress=True) for _, spec in named]
             names = [name or args.model_id or path.name
                      for (name, _), path in zip(named, resolved)]
@@ -793,8 +811,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     secret = _secret(args)
     if secret is None:
         secret = new_secret()
-        print(f"cluster secret (give it to `omlx-cluster join --secret`): {secret}",
-              file=sys.stderr)
+        print(f"cluster secret (put it in a file for `omlx-cluster join --secret-file`, or "
+              f"in $OMLX_CLUSTER_SECRET): {secret}", file=sys.stderr)
     options = ClusterOptions(nodes=0, micro_batches=args.micro_batches or 0, secret=secret,
                              backend=args.backend,
                              os_reserve_bytes=args.os_reserve,
@@ -825,30 +843,27 @@ def _join(args: argparse.Namespace) -> int:
         speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
         if speed:
             log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
+    from omlx_shared.discovery import announce_address
+
     try:
+        announced = announce_address(args.host)
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
                           _engine_args(args), secret=secret, node_id=args.name, speed=speed,
                           worker_cache_bytes=args.hot_cache_max_size)
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"error: --host {args.host}: {e}" if isinstance(e, ValueError) else f"error: {e}",
+              file=sys.stderr)
         return 2
     advertiser = None
     if not args.no_announce:
-        from omlx_shared.discovery import (
-            Advertiser,
-            NodeAnnouncement,
-            announce_address,
-            default_interfaces,
-        )
+        from omlx_shared.discovery import Advertiser, NodeAnnouncement, default_interfaces
 
         advertiser = Advertiser(NodeAnnouncement(
-            node_id=agent.node_id, host=announce_address(args.host), port=agent.port,
+            node_id=agent.node_id, host=announced, port=agent.port,
             version=__version__, memory_bytes=machine_memory(), chip=chip(),
             data_port=agent.data_port), default_interfaces(args.host))
     if args.coordinator:
-        from omlx_shared.discovery import announce_address
-
-        _register_periodically(args.coordinator, f"{announce_address(args.host)}:{agent.port}",
+        _register_periodically(args.coordinator, f"{announced}:{agent.port}",
                                agent.node_id, secret)
     if args.ready_file:
         write_ready(args.ready_file, {"port": agent.port, "pid": os.getpid()})
@@ -905,9 +920,16 @@ def _node(args: argparse.Namespace) -> int:
     from omlx_shared.child import write_ready
     from proto import omlx_pb2 as pb
 
+    secret = _secret(args)
+    if secret is None and not _is_loopback(args.host):
+        print(f"error: the node would listen on {args.host}, reachable from the network, "
+              "without a cluster secret (anyone could load models on it and read its data "
+              "plane): pass --secret-file FILE (or set OMLX_CLUSTER_SECRET), or listen on "
+              "127.0.0.1", file=sys.stderr)
+        return 2
     try:
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
-                          _engine_args(args), secret=_secret(args), node_id=args.name,
+                          _engine_args(args), secret=secret, node_id=args.name,
                           worker_cache_bytes=args.hot_cache_max_size)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1008,7 +1030,7 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     body = _ask_gateway(args, "GET", "/cluster/status", "the status", timeout=10)
     if body is None:
@@ -1021,8 +1043,9 @@ def _status(args: argparse.Namespace) -> int:
     if body.get("backend"):
         console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
                       markup=False)
-    table = Table("id", "address", "health", "layers", "speed", "agent pid", "worker pid",
-                  "metrics", "checks")
+    # Addresses fold rather than end in "…" on a narrow terminal: they are what one copies.
+    table = Table("id", Column("address", overflow="fold"), "health", "layers", "speed",
+                  "agent pid", "worker pid", Column("metrics", overflow="fold"), "checks")
     for n in body["nodes"]:
         health = "ok" if n["healthy"] else ("lost" if not n["alive"] else "unhealthy")
         layers = f"[{n['layers'][0]}, {n['layers'][1]})" if n["layers"] else "-"
@@ -1210,7 +1233,9 @@ def _model_action(args: argparse.Namespace, console) -> int:
                             "wait", 0))
     if body is None:
         return 2
-    console.print(f"{body['id']}: {body['state']}" + (" (pinned)" if body["pinned"] else ""),
+    # A loaded model's state reads "pinned" when it is: said once, after "loaded".
+    state = "loaded" if body["loaded"] else body["state"]
+    console.print(f"{body['id']}: {state}" + (" (pinned)" if body["pinned"] else ""),
                   markup=False)
     return 0
 

@@ -243,10 +243,12 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                                        type="server_error"))
 
     def serving() -> bool:
-        """Started, a node to serve on, and every loaded model with a replica that serves (a
-        model that is unloaded loads on demand; one that recovers pauses its requests)."""
+        """Started, a node to serve on, a model that serves or has served (one unloaded since,
+        by its TTL or an operator, loads on demand), and every loaded model with a replica that
+        serves (one that recovers pauses its requests)."""
         return (manager.started and bool(cluster.servable())
-                and any(d.ready for d in manager.deployments())
+                and (any(d.ready for d in manager.deployments())
+                     or any(m.loads for m in manager.models))
                 and all(any(d.ready for d in manager.replicas[m.name])
                         for m in manager.models if m.state == "loaded"))
 

@@ -148,20 +148,33 @@ def _decode_properties(raw: Mapping[bytes | str, bytes | str | None]) -> dict[st
     return out
 
 
+def _address(host: str) -> str:
+    """`host` as an IP literal: a host name (mac1.local) as the IPv4 address it resolves to,
+    the one a bind to that name listens on."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"cannot resolve the host {host!r} to an IPv4 address ({e}): pass "
+                         "this machine's LAN address") from None
+
+
 def default_interfaces(host: str) -> list[str] | None:
     """Which interfaces to run mDNS on for an agent listening on `host`.
 
-    Loopback -> only loopback (a single-Mac cluster must not shout on the LAN);
-    a specific address -> that interface only; 0.0.0.0 / "" -> None, meaning all interfaces.
+    Loopback -> only loopback (a single-Mac cluster must not shout on the LAN); a specific
+    address (a host name: as it resolves) -> that interface only; 0.0.0.0 / "" -> None, meaning
+    all interfaces.
     """
     if host in ("", "0.0.0.0", "*"):
         return None
     if host == "localhost":
         return ["127.0.0.1"]
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"expected an IP address to bind mDNS to, got {host!r}") from None
+    addr = ipaddress.ip_address(_address(host))
     if addr.is_unspecified:
         return None
     if addr.is_loopback:
@@ -173,7 +186,8 @@ def default_interfaces(host: str) -> list[str] | None:
 def announce_address(bind_host: str) -> str:
     """The address to announce for an agent bound to `bind_host`.
 
-    A specific address is announced as is. For 0.0.0.0 the agent listens everywhere, so announce
+    A specific address is announced as is, a host name as the IPv4 address it resolves to (the
+    address its bind listens on). For 0.0.0.0 the agent listens everywhere, so announce
     the address that multicast (hence mDNS) leaves from: that is the interface peers on the same
     LAN segment can reach. Connecting a UDP socket only consults the routing table; nothing is
     sent. Falls back to 127.0.0.1 when no route gives a usable source address.
@@ -181,7 +195,7 @@ def announce_address(bind_host: str) -> str:
     if bind_host == "localhost":
         return "127.0.0.1"
     if bind_host not in ("", "0.0.0.0"):
-        return _check_announce_host(bind_host)
+        return _check_announce_host(_address(bind_host))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((_MDNS_GROUP, _MDNS_PORT))

@@ -93,6 +93,12 @@ def test_status_with_an_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
         r = run("status", "--url", server.url, "--json", home=tmp_path,
                 env={"OMLX_API_KEY": "k1"})
         assert r.returncode == 0 and '"nodes"' in r.stdout
+        # HOST:PORT without a scheme; in 80 columns the addresses fold rather than end in "…".
+        r = run("status", "--url", server.url.removeprefix("http://"), "--api-key", "k1",
+                home=tmp_path, env={"COLUMNS": "80"})
+        assert r.returncode == 0, r.stderr
+        rows = [line for line in r.stdout.splitlines() if line.startswith("│")]
+        assert rows and not any("…" in row for row in rows), r.stdout
 
 
 def test_ctrl_c_stops_serve_without_a_traceback(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -180,6 +186,11 @@ def test_the_default_models_own_gguf_imports_under_its_name(tmp_path: Path) -> N
                                                                      "HOST:PORT"]),
     (["join", "--secret", "s", "--coordinator", "gateway"], ["--coordinator", "HOST:PORT"]),
     (["doctor", "--probe-port", "70000"], ["--probe-port", "0 to 65535"]),
+    (["serve", "--model", "foo=/nowhere", "--model-id", "bar"], ["--model-id bar",
+                                                                "name the model once"]),
+    (["node", "--host", "0.0.0.0"], ["0.0.0.0", "without a cluster secret", "--secret-file"]),
+    (["models", "unload", "m", "--wait", "5000"], ["--wait", "at most 3600 seconds"]),
+    (["models", "unload", "m", "--wait", "-1"], ["--wait", ">= 0 seconds"]),
 ])
 def test_bad_values_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
                                                        words: list[str]) -> None:

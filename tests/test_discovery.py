@@ -110,6 +110,23 @@ def test_default_interfaces() -> None:
     assert default_interfaces("") is None
 
 
+def test_a_host_name_is_announced_as_the_address_it_resolves_to(monkeypatch) -> None:
+    """`join --host mac1.local`: peers get the address the name resolves to (here the
+    machine's own name, from /etc/hosts); a name that does not resolve is a clear error."""
+    name = socket.gethostname()
+    address = socket.gethostbyname(name)
+    assert announce_address(name) == address
+    assert default_interfaces(name) == (["127.0.0.1"] if address.startswith("127.")
+                                        else [address])
+
+    def unresolvable(host: str) -> str:  # no DNS query leaves this machine
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    with pytest.raises(ValueError, match="cannot resolve the host 'mac1.local'.*LAN address"):
+        announce_address("mac1.local")
+
+
 def test_announce_address_specific_and_refusals() -> None:
     assert announce_address("192.168.1.20") == "192.168.1.20"
     assert announce_address("localhost") == "127.0.0.1"

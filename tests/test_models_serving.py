@@ -193,7 +193,8 @@ def test_a_leased_model_is_not_evicted_until_its_stream_ends(models, tmp_path):
 
 def test_pinned_models_stay_and_idle_ones_time_out(models, tmp_path):
     """Pinned alpha is never evicted: beta, which would need its memory, is a 503 naming the
-    shortfall. Without the pin, beta loads and its TTL unloads it once idle."""
+    shortfall. Without the pin, beta loads and its TTL unloads it once idle; a server whose
+    every model its TTL unloaded stays healthy."""
     a, b = models["alpha"], models["beta"]
     pb = prompts_for(b)[0]
     budget = one_fits(models)
@@ -213,6 +214,13 @@ def test_pinned_models_stay_and_idle_ones_time_out(models, tmp_path):
         wait_for(lambda: card(server.url, "beta")["state"] == "unloaded", 30, "beta's ttl")
         assert card(server.url, "alpha")["state"] == "loaded"  # no ttl: stays
         assert complete(server.url, "beta", pb)["choices"][0]["text"]  # loads again
+    # Every model unloaded by its TTL: still healthy (a load balancer that dropped it would
+    # never send the request that loads one again).
+    with start_server(b, "--ttl", "2", home=tmp_path / "all-idle") as server:
+        wait_for(lambda: card(server.url, server.model_id)["state"] == "unloaded", 30, "the ttl")
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+        assert complete(server.url, server.model_id, pb)["choices"][0]["text"]
 
 
 def test_two_loads_on_one_node_run_one_after_the_other(models, tmp_path):
@@ -300,6 +308,10 @@ def test_bad_model_requests(models, tmp_path):
         t.join(120)
         assert waited.returncode == 0, waited.stderr
         assert waited.stdout.strip() == "alpha: unloaded"
+        pinned = subprocess.run([sys.executable, "-m", "omlx_cluster", "models", "pin",
+                                 "beta", "--url", server.url], capture_output=True, text=True,
+                                timeout=60, cwd=REPO)
+        assert pinned.stdout.strip() == "beta: loaded (pinned)", pinned.stdout + pinned.stderr
         shown = subprocess.run([sys.executable, "-m", "omlx_cluster", "models", "load",
                                 "nope", "--url", server.url], capture_output=True, text=True,
                                timeout=60, cwd=REPO)

@@ -682,6 +682,8 @@ BAD = {
                              "json_schema": {"name": "x", "schema": {"type": "tuple"}}}},
         "response_format.json_schema.schema", ["tuple"]),
     "top_logprobs 50": ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", ["20"]),
+    "stream_options without stream": ({"stream_options": {"include_usage": True}},
+                                      "stream_options", ["stream: true"]),
     "n above the cap": ({"n": 9}, "n", ["8"]),
     "unknown field": ({"temprature": 0.5}, "temprature", []),
     "logit_bias": ({"logit_bias": {"5": 10}}, "logit_bias", ["not supported"]),

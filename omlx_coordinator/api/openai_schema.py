@@ -8,8 +8,9 @@ sends only the fields its caller passed, so its requests pass. An optional field
 
 Chat completions, decided per field:
 - implemented: model, messages, max_tokens, max_completion_tokens, temperature, top_p, n (1-8),
-  stream, stream_options (include_usage), stop, seed, presence_penalty, frequency_penalty,
-  logprobs, top_logprobs (0-20), tools, tool_choice, parallel_tool_calls, response_format
+  stream, stream_options (include_usage; with stream only), stop, seed, presence_penalty,
+  frequency_penalty, logprobs, top_logprobs (0-20), tools, tool_choice, parallel_tool_calls,
+  response_format
   (text, json_object, json_schema); extensions as in vLLM and mlx-lm: top_k, min_p,
   repetition_penalty, ignore_eos.
 - accepted as metadata, without effect on the output: user, metadata, store, service_tier,
@@ -133,6 +134,14 @@ class _Common(_Strict):
     @classmethod
     def _refused(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse(info.field_name, v)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI and vLLM: options for a stream the request does not ask for do nothing.
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
 
     @property
     def include_usage(self) -> bool:
