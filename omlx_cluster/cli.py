@@ -171,8 +171,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="where each stage keeps prefix KV blocks on disk, surviving restarts "
                         "(default: $OMLX_CLUSTER_HOME/kv-cache)")
     p.add_argument("--paged-ssd-cache-max-size", type=_size, default="16GiB", metavar="SIZE",
-                   help="disk for the prefix KV blocks; 0 keeps the cache in RAM only "
-                        "(default: 16GiB)")
+                   help="disk for each stage's prefix KV blocks, and as much again for "
+                        "those no running stage uses (layer ranges a re-plan left, models not "
+                        "loaded, older weights), least recently used pruned first; 0 keeps the "
+                        "cache in RAM only (default: 16GiB)")
     p.add_argument("--cache-block-size", type=_positive, default=256, metavar="TOKENS",
                    help="tokens per prefix-cache block (default: 256)")
 

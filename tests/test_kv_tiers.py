@@ -1037,6 +1037,55 @@ def test_a_range_a_running_cache_holds_is_never_pruned(tmp_path):
     pc.close()
 
 
+def test_other_models_and_versions_share_the_bound_of_old_ranges(tmp_path):
+    """Directories of other models, or of this model's older weights (another fingerprint, so
+    another model id), that no running cache holds count against the same bound: the least
+    recently used go, a model directory left empty with them; a folder that no cache made is
+    never touched (--paged-ssd-cache-dir may be a folder of the user's)."""
+    tokens = rand_tokens(2 * BS + 1, 1000, seed=73)
+    older = write_range(tmp_path, (0, 2), tokens, model_id="m-v1")
+    other = write_range(tmp_path, (0, 2), tokens, model_id="other")
+    older_size = sum(f.stat().st_size for f in files(older))
+    now = time.time()
+    for pc, age in ((older, 300), (other, 0)):
+        for f in files(pc):
+            os.utime(f, (now - age, now - age))
+    mine = tmp_path / "photos.0123abcd" / "2019-2020"  # looks like ours, is not
+    mine.mkdir(parents=True)
+    (mine / "a.jpg").write_bytes(b"x")
+    pc = make_pc(tmp_path, layers=(0, 2), model_id="m-v2", ssd_max_bytes=older_size)
+    assert not older.dir.parent.exists()  # least recently used: gone, its model folder too
+    assert len(files(other)) == 2 and (mine / "a.jpg").exists()
+    pc.close()
+
+
+def test_a_range_renamed_away_before_its_lock_is_made_again(tmp_path, monkeypatch):
+    """A pruner that renames a range away between its cache making it and locking it (the
+    cache then waited for the pruner's lock, or came just after it): the cache locks a fresh
+    directory, keeps its SSD tier and is not pruned later."""
+    from omlx_node.kv_cache import siblings
+
+    real = siblings.lock_range
+    moved: list[Path] = []
+
+    def pruned_meanwhile(range_dir: Path, exclusive: bool):
+        fd = real(range_dir, exclusive)
+        if not exclusive and not moved:  # renamed while the cache waited for its lock
+            moved.append(range_dir.rename(range_dir.parent / ".trash-test"))
+        return fd
+
+    monkeypatch.setattr(siblings, "lock_range", pruned_meanwhile)
+    pc = make_pc(tmp_path, layers=(0, 2))
+    monkeypatch.setattr(siblings, "lock_range", real)
+    assert moved and pc.dir.is_dir()
+    tokens = list(range(2 * BS))
+    pc.store(tokens, synthetic_cache(2, 2 * BS, seed=1))
+    assert pc.flush() and pc.stats().ssd_writable and len(files(pc)) == 2
+    make_pc(tmp_path, layers=(2, 4), ssd_max_bytes=1).close()  # its lock keeps it
+    assert len(files(pc)) == 2
+    pc.close()
+
+
 def test_a_killed_stage_lets_go_of_its_range(tmp_path):
     script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
               "from omlx_node.kv_cache import PrefixCache\n"

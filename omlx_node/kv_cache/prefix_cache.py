@@ -65,7 +65,7 @@ from omlx_node.kv_cache.device_tier import DeviceTier
 from omlx_node.kv_cache.host_copy import Cut, HostCopier
 from omlx_node.kv_cache.metrics import KVCacheMetrics
 from omlx_node.kv_cache.ram_tier import RamTier
-from omlx_node.kv_cache.siblings import Siblings, lock_range, prune_old_ranges
+from omlx_node.kv_cache.siblings import Siblings, hold_range, prune_old_ranges
 from omlx_node.kv_cache.ssd_format import Owner
 from omlx_node.kv_cache.ssd_tier import SsdTier, model_dir_name
 from omlx_shared.block_hashes import block_hashes
@@ -157,7 +157,7 @@ class PrefixCache:
 
         if self.dir is not None:
             if self.dir.is_dir():
-                self._live_fd = lock_range(self.dir, exclusive=False)
+                self._live_fd = hold_range(self.dir)
                 try:
                     self._ssd.rebuild_index()
                 except OSError as e:  # an unreadable dir costs its blocks, not the node

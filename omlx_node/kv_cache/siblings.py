@@ -23,13 +23,15 @@ skipped and left alone. Files that other processes write into sibling directorie
 cache started are not seen: a cache sees its siblings as they were when it was created (a
 re-plan restarts the stages, which re-indexes them).
 
-Old ranges. Every re-plan that moves layers starts a new range directory, so without a bound a
-node that lives through many re-plans would fill its disk. A cache holds a shared lock on its
-directory's `.live` file for as long as it runs (the OS drops it when the process dies); at
-start-up, before it indexes its siblings, it prunes the range directories of its model that no
-running cache holds: together they may keep at most `ssd_max_bytes` (on top of this range's own
-cap), the most recently used first; the others, and empty ones, are removed whole (renamed away
-first, so a cache starting on that range meanwhile gets a fresh directory).
+Old ranges. Every re-plan that moves layers starts a new range directory, and new weights of a
+model (another fingerprint) a new model directory, so without a bound a node that lives through
+many re-plans and models would fill its disk. A cache holds a shared lock on its directory's
+`.live` file for as long as it runs (the OS drops it when the process dies); at start-up, before
+it indexes its siblings, it prunes the range directories under the cache root, of every model,
+that no running cache holds: together they may keep at most `ssd_max_bytes` (on top of this
+range's own cap), the most recently used first; the others, and empty ones, are removed whole
+(renamed away first; a cache starting on that range meanwhile checks that its lock is on the
+directory still there, and makes a fresh one if not: `hold_range`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from omlx_node.kv_cache.ssd_format import (
 log = logging.getLogger(__name__)
 
 _RANGE_DIR = re.compile(r"(\d+)-(\d+)")
+_MODEL_DIR = re.compile(r".+\.[0-9a-f]{8}")  # ssd_tier.model_dir_name's
 _LIVE_FILE = ".live"
 _TRASH_PREFIX = ".trash-"
 
@@ -85,28 +88,57 @@ def lock_range(range_dir: Path, exclusive: bool) -> int | None:
     return fd
 
 
+def hold_range(range_dir: Path) -> int | None:
+    """The shared lock a running cache holds on its range directory (made if missing), on the
+    directory that is there: a pruner may rename a directory away between its making and this
+    lock (or while this waits for the pruner's own lock), and a lock on what went to the trash
+    would hold nothing. None when the directory cannot be made or locked."""
+    for _ in range(3):
+        try:
+            range_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        fd = lock_range(range_dir, exclusive=False)
+        if fd is None:
+            continue
+        try:
+            if os.fstat(fd).st_ino == os.stat(range_dir / _LIVE_FILE).st_ino:
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+    return None
+
+
 def prune_old_ranges(own_dir: Path, max_bytes: int) -> None:
-    """Removes the least recently used range directories of `own_dir`'s model that no running
-    cache holds, beyond `max_bytes` for all of them together, and the empty ones (see the
-    module docstring)."""
-    model_dir = own_dir.parent
-    if not model_dir.is_dir():
+    """Removes the least recently used range directories under the cache root that no running
+    cache holds (this model's other ranges, and other models' or other versions' of this one:
+    a model's directory is named by its weights' fingerprint), beyond `max_bytes` for all of
+    them together, and the empty ones (see the module docstring)."""
+    root = own_dir.parent.parent
+    if not root.is_dir():
         return
     old: list[tuple[float, int, Path]] = []
-    for rdir in model_dir.iterdir():
-        if rdir.name.startswith(_TRASH_PREFIX):  # a prune that died half-way
-            shutil.rmtree(rdir, ignore_errors=True)
+    for model_dir in root.iterdir():
+        if not model_dir.is_dir() or not _MODEL_DIR.fullmatch(model_dir.name):
             continue
-        if rdir == own_dir or not _RANGE_DIR.fullmatch(rdir.name) or not rdir.is_dir():
-            continue
-        size, newest = 0, 0.0
-        for f in rdir.glob("*/*.safetensors"):
-            try:
-                st = f.stat()
-            except OSError:
-                continue  # removed meanwhile by its owner
-            size, newest = size + st.st_size, max(newest, st.st_mtime)
-        old.append((newest, size, rdir))
+        for rdir in model_dir.iterdir():
+            if rdir.name.startswith(_TRASH_PREFIX):  # a prune that died half-way
+                shutil.rmtree(rdir, ignore_errors=True)
+                continue
+            # Only what a cache made (its .live): --paged-ssd-cache-dir may be a folder of
+            # the user's, with anything else in it.
+            if (rdir == own_dir or not _RANGE_DIR.fullmatch(rdir.name)
+                    or not (rdir / _LIVE_FILE).is_file()):
+                continue
+            size, newest = 0, 0.0
+            for f in rdir.glob("*/*.safetensors"):
+                try:
+                    st = f.stat()
+                except OSError:
+                    continue  # removed meanwhile by its owner
+                size, newest = size + st.st_size, max(newest, st.st_mtime)
+            old.append((newest, size, rdir))
     kept = 0
     for newest, size, rdir in sorted(old, key=lambda o: o[0], reverse=True):
         if size and kept + size <= max_bytes:
@@ -117,14 +149,17 @@ def prune_old_ranges(own_dir: Path, max_bytes: int) -> None:
             kept += size
             continue
         try:
-            trash = model_dir / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
+            trash = rdir.parent / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
             rdir.rename(trash)
         finally:
             os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)
-        log.info("KV cache: removed %s (%.1f MiB, layers a re-plan moved; the old ranges "
-                 "of %s keep at most %.1f MiB)", rdir, size / MiB, model_dir.name,
-                 max_bytes / MiB)
+        try:
+            rdir.parent.rmdir()  # a model directory left empty goes too
+        except OSError:
+            pass  # it holds other ranges (or a cache starting on it made one meanwhile)
+        log.info("KV cache: removed %s (%.1f MiB; the ranges no running cache holds keep at "
+                 "most %.1f MiB together)", rdir, size / MiB, max_bytes / MiB)
 
 
 @dataclass(frozen=True)
