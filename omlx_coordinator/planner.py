@@ -223,6 +223,7 @@ class _Costs:
         # What one full-attention layer reserves, for the explanation.
         self.kv_layer = layout.kv_bytes_per_token_per_layer * context_tokens * max_sequences
         # What a stage's weights and KV may take of each node.
+        self.os_reserve_bytes = os_reserve_bytes
         self.budgets = [n.memory_bytes - os_reserve_bytes - n.cache_bytes for n in nodes]
         self.limits = [math.inf if unlimited_memory else b for b in self.budgets]
         # The head matmul streams lm_head, or the embedding when tied.
@@ -565,6 +566,17 @@ def _validate_split(c: _Costs, split: Sequence[int]) -> None:
         )
 
 
+def _budget_str(c: _Costs, j: int) -> str:
+    """Node j's budget, or, when its reserve and prefix cache take more than its memory, by how
+    much (what a stage there is short of on top of its own need)."""
+    if c.budgets[j] >= 0:
+        return f"budget {_b(c.budgets[j])}"
+    nd = c.nodes[j]
+    taken = f"the {_b(c.os_reserve_bytes)} OS reserve" + (
+        f" and {_b(nd.cache_bytes)} prefix cache" if nd.cache_bytes else "")
+    return f"no budget: its {_b(nd.memory_bytes)} are {_b(-c.budgets[j])} short of {taken}"
+
+
 def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -> PlanError:
     """PlanError saying how many bytes are missing overall and per node."""
     lay, L = c.layout, c.L
@@ -592,17 +604,14 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
     by_node = {nd.name: j for j, nd in enumerate(c.nodes)}
     placed = {c.nodes[j].name: (a, b) for j, a, b in ranges}
     for name, j in by_node.items():
-        budget = c.budgets[j]
         if name in placed:
             a, b = placed[name]
             short = over.get(name, 0)
             status = f"short {_b(short)} ({short} bytes)" if short else "fits"
-            lines.append(
-                f"  {name}: layers [{a}, {b}) need {_b(c.mem(a, b))}, budget {_b(max(budget, 0))}: "
-                f"{status}"
-            )
+            lines.append(f"  {name}: layers [{a}, {b}) need {_b(c.mem(a, b))}, "
+                         f"{_budget_str(c, j)}: {status}")
         else:
-            lines.append(f"  {name}: no layers (budget {_b(max(budget, 0))})")
+            lines.append(f"  {name}: no layers ({_budget_str(c, j)})")
     lines.append(
         "Add memory or a node, reserve less KV (`omlx-cluster plan --context N --sequences N`), "
         "lower the OS reserve (--os-reserve) or the nodes' prefix cache (--hot-cache-max-size), "

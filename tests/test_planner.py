@@ -306,6 +306,14 @@ def test_user_split_is_validated_and_explained():
         make_plan(lay, small, split=[1, 6, 2], os_reserve_bytes=0, **kw)
     assert set(info.value.missing_by_node) == {"b"}
     assert "for the split [1, 6, 2]" in str(info.value) and "b: layers [1, 7)" in str(info.value)
+    # A node whose reserve and prefix cache take more than its memory says so, and by how much
+    # (its shortfall is that plus what its layers need).
+    under = [NodeSpec("a", 64 * GiB), NodeSpec("b", 4 * GiB, cache_bytes=GiB),
+             NodeSpec("c", 64 * GiB)]
+    with pytest.raises(PlanError) as info:
+        make_plan(lay, under, split=[1, 6, 2], os_reserve_bytes=8 * GiB, **kw)
+    assert ("b: layers [1, 7) need" in str(info.value) and "no budget: its 4.00 GiB are 5.00 GiB "
+            "short of the 8.00 GiB OS reserve and 1.00 GiB prefix cache" in str(info.value))
 
 
 def test_single_node_holds_a_tied_embedding_once_and_pays_no_link():
