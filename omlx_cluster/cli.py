@@ -301,6 +301,11 @@ def _build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: info)")
+    # The same flag after a nested action (`models list --log-level debug`); suppressed when
+    # absent, so that it does not undo one given before the action.
+    nested = argparse.ArgumentParser(add_help=False)
+    nested.add_argument("--log-level", default=argparse.SUPPRESS,
+                        choices=["debug", "info", "warning", "error"], help="(default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -467,7 +472,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--model", metavar="PATH_OR_NAME",
                       help="model folder or stored name (default: the embedded SmolLM2)")
-    plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X]",
+    plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X][,link_ms=Y]",
                       help="a node, in pipeline order: NAME=MEM with a unit (e.g. mac1=64GiB), "
                            "optional speed=GB/s of weights it streams and link_ms=one-way "
                            "latency to the next node; repeat for each node")
@@ -516,13 +521,14 @@ def _build_parser() -> argparse.ArgumentParser:
                                         "pull-default), or the models a running gateway "
                                         "serves (load, unload, pin, unpin).")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    msub.add_parser("list", help="list the models in the store")
+    msub.add_parser("list", parents=[nested], help="list the models in the store")
     for action, what in (("load", "load a model now (evicting idle ones if memory is short)"),
                          ("unload", "unload a model (refused while it has requests in flight, "
                                     "unless --wait)"),
                          ("pin", "never unload a model to make room or for idling"),
                          ("unpin", "let a model be unloaded again")):
-        a = msub.add_parser(action, help=what, description=what[0].upper() + what[1:] + ".")
+        a = msub.add_parser(action, parents=[nested], help=what,
+                            description=what[0].upper() + what[1:] + ".")
         a.add_argument("name", help="the model's name (as GET /v1/models lists it)")
         a.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                        help="the gateway (default: http://127.0.0.1:8000)")
@@ -532,7 +538,7 @@ def _build_parser() -> argparse.ArgumentParser:
             a.add_argument("--wait", type=_unload_wait, default=0.0, metavar="SECONDS",
                            help="wait this long for its requests in flight to end, at most "
                                 "3600 (default: 0, refuse at once)")
-    imp = msub.add_parser("import-gguf", help="import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)",
+    imp = msub.add_parser("import-gguf", parents=[nested], help="import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)",
                           description="Convert a GGUF file (llama, qwen2, qwen3, qwen3moe, "
                                       "gemma3 or phi3 family) into an MLX "
                                       "model folder in the store. Q8_0/Q4_0/Q4_1 stay quantized "
@@ -540,7 +546,7 @@ def _build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file", type=Path, help="the .gguf file")
     imp.add_argument("--dest", type=Path, help="output folder (default: the store, named after "
                                                "the model)")
-    msub.add_parser("pull-default", help="fetch and import the embedded default model now")
+    msub.add_parser("pull-default", parents=[nested], help="fetch and import the embedded default model now")
     _add_office_commands(sub, common)
     return parser
 
@@ -619,8 +625,9 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
                     help="the coordinator's API key, to read /cluster/status (default: the first "
                          "of $OMLX_API_KEY)")
     _add_node_port_flags(up)
-    up.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
-                    help="for the admission (default: 120; 0: do not wait)")
+    up.add_argument("--wait", type=_seconds, default=120.0, metavar="SECONDS",
+                    help="for the admission, with --coordinator (default: 120; 0: do not "
+                         "wait)")
 
     down = sub.add_parser(
         "down", parents=[common], help="stop join on Macs over SSH",

@@ -58,6 +58,13 @@ def test_top_level_help(home: Path) -> None:
     assert v.returncode == 0 and "omlx-cluster" in v.stdout
 
 
+@pytest.mark.parametrize("argv, level", [
+    ("models list --log-level debug", "debug"), ("models --log-level debug list", "debug"),
+    ("models --log-level warning unload m", "warning"), ("models list", "info")])
+def test_log_level_before_or_after_a_nested_action(argv: str, level: str) -> None:
+    assert _build_parser().parse_args(argv.split()).log_level == level
+
+
 def test_no_command_is_a_usage_error(home: Path) -> None:
     r = run_cli(home=home)
     assert r.returncode == 2
