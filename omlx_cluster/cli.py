@@ -285,6 +285,9 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     if args.prefill_chunk:  # else the worker sizes it for its own device
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
+        if not args.paged_ssd_cache_max_size:
+            log.warning("--paged-ssd-cache-dir has no effect: --paged-ssd-cache-max-size 0 "
+                        "keeps the prefix cache in RAM only")
         out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
     if args.device_cache_max_size is not None:
         out += ["--device-cache-max-size", f"{args.device_cache_max_size}B"]
@@ -800,6 +803,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.nodes == 1 and (ignored := [f for f, given in (
+            (f"--micro-batches {args.micro_batches}", args.micro_batches),
+            (f"--backend {args.backend}", args.backend != "auto")) if given]):
+        log.warning("%s: no effect on one node (they shape a pipeline of --nodes 2 or more)",
+                    ", ".join(ignored))
     if len(plan.stages) == 1:  # one node holds everything: nothing to explain
         log.info("plan: every layer on one node")
     else:

@@ -72,8 +72,14 @@ def _pair(text: str, flag: str, names: set[str], model_first: bool = True) -> tu
 
 
 def _pairs(values: list[str], flag: str, names: set[str]) -> dict[str, str]:
-    """`NAME=VALUE` flags, each naming a configured model."""
-    return dict(_pair(v, flag, names) for v in values)
+    """`NAME=VALUE` flags, each naming a configured model once."""
+    out: dict[str, str] = {}
+    for v in values:
+        name, value = _pair(v, flag, names)
+        if name in out:
+            raise ModelConfigError(f"{flag} {name}= is given twice ({out[name]} and {value})")
+        out[name] = value
+    return out
 
 
 def _replicas(value: object, what: str) -> Replicas:
@@ -110,7 +116,10 @@ def from_flags(models: list[tuple[str, str]], aliases: list[str], pins: list[str
 
     def per_model(values: list[str], flag: str) -> tuple[str | None, dict[str, str]]:
         bare = [v for v in values if "=" not in v]
-        return (bare[-1] if bare else None), _pairs([v for v in values if "=" in v], flag, names)
+        if len(bare) > 1:
+            raise ModelConfigError(f"{flag} for every model is given twice ({bare[0]} and "
+                                   f"{bare[1]}): give it once, or NAME=VALUE per model")
+        return (bare[0] if bare else None), _pairs([v for v in values if "=" in v], flag, names)
 
     ttl_all, ttl_of = per_model(ttls, "--ttl")
     rep_all, rep_of = per_model(replicas, "--replicas")

@@ -155,9 +155,15 @@ def test_models_list_never_cuts_a_name_in_80_columns(tiny_model_path: Path,
 
 
 def test_a_one_node_plan_is_one_log_line(tiny_model_path: Path, tmp_path: Path) -> None:
-    with start_server(tiny_model_path, home=tmp_path / "h", keepalive=None) as server:
+    """...and pipeline flags given to one node, or a disk folder for a cache kept in RAM, are
+    said to do nothing rather than silently ignored."""
+    with start_server(tiny_model_path, "--micro-batches", "2", "--backend", "ring",
+                      "--paged-ssd-cache-max-size", "0", "--paged-ssd-cache-dir",
+                      str(tmp_path / "kv"), home=tmp_path / "h", keepalive=None) as server:
         log = server.log_tail(400)
     assert log.count("plan:") == 1 and "plan: every layer on one node" in log, log
+    assert "--micro-batches 2, --backend ring: no effect on one node" in log, log
+    assert "--paged-ssd-cache-dir has no effect" in log, log
 
 
 @pytest.mark.slow

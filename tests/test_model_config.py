@@ -37,6 +37,8 @@ def test_model_arg(arg, expected):
     ({"pins": ["b"]}, "--pin b: no model named so (models: a)"),
     ({"ttls": ["a=soon"]}, "--ttl a: ttl must be a number of seconds, got 'soon'"),
     ({"ttls": ["b=3"]}, "--ttl 'b=3': no model named 'b'"),
+    ({"ttls": ["60", "300"]}, "--ttl for every model is given twice (60 and 300)"),
+    ({"ttls": ["a=60", "a=300"]}, "--ttl a= is given twice (60 and 300)"),
     ({"replicas": ["a=0"]}, "model a: replicas must be a positive integer"),
     ({"replicas": ["many"]}, "replicas must be a whole number or \"auto\", got 'many'"),
     ({"aliases": ["z=b"]}, "--alias 'z=b': no model named 'b' (models: a)"),
