@@ -106,7 +106,10 @@ async def check_servable(manager: ModelManager, name: str) -> ServedModel:
     if model.state == UNLOADED and (short := await manager.shortfall(model)):
         raise APIError(503, f"the model {model.name} cannot be loaded: {short}",
                        type="server_error", code="no_capacity")
-    if main.capacity_error and not any(d.ready for d in manager.replicas[model.name]):
+    # A loaded model left without capacity (its nodes lost); for an unloaded one, shortfall
+    # above decides: an old load's failure must not refuse it once it fits again.
+    if (model.state == LOADED and main.capacity_error
+            and not any(d.ready for d in manager.replicas[model.name])):
         raise APIError(503, f"the model cannot be served now: {main.capacity_error}",
                        type="server_error", code="no_capacity")
     return model
@@ -178,10 +181,13 @@ def _lost(item) -> _Lost | None:
 
 async def _replica(manager: ModelManager, model: ServedModel, tokens: list[int],
                    lost: tuple[Deployment, int] | None, deadline: float,
-                   settings: GatewaySettings) -> AsyncIterator[KeepAlive | Deployment]:
+                   settings: GatewaySettings, leased: bool = False
+                   ) -> AsyncIterator[KeepAlive | Deployment]:
     """Yields KeepAlive while `model` loads, recovers or drains, then (last) the replica to run
     `tokens` on: not the plan `lost` (a replica at an epoch) a request just lost, while another
-    replica can take it or for a little while, waiting for that one's new plan."""
+    replica can take it or for a little while, waiting for that one's new plan. A request that
+    holds a lease already (`leased`: resuming after a lost node) is not held back by a drain,
+    which waits for that lease to end."""
     waited = 0.0
     while True:
         main = manager.replicas[model.name][0]
@@ -202,7 +208,7 @@ async def _replica(manager: ModelManager, model: ServedModel, tokens: list[int],
                                type="server_error", code="load_failed")
             continue
         d = manager.route(model, tokens, avoid=lost)
-        if model.name in manager.draining:  # a waiting load needs it gone: let it go first
+        if model.name in manager.draining and not leased:  # a load waits for it to go
             await asyncio.sleep(0.5)
             yield KeepAlive()
             continue
@@ -262,7 +268,7 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             if attempt is None:
                 deployment = None
                 async for ev in _replica(manager, model, prompt + generated, lost_plan, deadline,
-                                         settings):
+                                         settings, leased):
                     if isinstance(ev, KeepAlive):
                         yield ev
                     else:

@@ -197,6 +197,8 @@ class ModelManager:
         model.state, model.error = LOADING, ""
         ds = self.replicas[model.name]
         ds[0].status = "waiting for memory"
+        for d in ds:  # an earlier load's failure says nothing of this one
+            d.capacity_error = ""
         try:
             plans = await self._make_room(model, evict)
             await self._watermark(plans)
@@ -308,7 +310,14 @@ class ModelManager:
                 continue
             if not victims:
                 return plans
+            # All drained before the first unload: one that took a request while another
+            # unloaded would fail the load (and the first would have gone for nothing).
+            drained.update(victims)
+            self.draining.update(drained)
             for v in victims:
+                if self.by_name[v].leases:  # taken just before the drain: let it end
+                    await self.by_name[v].lease_ended(timeout=1.0)
+                    break
                 await self.unload(self.by_name[v], reason=f"room for {model.name}")
 
     def _changed(self, plans: list[Plan], victims: list[str]) -> bool:

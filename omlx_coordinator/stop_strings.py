@@ -5,9 +5,29 @@ from __future__ import annotations
 from omlx_coordinator.tokenizer import IncrementalDetokenizer
 
 
+def _failure(s: str) -> list[int]:
+    """KMP's failure function: f[i] is the longest proper prefix of s[:i + 1] that is also its
+    suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
 class StopMatcher:
+    """Each stop string's KMP state (how much of its start the text ends with) advances by the
+    new characters only: what to hold back costs O(new text) per token, not O(held text) per
+    stop string (a long stop string over text that nearly matches it took milliseconds a token,
+    on the event loop every stream shares)."""
+
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
         self.pending = ""
         self.matched: str | None = None  # what ended the text: Anthropic reports it
 
@@ -16,19 +36,24 @@ class StopMatcher:
         if not self.stops:
             return delta, False
         self.pending += delta
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            at, self.matched = min(hits)
+        hit = False
+        for j, (s, f) in enumerate(zip(self.stops, self._fail)):
+            k = self._state[j]
+            for c in delta:
+                while k and s[k] != c:
+                    k = f[k - 1]
+                if s[k] == c:
+                    k += 1
+                    if k == len(s):
+                        hit, k = True, f[k - 1]
+            self._state[j] = k
+        if hit:  # the earliest start among the stop strings found, as str.find says
+            at, self.matched = min((i, s) for s in self.stops
+                                   if (i := self.pending.find(s)) >= 0)
             out, self.pending = self.pending[:at], ""
             return out, True
-        hold, p = 0, self.pending
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(p)), hold, -1):
-                # The first character rules out most k without building s[:k].
-                if p[-k] == s[0] and p.endswith(s[:k]):
-                    hold = k
-                    break
-        cut = len(self.pending) - hold
+        # What could still become a stop string: the longest start of one the text ends with.
+        cut = len(self.pending) - max(self._state)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 

@@ -28,11 +28,14 @@ from tests.tiny_models import build_model
 N = 12  # tokens per answer
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("served-models")
+def two_models(root: Path) -> dict[str, Path]:
     return {"alpha": build_model(root / "alpha", "llama", num_layers=4, seed=3),
             "beta": build_model(root / "beta", "qwen3", num_layers=3, seed=4)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return two_models(tmp_path_factory.mktemp("served-models"))
 
 
 # Each model's worker keeps this much for its RAM prefix cache (--hot-cache-max-size), more

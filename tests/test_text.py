@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from omlx_coordinator.stop_strings import StopMatcher
@@ -45,6 +47,42 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.feed("nx") == ("</enx", False)
     assert m.feed(" and ST") == (" and ", False)
     assert m.feed("OP more") == ("", True)
+
+
+def _reference(stops: list[str], chunks: list[str]) -> list[tuple[str, bool]]:
+    """What a stop matcher must answer, by brute force: the earliest stop string found ends
+    the text; else everything but the longest tail that starts some stop string goes out."""
+    out, pending = [], ""
+    for chunk in chunks:
+        pending += chunk
+        hits = [(i, s) for s in stops if (i := pending.find(s)) >= 0]
+        if hits:
+            out.append((pending[:min(hits)[0]], True))
+            return out
+        hold = max((k for s in stops for k in range(1, min(len(s), len(pending) + 1))
+                    if pending.endswith(s[:k])), default=0)
+        out.append((pending[:len(pending) - hold], False))
+        pending = pending[len(pending) - hold:]
+    return out
+
+
+def test_stop_matcher_agrees_with_brute_force_on_random_text():
+    """Over a small alphabet (so that stop strings overlap, repeat themselves and half-match
+    all the time), fed in random pieces."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        m = StopMatcher(stops)
+        got = []
+        for chunk in chunks:
+            got.append(m.feed(chunk))
+            if got[-1][1]:
+                break
+        assert got == _reference(stops, chunks), (stops, chunks)
 
 
 def test_stop_matcher_earliest_stop_and_flush():

@@ -445,7 +445,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         if body.stream:
             events = Primed(events)
             return ClosingStream(_stream(reply, events, metrics, settings.keepalive_seconds),
-                                 events)
+                                 events, settings.request_timeout)
 
         async def collect() -> JSONResponse:
             async for ev in events:

@@ -5,6 +5,7 @@ notices a client going away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -15,6 +16,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -117,19 +120,30 @@ class Primed:
         await self.gen.aclose()
 
 
+# What a stream may take past the request's own time limit to write its last events.
+SEND_GRACE_SECONDS = 10.0
+
+
 class ClosingStream(StreamingResponse):
     """A streamed reply that closes `events` however it ends, even when its body never started
-    (a client gone before the headers): a Primed generation would otherwise run on alone."""
+    (a client gone before the headers): a Primed generation would otherwise run on alone. It
+    ends at `limit` seconds (the request's time limit and a grace) even while a send waits on a
+    client that keeps its connection open but reads nothing: that generation holds its model's
+    lease, which an unload, an eviction or a load waiting for room waits for."""
 
-    def __init__(self, content: AsyncIterator[str], events, **kwargs):
+    def __init__(self, content: AsyncIterator[str], events, limit: float, **kwargs):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                          **kwargs)
-        self.events = events
+        self.events, self.limit = events, limit
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with asyncio.timeout(self.limit + SEND_GRACE_SECONDS):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            log.warning("a stream's client read nothing for the rest of its time limit: "
+                        "closed")
         finally:
             await self.events.aclose()
 

@@ -373,7 +373,7 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
             yield "data: [DONE]\n\n"
 
         events.prime()
-        return ClosingStream(stream(), events)
+        return ClosingStream(stream(), events, settings.request_timeout)
 
     async def collect() -> JSONResponse:
         async for _ in chunks():
