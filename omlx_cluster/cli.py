@@ -1386,6 +1386,25 @@ def _link_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def more_open_files(want: int = 65536) -> int:
+    """Raises this process's soft limit of open files (its children inherit it) towards
+    `want`, within the hard limit: macOS starts a shell at 256, which some hundred streams
+    and their node connections use up, and then every client gets refused. Returns it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for target in (want, 10240):  # macOS refuses more than its OPEN_MAX (10240) per process
+        target = target if hard == resource.RLIM_INFINITY else min(target, hard)
+        if target <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers warns at every import that PyTorch is missing: the tokenizer needs none.
     # Set before any import of it, and inherited by the node and worker processes.
@@ -1394,6 +1413,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is noise here
+    if args.command in ("serve", "coordinator", "join", "node"):
+        more_open_files()
     handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
                "worker": _worker, "plan": _plan, "status": _status, "rebalance": _rebalance,
                "models": _models, "doctor": _doctor, "up": _up, "down": _down,

@@ -2,7 +2,7 @@
 with llguidance's own compilers and checked here, at the gateway, so a schema the node's engine
 cannot compile is a 400 that says which part, never a failed generation.
 
-- `grammar_for_json_schema(schema)`: JSON that follows `schema` (OpenAI's `json_object` format
+- `grammar_for_json_schema(schema, param)`: JSON that follows `schema` (OpenAI's `json_object` format
   is {"type": "object"}; `json_schema` formats' `strict: false` is enforced all the same: the
   engine can only constrain fully).
   JSON is laid out as json.dumps writes it (see _JSON_LAYOUT).
@@ -44,9 +44,14 @@ _CALL_PADDING = "\n"
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_for_json_schema(schema: dict[str, Any] | bool) -> str:
-    """JSON that follows `schema` (a JSON Schema; `true` or `{}` is any JSON value)."""
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_LAYOUT)
+def grammar_for_json_schema(schema: dict[str, Any] | bool, param: str) -> str:
+    """JSON that follows `schema` (a JSON Schema; `true` or `{}` is any JSON value); a schema
+    the engine cannot read (nested past its recursion limit) is a 400 naming `param`."""
+    try:
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_LAYOUT)
+    except ValueError as e:
+        raise APIError(400, f"{param!r} cannot be read as a JSON Schema: {e}",
+                       param=param) from None
 
 
 def grammar_for_tool_call(fmt: ToolCallFormat, tools: list[dict], name: str | None,
@@ -112,7 +117,8 @@ def _call_rule(fmt: ToolCallFormat, tools: list[dict], name: str | None,
         parameters = function.get("parameters")
         if parameters is None:  # OpenAI: no parameters is an empty parameter list
             parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-        validate(grammar_for_json_schema(parameters), schema_param.format(i=i),
+        param = schema_param.format(i=i)
+        validate(grammar_for_json_schema(parameters, param), param,
                  f"the parameters of tool {function['name']!r}")
         calls.append({"type": "object",
                       "properties": {"name": {"const": function["name"]},

@@ -73,6 +73,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"'{field}' has none of its accepted forms: " + "; ".join(parts), field
 
 
+MAX_BODY_BYTES = 32 << 20
+
+
 class _BodyRefused(StarletteHTTPException):
     """An APIError met while FastAPI reads a body (it lets only HTTP exceptions through)."""
 
@@ -86,6 +89,23 @@ class _Request(Request):
     orjson, on every request's way to its first token. A body orjson refuses is parsed again
     by json, so what is accepted and every error message stay json's; json also takes lone
     surrogates, which orjson does not: such a body is refused here, whatever field holds one."""
+
+    async def body(self) -> bytes:
+        """The body, refused (413) past MAX_BODY_BYTES before more of it is read: it is read
+        before the API key is checked, so anyone could otherwise make the gateway hold and
+        parse any size on the event loop every stream shares."""
+        if not hasattr(self, "_body"):
+            declared = self.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+                raise _BodyRefused(_too_large(int(declared)))
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _BodyRefused(_too_large(size))
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
 
     async def json(self):
         if not hasattr(self, "_json"):
@@ -105,6 +125,11 @@ class _Request(Request):
                     raise _BodyRefused(e) from None
                 self._json = parsed
         return self._json
+
+
+def _too_large(size: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes or more; at most {MAX_BODY_BYTES} "
+                         "(32 MiB, as Anthropic's API) are taken", code="request_too_large")
 
 
 def _unreadable(e: Exception) -> str:
@@ -284,7 +309,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         try:
             address, node_id = cluster.registrations.verify(body)
         except auth.RegistrationError as e:
-            log.warning("refused a registration of %s from %s: %s", address,
+            log.warning("refused a registration of %r from %s: %s", address,
                         request.client.host if request.client else "?", e)
             raise APIError(401, f"registration refused: {e}", code="invalid_registration")
         if any(n["id"] == node_id and n["address"] == address and n["alive"]

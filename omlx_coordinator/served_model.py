@@ -33,9 +33,9 @@ def _text_setting(config: dict, key: str) -> int:
 class ServedModel:
     def __init__(self, config: ModelConfig, path: Path):
         self.config, self.path, self.name = config, path, config.name
-        self.tokenizer = ChatTokenizer(path)
         settings = json.loads((path / "config.json").read_text())
         self.max_context = _text_setting(settings, "max_position_embeddings")
+        self.tokenizer = ChatTokenizer(path, self.max_context)
         self.vocab_size = (_text_setting(settings, "vocab_size")
                            or len(self.tokenizer.tokenizer))
         self.layout: ModelLayout = read_layout(path, model_id=config.name)

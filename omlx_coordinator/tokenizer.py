@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from omlx_coordinator.errors import APIError
 from omlx_coordinator.prefix_tokens import PrefixTokenizer
 from omlx_coordinator.tool_calls import ToolCallFormat
 
@@ -54,11 +55,17 @@ def _byte_level_table() -> dict[str, int]:
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
+# More characters than this many a token of the context cannot fit: a prompt past it is refused
+# before it is tokenized (a 30 MB one took 30 s of the threads every request tokenizes on).
+MAX_CHARS_PER_TOKEN = 32
+
+
 class ChatTokenizer:
-    def __init__(self, model_path: Path | str):
+    def __init__(self, model_path: Path | str, max_context: int | None = None):
         path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
+        self.max_context = max_context
         self._token_strings: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
 
@@ -108,10 +115,19 @@ class ChatTokenizer:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
+        self._check_length(text, "messages")
         return self.prefix_tokenizer.encode(text)
 
     def encode(self, text: str) -> list[int]:
+        self._check_length(text, "prompt")
         return list(self.tokenizer(text)["input_ids"])
+
+    def _check_length(self, text: str, param: str) -> None:
+        if self.max_context and len(text) > self.max_context * MAX_CHARS_PER_TOKEN:
+            raise APIError(400, f"prompt is too long: {len(text)} characters, more than the "
+                                f"model's context of {self.max_context} tokens can hold; "
+                                "shorten the prompt", param=param,
+                           code="context_length_exceeded")
 
     def decode(self, ids: list[int]) -> str:
         skipped = self._skipped_ids

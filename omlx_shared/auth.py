@@ -77,7 +77,7 @@ def secret_from(value: str | None, path: Path | None = None) -> str | None:
 
 
 def proof(secret: str, role: str, *parts: bytes | str) -> bytes:
-    mac = hmac.new(secret.encode(), role.encode(), hashlib.sha256)
+    mac = hmac.new(cluster_tls.stretched(secret), role.encode(), hashlib.sha256)
     for p in parts:
         data = p.encode() if isinstance(p, str) else p
         mac.update(len(data).to_bytes(4, "big") + data)  # unambiguous concatenation

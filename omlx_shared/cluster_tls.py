@@ -61,9 +61,19 @@ def host_name(identity: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
+def stretched(secret: str) -> bytes:
+    """The key every use of the secret derives from: scrypt (32 MiB, ~0.1 s) rather than the
+    secret itself, because what the secret yields can be seen (a node's certificate names its
+    CA's key; a registration carries an HMAC), and a guess at a human-chosen secret could
+    otherwise be checked against it ~26,000 times a second a core. Once per process."""
+    return hashlib.scrypt(secret.encode(), salt=b"omlx-cluster secret v1", n=1 << 15, r=8,
+                          p=1, maxmem=64 << 20, dklen=32)
+
+
+@functools.lru_cache(maxsize=4)
 def _ca(secret: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     okm = HKDF(algorithm=hashes.SHA256(), length=48, salt=b"omlx-cluster CA v1",
-               info=b"cluster CA private key").derive(secret.encode())
+               info=b"cluster CA private key").derive(stretched(secret))
     # 48 bytes reduced mod n - 1: the bias is below 2^-128.
     key = ec.derive_private_key(int.from_bytes(okm, "big") % (_P256_ORDER - 1) + 1,
                                 ec.SECP256R1())

@@ -407,3 +407,36 @@ def test_without_a_secret_the_control_plane_says_it_is_open(caplog):
     agent.server.stop(None)
     assert agent.tls is None
     assert any("NOT encrypted or authenticated" in r.getMessage() for r in caplog.records)
+
+
+def test_a_guess_at_the_secret_costs_a_scrypt_not_a_hash(node):
+    """An attacker on the LAN reads a node's certificate without any credential (the TLS
+    handshake shows it before the node asks for the client's): its Authority Key Identifier
+    names the cluster CA's key, which the secret determines. Each guess must cost scrypt: the
+    CA derived straight from a right guess (as it was) does not match; the stretched one does."""
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    address, _ = node
+    host, port = address.rsplit(":", 1)
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            leaf = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+    aki = leaf.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+
+    def key_id(material: bytes) -> bytes:
+        okm = HKDF(algorithm=hashes.SHA256(), length=48, salt=b"omlx-cluster CA v1",
+                   info=b"cluster CA private key").derive(material)
+        key = ec.derive_private_key(int.from_bytes(okm, "big") % (cluster_tls._P256_ORDER - 1)
+                                    + 1, ec.SECP256R1())
+        return x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest
+
+    assert aki.key_identifier == key_id(cluster_tls.stretched(SECRET))
+    assert aki.key_identifier != key_id(SECRET.encode())  # the fast check an attacker wanted

@@ -256,6 +256,24 @@ def test_body_that_is_not_json_content(small_server: Server) -> None:
         assert "Content-Type: application/json" in err["message"] and kind in err["message"]
 
 
+def test_a_body_past_32_mib_is_refused_before_it_is_read_whole(small_server: Server) -> None:
+    """Read before the API key is checked, a body is bounded: one that says it is larger, and
+    one sent in chunks without saying, get a 413 that says the limit."""
+    big = b'{"model": "x", "prompt": "' + b"a" * (33 << 20) + b'"}'
+    r = httpx.post(small_server.base_url + "/completions", content=big, timeout=60,
+                   headers={"content-type": "application/json"})
+    err = _assert_openai_error(r, 413, ["32 MiB"], None)
+    assert err["code"] == "request_too_large"
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    r = httpx.post(small_server.base_url + "/messages", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "32 MiB" in r.text, r.text
+
+
 def test_unknown_path_and_method_are_openai_errors(small_server: Server) -> None:
     r = _post(small_server, "chat/completion", _chat())
     err = _assert_openai_error(r, 404, ["/v1/chat/completion"], None)

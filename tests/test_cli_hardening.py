@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -278,3 +279,16 @@ def test_a_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
         r = run("models", "import-gguf", str(target), home=tmp_path)
         assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
         assert words in r.stderr, r.stderr
+
+
+def test_a_low_open_files_limit_is_raised_for_the_servers() -> None:
+    """As a Mac's shell starts it (256): serve, join and their children get more, up to the
+    hard limit."""
+    code = ("import resource; from omlx_cluster.cli import more_open_files; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit("
+            "resource.RLIMIT_NOFILE)[1])); print(more_open_files(), "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[0], "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[1])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    got, soft, hard = map(int, r.stdout.split())
+    assert got == soft > 256 and soft == min(hard, 65536), r.stdout + r.stderr

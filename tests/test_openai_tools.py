@@ -316,15 +316,16 @@ def test_forced_call_errors(tok: ChatTokenizer) -> None:
 def test_json_grammars(tok: ChatTokenizer, ll_tokenizer) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    g = constraints.grammar_for_json_schema(schema)
+    g = constraints.grammar_for_json_schema(schema, "rf.schema")
     constraints.validate(g, "response_format")
     assert _accepts(ll_tokenizer, tok, g, '{"ok": true}')
     assert not _accepts(ll_tokenizer, tok, g, '{"ok": 1}')
-    obj = constraints.grammar_for_json_schema({"type": "object"})
+    obj = constraints.grammar_for_json_schema({"type": "object"}, "rf.schema")
     assert _accepts(ll_tokenizer, tok, obj, '{"a": [1, "x"]}')
     assert not _accepts(ll_tokenizer, tok, obj, "[1]")
     with pytest.raises(APIError) as e:
-        constraints.validate(constraints.grammar_for_json_schema({"type": "tuple"}), "rf.schema")
+        constraints.validate(constraints.grammar_for_json_schema({"type": "tuple"}, "rf.schema"),
+                             "rf.schema")
     assert e.value.param == "rf.schema" and "tuple" in e.value.message
 
 
@@ -652,6 +653,14 @@ def test_model_by_id(qwen_server: Server, client: openai.OpenAI) -> None:
     assert qwen_server.model_id in e.value.message
 
 
+def _nested(depth: int) -> dict:
+    """An object schema `depth` objects deep."""
+    schema: dict = {"type": "object", "properties": {}}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD = {
     "tool parameters not an object schema": (
         {"tools": [{"type": "function", "function": {"name": "f",
@@ -681,6 +690,10 @@ BAD = {
         {"response_format": {"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "tuple"}}}},
         "response_format.json_schema.schema", ["tuple"]),
+    "response_format schema nested past the engine's limit": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": _nested(200)}}},
+        "response_format.json_schema.schema", ["recursion"]),
     "top_logprobs 50": ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", ["20"]),
     "stream_options without stream": ({"stream_options": {"include_usage": True}},
                                       "stream_options", ["stream: true"]),

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from omlx_coordinator.stop_strings import StopMatcher
-from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.errors import APIError
+from omlx_coordinator.tokenizer import MAX_CHARS_PER_TOKEN, ChatTokenizer
 from tests.tiny_models import build_tokenizer
 
 
@@ -33,6 +34,19 @@ def test_incremental_detokenizer_reproduces_decoded_text(tokenizer, prompt, comp
     assert prompt + text == tokenizer.decode(p_ids + c_ids)
     assert text.startswith(" ")  # the leading space mlx_lm.server drops
     assert all("\ufffd" not in p for p in pieces)  # never half a character
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(tokenizer):
+    """More characters than MAX_CHARS_PER_TOKEN a token of the context: a 400 before the
+    tokenizer spends seconds on it (both APIs' wording, which agents key on)."""
+    short = ChatTokenizer(tokenizer.tokenizer.name_or_path, max_context=10)
+    assert short.encode("x" * 10 * MAX_CHARS_PER_TOKEN)  # at the limit: tokenized
+    for call in (lambda: short.encode("x" * (10 * MAX_CHARS_PER_TOKEN + 1)),
+                 lambda: short.encode_chat([{"role": "user", "content": "x" * 400}])):
+        with pytest.raises(APIError) as e:
+            call()
+        assert e.value.code == "context_length_exceeded"
+        assert e.value.message.startswith("prompt is too long:")
 
 
 def test_eos_ids_and_chat_template(tokenizer):

@@ -419,7 +419,8 @@ def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
         return tools, output, grammar
     if reply is None:
         return (tools if mode != "none" else None), output, ""
-    return (tools if mode != "none" else None), output, constraints.grammar_for_json_schema(reply)
+    return ((tools if mode != "none" else None), output,
+            constraints.grammar_for_json_schema(reply, "response_format.json_schema.schema"))
 
 
 def _reply_schema(body: ChatCompletionRequest) -> dict | bool | None:
@@ -431,8 +432,8 @@ def _reply_schema(body: ChatCompletionRequest) -> dict | bool | None:
         return {"type": "object"}
     assert rf.json_schema is not None
     schema = True if rf.json_schema.schema_ is None else rf.json_schema.schema_
-    constraints.validate(constraints.grammar_for_json_schema(schema),
-                         "response_format.json_schema.schema",
+    param = "response_format.json_schema.schema"
+    constraints.validate(constraints.grammar_for_json_schema(schema, param), param,
                          f"the response_format schema {rf.json_schema.name!r}")
     return schema
 
