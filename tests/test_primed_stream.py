@@ -86,8 +86,8 @@ def test_a_client_gone_before_the_headers_ends_its_generation() -> None:
 
         await g.started.wait()
         with pytest.raises(ClientDisconnect):
-            await ClosingStream(body(), events)({"type": "http", "asgi": {"spec_version": "2.4"}},
-                                                receive, send)
+            stream = ClosingStream(body(), events, limit=60.0)
+            await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
         # Its body never started: only the response could close it (asyncio.run's own
         # clean-up at the end would hide a generation left running, so look now).
         return g.unwound
