@@ -408,7 +408,7 @@ def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
             fmt, tools, name, parallel=mode == "required" and body.parallel_tool_calls)
         constraints.validate(grammar, "tool_choice")
         return tools, output, grammar
-    reply = _reply_schema(body)
+    reply, reply_grammar = _reply_format(body)
     if mode == "auto" and fmt is not None and (
             reply is not None or any(t["function"].get("strict") for t in tools)):
         # The model may call a tool or reply: the calls' arguments follow their schemas (strict
@@ -417,25 +417,24 @@ def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
                                                          reply)
         constraints.validate(grammar, "tools")
         return tools, output, grammar
-    if reply is None:
-        return (tools if mode != "none" else None), output, ""
-    return ((tools if mode != "none" else None), output,
-            constraints.grammar_for_json_schema(reply, "response_format.json_schema.schema"))
+    return (tools if mode != "none" else None), output, reply_grammar
 
 
-def _reply_schema(body: ChatCompletionRequest) -> dict | bool | None:
-    """The JSON Schema the reply follows (response_format), checked; None for free text."""
+def _reply_format(body: ChatCompletionRequest) -> tuple[dict | bool | None, str]:
+    """The JSON Schema the reply follows (response_format) and its grammar, checked; (None, "")
+    for free text."""
     rf = body.response_format
     if rf is None or rf.type == "text":
-        return None
+        return None, ""
+    param = "response_format.json_schema.schema"
     if rf.type == "json_object":
-        return {"type": "object"}
+        schema: dict | bool = {"type": "object"}
+        return schema, constraints.grammar_for_json_schema(schema, param)
     assert rf.json_schema is not None
     schema = True if rf.json_schema.schema_ is None else rf.json_schema.schema_
-    param = "response_format.json_schema.schema"
-    constraints.validate(constraints.grammar_for_json_schema(schema, param), param,
-                         f"the response_format schema {rf.json_schema.name!r}")
-    return schema
+    grammar = constraints.grammar_for_json_schema(schema, param)
+    constraints.validate(grammar, param, f"the response_format schema {rf.json_schema.name!r}")
+    return schema, grammar
 
 
 def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMetrics],
