@@ -185,7 +185,9 @@ def test_no_node_means_a_clear_503(model, tmp_path):
         try:
             deadline = time.monotonic() + 60
             r = {"status": 0}
-            while r["status"] == 0 and time.monotonic() < deadline:
+            # Not listening yet (0), or listening while its start finishes (model_not_ready).
+            while (r["status"] == 0 or (r.get("body") or {}).get("error", {}).get("code")
+                   == "model_not_ready") and time.monotonic() < deadline:
                 time.sleep(0.2)
                 r = complete(ns)
             assert r["status"] == 503
