@@ -18,17 +18,19 @@ cannot compile is a 400 that says which part, never a failed generation.
 - `grammar_for_tools_or_reply(fmt, tools, parallel, reply)`: tool_choice `auto` with the
   calls' arguments constrained (OpenAI's `strict` tools): free text and then calls, or a JSON
   reply following `response_format` instead of calls. Same families as above.
-- `validate(grammar, param)`: compiles a grammar as the engine will (without its vocabulary).
+- `validate(grammar, param)`: compiles a grammar as the engine will (without its vocabulary),
+  and takes a schema grammar's first step, where some recursive `$ref`s fail.
 
 Grammars come out in llguidance's JSON TopLevelGrammar form, which the node's LLMatcher reads.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
 
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.tool_calls import ToolCallFormat
@@ -48,7 +50,13 @@ def grammar_for_json_schema(schema: dict[str, Any] | bool, param: str) -> str:
     """JSON that follows `schema` (a JSON Schema; `true` or `{}` is any JSON value); a schema
     the engine cannot read (nested past its recursion limit) is a 400 naming `param`."""
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_LAYOUT)
+        # llguidance's layout overrides need an object: {} is the `true` schema's object form.
+        text = json.dumps({} if schema is True else schema)
+    except RecursionError:  # ~500 schemas deep: llguidance would refuse 200 already
+        raise APIError(400, f"{param!r} nests too deeply to be read as a JSON Schema; the "
+                            "engine takes fewer than 200 nested schemas", param=param) from None
+    try:
+        return LLMatcher.grammar_from_json_schema(text, overrides=_JSON_LAYOUT)
     except ValueError as e:
         raise APIError(400, f"{param!r} cannot be read as a JSON Schema: {e}",
                        param=param) from None
@@ -141,8 +149,52 @@ def _marker(text: str, token_id: int | None) -> str:
 
 def validate(grammar: str, param: str, what: str | None = None) -> None:
     """Raises APIError 400 naming `param` (and `what` it is) unless the engine can compile
-    `grammar`."""
+    `grammar`, and, for a JSON Schema's grammar, take its first step: some schemas compile
+    and fail only there, a recursive `$ref` with nothing else in it ("NoExtensionBias") or
+    beside sibling keys among them."""
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
+    error = messages[0] if failed else _first_step(grammar) if _is_schema(grammar) else ""
+    if error:
         raise APIError(400, f"{what or repr(param)} cannot be compiled into a grammar for "
-                            f"constrained decoding: {messages[0].strip()}", param=param)
+                            f"constrained decoding: {error.replace(_TERSE_MARK, '').strip()}",
+                       param=param)
+
+
+def _is_schema(grammar: str) -> bool:
+    # Only a schema's grammar is free of the model's token markers (`<[id]>`), which the byte
+    # vocabulary below lacks; a call grammar's schemas were each validated before it.
+    return "json_schema" in json.loads(grammar)["grammars"][0]
+
+
+def _first_step(grammar: str) -> str:
+    """The error of a matcher's first mask for `grammar` ("" if none)."""
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=_TERSE)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    error = matcher.get_error() if matcher.is_error() else ""
+    # llguidance's name for a grammar that admits no output at all.
+    return ("no JSON value can follow it (such as a $ref that leads only back to itself)"
+            if error.startswith("NoExtensionBias") else error)
+
+
+# Errors without the parser's state, which would echo the whole grammar back.
+_TERSE = LLParserLimits(verbose_errors=False)
+_TERSE_MARK = "<non-verbose/>"
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an end token: a schema's first step does not depend
+    on the model's tokens, and this one costs nothing to build."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@functools.cache
+def _byte_tokenizer() -> LLTokenizer:
+    return LLTokenizer(TokenizerWrapper(_Bytes()))

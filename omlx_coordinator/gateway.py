@@ -23,6 +23,7 @@ from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.common import check_unicode
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
+from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics, ModelsCollector, exposition, prometheus_targets
 from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
@@ -263,9 +264,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                       type="server_error"))
+        return error(request, internal_error(log, "internal error", exc))
 
     def serving() -> bool:
         """Started, a node to serve on, a model that serves or has served (one unloaded since,

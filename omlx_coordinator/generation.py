@@ -7,7 +7,8 @@ next plan, cancellation (closing the generator cancels the node's sequence) and 
 Every wait is bounded: a gRPC deadline per request and keep-alives while nothing arrives.
 
 How an attempt ends says whose failure it was. finish_reason "error" is the request's own (its
-sampler, its grammar): an error for the client, never run again. "aborted" is a worker that
+sampler, its grammar): an error for the client (a grammar's a 400, a sampler's a 500 whose
+text stays in the log), never run again. "aborted" is a worker that
 stopped cleanly (a new plan): run again, always. A call that breaks (the worker went down, or
 its pipeline lost a stage: UNAVAILABLE and the like) may be a lost node or a request that brings
 the node down; the first is run again on the next plan, and a request whose attempt breaks a
@@ -31,6 +32,7 @@ from omlx_coordinator.cluster import NoCapacity
 from omlx_coordinator.deployment import Deployment
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
@@ -347,8 +349,7 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
                 yield Done("stop", len(prompt), len(generated), cached, stops.matched)
                 return
             if item.finish_reason == "error":
-                raise APIError(500, f"generation failed on the node: {item.error}",
-                               type="server_error")
+                raise _node_error(item.error)
             if item.finish_reason == "cancelled":
                 raise APIError(503, "the node cancelled this request", type="server_error")
             out += stops.flush() if item.finish_reason else ""
@@ -393,6 +394,22 @@ def _joined(first: pb.TokenChunk, attempt: _Attempt) -> list[pb.TokenChunk]:
            and backlog[0].finish_reason in _JOINABLE):
         chunks.append(backlog.popleft())
     return chunks
+
+
+# How a node's error starts when the request's grammar failed (proto/omlx.proto TokenChunk).
+_GRAMMAR_FAILED = "grammar: "
+
+
+def _node_error(error: str) -> APIError:
+    """A sequence the node ended with `error`. A grammar that outgrows the engine's parser
+    (a schema too ambiguous or too wide: "Current row has 3000 items; max is 2000") is the
+    client's to simplify, a 400; anything else is an exception's text, which stays in the log."""
+    if error.startswith(_GRAMMAR_FAILED):
+        return APIError(400, "the output could not follow the grammar made from the request's "
+                             "response_format or tool schemas: "
+                             f"{error.removeprefix(_GRAMMAR_FAILED)}; simplify those schemas",
+                        code="grammar_failed")
+    return internal_error(log, "generation failed on the node", detail=error)
 
 
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:

@@ -34,6 +34,10 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 log = logging.getLogger(__name__)
 
+# Errors without the parser's state: verbose ones (llguidance's default) dump the grammar and
+# the text generated so far, and an error goes back to the client and into logs.
+_TERSE = llguidance.LLParserLimits(verbose_errors=False)
+
 
 class Verdict(enum.IntEnum):
     """What a sampled token did to its sequence's grammar (an int on the pipeline's wire)."""
@@ -136,7 +140,7 @@ class Grammars:
         self._ensure()
         if self._tokenizer is None:
             return GrammarMatcher(None, frozenset(), self._error)
-        m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_TERSE)
         if not m.is_error() and resumed and not m.consume_tokens(list(resumed)):
             return GrammarMatcher(m, frozenset(), "the resumed tokens do not follow the grammar: "
                                   + m.get_error())

@@ -68,6 +68,7 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
+from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
@@ -489,8 +490,7 @@ async def _stream(reply: _Reply, events: AsyncIterator, metrics: GatewayMetrics,
         # Headers are sent already: the error travels as an `error` event, as Anthropic's does.
         yield _event(error_body(e.status, e.message))
     except Exception as e:
-        log.exception("stream failed")
-        yield _event(error_body(500, f"internal error: {e}"))
+        yield _event(error_body(500, internal_error(log, "internal error", e).message))
     except asyncio.CancelledError:
         outcome = "disconnected"
         raise

@@ -48,6 +48,7 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
+from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.served_model import ServedModel
@@ -362,8 +363,7 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
                 # Headers are sent already: the error travels as an SSE event, as OpenAI does.
                 yield sse(e.body())
             except Exception as e:
-                log.exception("stream failed")
-                yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
+                yield sse(internal_error(log, "internal error", e).body())
             except asyncio.CancelledError:
                 outcome = "disconnected"
                 raise
