@@ -1413,7 +1413,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is noise here
-    if args.command in ("serve", "coordinator", "join", "node"):
+    from omlx_shared.model_store import data_home
+    from omlx_shared.private_files import keep_private
+
+    # What any command writes (KV blocks hold prompts; weights, keys) only this account reads;
+    # the long-running ones also fix the modes older versions left in their folders.
+    long_running = args.command in ("serve", "coordinator", "join", "node")
+    keep_private(*((data_home(), getattr(args, "paged_ssd_cache_dir", None))
+                   if long_running else ()))
+    if long_running:
         more_open_files()
     handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
                "worker": _worker, "plan": _plan, "status": _status, "rebalance": _rebalance,

@@ -166,7 +166,7 @@ class WeightStore:
                 if not complete:
                     missing += len(spec.header) + spec.size - have
             self._check_space(target, missing, manifest)
-            target.folder.mkdir(parents=True, exist_ok=True)
+            target.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._targets[target.fingerprint] = target
         log.info("weights of %s layers [%d, %d): %s to receive into %s", target.model_id,
                  manifest.layer_start, manifest.layer_end, _size(missing), target.folder)
@@ -339,7 +339,7 @@ class WeightStore:
             raise WeightError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{name} is complete on this node already")
         part = target.folder / f"{name}.part"
-        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = os.fstat(fd).st_size
             if size == 0:

@@ -31,12 +31,12 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omlx_shared import cluster_tls
+from omlx_shared.private_files import PrivateFileError, read_private
 
 SECRET_ENV = "OMLX_CLUSTER_SECRET"
 SESSION_METADATA = "x-omlx-session"
@@ -63,16 +63,9 @@ def secret_from(value: str | None, path: Path | None = None) -> str | None:
         return value
     if path is not None:
         try:
-            mode = path.stat().st_mode
-            secret = path.read_text().strip()
-        except OSError as e:
-            raise SecretError(f"cannot read the secret file {path}: {e.strerror}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise SecretError(f"the secret file {path} is readable by other users "
-                              f"(mode {stat.S_IMODE(mode):o}): `chmod 600 {path}`")
-        if not secret:
-            raise SecretError(f"the secret file {path} is empty")
-        return secret
+            return read_private(path, "secret")
+        except PrivateFileError as e:
+            raise SecretError(str(e)) from None
     return os.environ.get(SECRET_ENV) or None
 
 

@@ -199,8 +199,7 @@ def import_gguf(gguf_path: Path, dest: Path | None = None, progress: bool = True
         config.update(_write_tokenizer(meta, arch, tmp, config["max_position_embeddings"]))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         validate_model_dir(tmp)
-        # mkdtemp made it private; a model folder is as readable as any other file here.
-        tmp.chmod(0o755)
+        # mkdtemp made it 0700, and so it stays: weights are private (private_files.py).
         try:
             tmp.rename(dest)
         except OSError as e:

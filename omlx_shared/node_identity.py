@@ -21,11 +21,12 @@ def node_key() -> str:
             return key
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = secrets.token_hex(8)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(key + "\n")
-    tmp.chmod(0o600)
+    # Private from its first byte: a chmod after the write would leave it readable meanwhile.
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(key + "\n")
     os.replace(tmp, path)
     return path.read_text().strip()
 

@@ -76,8 +76,9 @@ def test_join_with_a_secret_file_others_can_read_exits_with_the_fix(tmp_path: Pa
     f = tmp_path / "secret"
     f.write_text("s3cret")
     f.chmod(0o640)
+    # Outside the home: a start makes everything in its home private (private_files.py).
     r = run("join", "--secret-file", str(f), "--port", str(free_port()), "--no-announce",
-            "--speed", "1", home=tmp_path, env={"OMLX_CLUSTER_SECRET": ""})
+            "--speed", "1", home=tmp_path / "h", env={"OMLX_CLUSTER_SECRET": ""})
     assert r.returncode == 2
     assert f"chmod 600 {f}" in r.stderr and "Traceback" not in r.stderr
 

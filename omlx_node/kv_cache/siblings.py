@@ -77,7 +77,7 @@ def lock_range(range_dir: Path, exclusive: bool) -> int | None:
     exclusive (never blocking) by a pruner. Returns the open descriptor that holds the lock, or
     None when a running cache holds it (or the directory is gone)."""
     try:
-        fd = os.open(range_dir / _LIVE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(range_dir / _LIVE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         return None
     try:
@@ -95,7 +95,7 @@ def hold_range(range_dir: Path) -> int | None:
     would hold nothing. None when the directory cannot be made or locked."""
     for _ in range(3):
         try:
-            range_dir.mkdir(parents=True, exist_ok=True)
+            range_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             return None
         fd = lock_range(range_dir, exclusive=False)

@@ -91,7 +91,7 @@ class SsdTier:
         self._thread: threading.Thread | None = None
         if dir is not None:
             try:
-                dir.mkdir(parents=True, exist_ok=True)
+                dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError as e:
                 self._degrade(e)
 
@@ -316,8 +316,8 @@ class SsdTier:
         path = self.block_path(block.hash)
         tmp = path.parent / f".{block.hash}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(header)
