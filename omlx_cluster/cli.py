@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
 from omlx_shared import __version__
 
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
@@ -77,11 +78,9 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="address the gateway listens on (default: 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes it to the network and then needs --api-key)")
     p.add_argument("--port", type=_port, default=8000, help="gateway port (default: 8000)")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' or "
-                        "'x-api-key: KEY' (repeatable; "
-                        "default: $OMLX_API_KEY, comma-separated; none: open, only allowed "
-                        "on a loopback address)")
+    add_api_key_flags(p, "a key clients must send as 'Authorization: Bearer KEY' or "
+                         "'x-api-key: KEY' (repeatable; none: open, only allowed on a "
+                         "loopback address)")
     p.add_argument("--request-timeout", type=_positive_seconds, default=900.0,
                    metavar="SECONDS",
                    help="longest a request may run before it fails with 504 (default: 900)")
@@ -500,9 +499,7 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                         help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
-    status.add_argument("--api-key", metavar="KEY",
-                        help="the key of a gateway started with --api-key (default: the first "
-                             "of $OMLX_API_KEY)")
+    add_api_key_flags(status, "a key the gateway takes (the first is sent)")
 
     rebalance = sub.add_parser(
         "rebalance", parents=[common], help="show or apply the best split for measured speeds",
@@ -512,9 +509,7 @@ def _build_parser() -> argparse.ArgumentParser:
     rebalance.add_argument("--dry-run", action="store_true", help="show, do not move")
     rebalance.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                            help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
-    rebalance.add_argument("--api-key", metavar="KEY",
-                           help="the key of a gateway started with --api-key (default: the "
-                                "first of $OMLX_API_KEY)")
+    add_api_key_flags(rebalance, "a key the gateway takes (the first is sent)")
     rebalance.add_argument("--json", action="store_true", help="print the raw JSON")
 
     models = sub.add_parser("models", parents=[common],
@@ -535,8 +530,7 @@ def _build_parser() -> argparse.ArgumentParser:
         a.add_argument("name", help="the model's name (as GET /v1/models lists it)")
         a.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
                        help="the gateway (default: http://127.0.0.1:8000)")
-        a.add_argument("--api-key", metavar="KEY",
-                       help="a key the gateway takes (default: the first of $OMLX_API_KEY)")
+        add_api_key_flags(a, "a key the gateway takes (the first is sent)")
         if action == "unload":
             a.add_argument("--wait", type=_unload_wait, default=0.0, metavar="SECONDS",
                            help="wait this long for its requests in flight to end, at most "
@@ -624,9 +618,8 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
     up.add_argument("--coordinator", type=_host_port, metavar="HOST:PORT",
                     help="the coordinator's HTTP address: join registers with it, and up waits "
                          "for the admission there (default: Bonjour only, no wait)")
-    up.add_argument("--api-key", metavar="KEY",
-                    help="the coordinator's API key, to read /cluster/status (default: the first "
-                         "of $OMLX_API_KEY)")
+    add_api_key_flags(up, "the coordinator's API key, to read /cluster/status (the first is "
+                          "sent)")
     _add_node_port_flags(up)
     up.add_argument("--wait", type=_seconds, default=120.0, metavar="SECONDS",
                     help="for the admission, with --coordinator (default: 120; 0: do not "
@@ -657,18 +650,15 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
 
 def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
     """The gateway's API keys; None (after printing why) when the address needs one."""
-    keys = args.api_key if args.api_key is not None else [
-        k for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()]
-    if any(not k.strip() for k in keys):
-        print("error: an API key is empty or only whitespace (--api-key ''): every key must "
-              "be a non-empty string clients send as 'Authorization: Bearer KEY'",
-              file=sys.stderr)
+    try:
+        keys = api_keys(args)
+    except ApiKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
         return None
-    keys = [k.strip() for k in keys]
     if not keys and not _is_loopback(args.host):
         print(f"error: the gateway would listen on {args.host}, reachable from the network, "
-              "without an API key: pass --api-key KEY (or set OMLX_API_KEY), or listen on "
-              "127.0.0.1", file=sys.stderr)
+              "without an API key: pass --api-key-file FILE (or --api-key KEY, or set "
+              "OMLX_CLUSTER_API_KEY), or listen on 127.0.0.1", file=sys.stderr)
         return None
     return frozenset(keys)
 
@@ -678,6 +668,7 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
     start."""
     import uvicorn
 
+    from omlx_coordinator.access_log import redact_access_log
     from omlx_coordinator.gateway import create_app
     from omlx_coordinator.generation import GatewaySettings
 
@@ -712,6 +703,7 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=75,
                                            loop="uvloop", http="httptools"))
+    redact_access_log()  # a key sent as ?api_key=... never reaches the log
     log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
              "is ready)", args.host, sock.getsockname()[1],
              ", ".join(m.name for m in manager.models))
@@ -1038,9 +1030,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _client_api_key(args: argparse.Namespace) -> str | None:
-    """The key to send to a gateway: --api-key, else the first of $OMLX_API_KEY."""
-    return args.api_key or next(
-        (k.strip() for k in os.environ.get("OMLX_API_KEY", "").split(",") if k.strip()), None)
+    """The key to send to a gateway: the first given (api_keys.py); exits 2 on a bad one."""
+    try:
+        return next(iter(api_keys(args)), None)
+    except ApiKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -1111,8 +1106,8 @@ def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
     try:
         r = httpx.request(method, args.url.rstrip("/") + path, timeout=timeout, headers=headers)
         if r.status_code == 401:
-            print(f"error: {args.url} wants an API key: pass --api-key KEY or set OMLX_API_KEY",
-                  file=sys.stderr)
+            print(f"error: {args.url} wants an API key: pass --api-key-file FILE or set "
+                  "OMLX_CLUSTER_API_KEY", file=sys.stderr)
             return None
         if r.status_code >= 400 and _error_message(r):
             print(f"error: {_error_message(r)}", file=sys.stderr)
