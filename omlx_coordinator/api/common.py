@@ -1,6 +1,6 @@
-"""What every protocol adapter needs alike: the Unicode check of a body, SSE framing, a stream
-whose generation starts before its response does and that is never silent for long, a reply that
-notices a client going away."""
+"""What every protocol adapter needs alike: the Unicode check of a body, the chat template's
+encoding of a conversation, SSE framing, a stream whose generation starts before its response
+does and that is never silent for long, a reply that notices a client going away."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,19 @@ def _where(at: str) -> str:
 def _surrogate(text: str) -> str:
     i = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
     return f"it holds a lone surrogate {text[i]!r} at character {i}"
+
+
+def encode_chat(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None,
+                param: str = "messages") -> list[int]:
+    """The prompt's token ids. A chat template that rejects the messages (roles, order...) is
+    the request's fault: a 400 naming `param`, where they came from."""
+    try:
+        return tok.encode_chat(messages, tools)
+    except APIError:
+        raise
+    except Exception as e:
+        raise APIError(400, f"the chat template rejected the messages: {e}",
+                       param=param) from e
 
 
 def sse(obj: dict, event: str | None = None) -> str:

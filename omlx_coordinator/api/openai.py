@@ -24,12 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator import constraints
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
     Silence,
     collect_unless_gone,
+    encode_chat,
     sse,
 )
 from omlx_coordinator.api.openai_schema import (
@@ -37,6 +37,7 @@ from omlx_coordinator.api.openai_schema import (
     CompletionRequest,
     _Common,
 )
+from omlx_coordinator.api.tool_setup import setup_tools
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
     Delta,
@@ -389,52 +390,26 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
 def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
                 ) -> tuple[list[dict] | None, _Output, str]:
     """(the tools for the chat template, how to read the output, the grammar)."""
-    mode, tools = body.tool_mode, body.tool_dicts
-    output = _Output(logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
-    if mode in ("required", "named") and not tools:
-        raise APIError(400, f"tool_choice {mode!r} needs tools", param="tool_choice")
-    fmt = tok.tool_call_format
-    if tools and mode != "none":
-        if fmt is None:
-            raise APIError(400, "this model cannot call tools: its chat template shows no "
-                                "tool-call format mlx-lm knows", param="tools")
-        output.tool_format, output.tools = fmt, tools
-        output.single_call = not body.parallel_tool_calls
-    if mode in ("required", "named"):
-        assert fmt is not None
-        name = body.tool_choice.function.name if mode == "named" else None
-        # A named function is called once; "required" may call several when parallel.
-        grammar = constraints.grammar_for_tool_call(
-            fmt, tools, name, parallel=mode == "required" and body.parallel_tool_calls)
-        constraints.validate(grammar, "tool_choice")
-        return tools, output, grammar
-    reply, reply_grammar = _reply_format(body)
-    if mode == "auto" and fmt is not None and (
-            reply is not None or any(t["function"].get("strict") for t in tools)):
-        # The model may call a tool or reply: the calls' arguments follow their schemas (strict
-        # tools), and a reply that calls none follows the response_format.
-        grammar = constraints.grammar_for_tools_or_reply(fmt, tools, body.parallel_tool_calls,
-                                                         reply)
-        constraints.validate(grammar, "tools")
-        return tools, output, grammar
-    return (tools if mode != "none" else None), output, reply_grammar
+    mode = body.tool_mode
+    name = body.tool_choice.function.name if mode == "named" else None
+    setup = setup_tools(tok, body.tool_dicts, mode, name, body.parallel_tool_calls,
+                        *_reply_format(body))
+    output = _Output(setup.fmt, setup.tools, setup.single_call, body.logprobs,
+                     body.top_logprobs or 0)
+    return setup.template_tools, output, setup.grammar
 
 
-def _reply_format(body: ChatCompletionRequest) -> tuple[dict | bool | None, str]:
-    """The JSON Schema the reply follows (response_format) and its grammar, checked; (None, "")
-    for free text."""
-    rf = body.response_format
+def _reply_format(body: ChatCompletionRequest) -> tuple[dict | bool | None, str, str | None]:
+    """The JSON Schema the reply follows (response_format; None for free text), where it is and
+    what to call it in errors."""
+    rf, param = body.response_format, "response_format.json_schema.schema"
     if rf is None or rf.type == "text":
-        return None, ""
-    param = "response_format.json_schema.schema"
+        return None, param, None
     if rf.type == "json_object":
-        schema: dict | bool = {"type": "object"}
-        return schema, constraints.grammar_for_json_schema(schema, param)
+        return {"type": "object"}, param, None
     assert rf.json_schema is not None
     schema = True if rf.json_schema.schema_ is None else rf.json_schema.schema_
-    grammar = constraints.grammar_for_json_schema(schema, param)
-    constraints.validate(grammar, param, f"the response_format schema {rf.json_schema.name!r}")
-    return schema, grammar
+    return schema, param, f"the response_format schema {rf.json_schema.name!r}"
 
 
 def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMetrics],
@@ -464,13 +439,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
         served = await check_servable(manager, body.model)
         messages = body.template_messages()
         tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
-        try:
-            prompt = await asyncio.to_thread(served.tokenizer.encode_chat, messages, tools)
-        except APIError:
-            raise
-        except Exception as e:  # a template that rejects these messages (roles, order...)
-            raise APIError(400, f"the chat template rejected the messages: {e}",
-                           param="messages") from e
+        prompt = await asyncio.to_thread(encode_chat, served.tokenizer, messages, tools)
         return await _respond(request, manager, served, metrics[served.name], settings, prompt,
                               body, True, "chat", output, grammar)
 
