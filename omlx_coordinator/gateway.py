@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.api import anthropic, models, openai
+from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.common import check_unicode
 from omlx_coordinator.errors import APIError
@@ -222,7 +222,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                 anthropic.PATH: anthropic.ENDPOINT}
+                 anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT}
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
         """The error in the shape of the API the path belongs to; a generation request's
@@ -256,7 +256,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             return error(request, exc.error)
         message = {404: f"no such endpoint: {request.method} {request.url.path} (the API is "
                         "under /v1: /v1/models, /v1/chat/completions, /v1/completions, "
-                        "/v1/messages)",
+                        "/v1/responses, /v1/messages)",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
         return error(request, APIError(exc.status_code, message),
@@ -376,6 +376,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 # What the error handlers above really answer, for the OpenAPI schema (FastAPI's default
 # documents a 422 that this gateway never sends).
 _ERRORS = {"400": "the request is invalid: the error object says what and names the field",
+    responses.add_routes(app, manager, metrics_of, settings, keyed)
            "404": "no such model (the error lists the served ones) or endpoint",
            "409": "the model has requests in flight (unload) or the action conflicts",
            "503": "the model cannot be served now (loading, or no node can hold it)"}
