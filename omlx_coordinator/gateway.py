@@ -276,6 +276,11 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                 and all(any(d.ready for d in manager.replicas[m.name])
                         for m in manager.models if m.state == "loaded"))
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict:
+        """What clients probe to see that the endpoint is up (Claude Code sends `HEAD /`)."""
+        return {"name": "omlx-cluster", "api": "/v1", "health": "/health", "docs": "/docs"}
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         """Open to load balancers; the models, the nodes' addresses, pids and memory only
@@ -368,6 +373,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     openai.add_routes(app, manager, metrics_of, settings, keyed)
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
+    responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, keyed)
     app.openapi = lambda: _openapi(app, keyed)
     return app
@@ -376,7 +382,6 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 # What the error handlers above really answer, for the OpenAPI schema (FastAPI's default
 # documents a 422 that this gateway never sends).
 _ERRORS = {"400": "the request is invalid: the error object says what and names the field",
-    responses.add_routes(app, manager, metrics_of, settings, keyed)
            "404": "no such model (the error lists the served ones) or endpoint",
            "409": "the model has requests in flight (unload) or the action conflicts",
            "503": "the model cannot be served now (loading, or no node can hold it)"}

@@ -86,11 +86,11 @@ def test_conversation_becomes_template_messages(tok: ChatTokenizer) -> None:
         {"role": "user", "content": "And tomorrow?"},
         # Qwen's template renders a system turn anywhere: it stays one.
         {"role": "system", "content": "Answer in French."}]
-    assert adapter.template_tools(body) == [{"type": "function", "function": {
+    assert adapter.RequestTools(body).shown() == [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city",
         "parameters": WEATHER["input_schema"]}}]
-    assert adapter.template_tools(_body(messages=ASK, tools=[WEATHER],
-                                        tool_choice={"type": "none"})) is None
+    assert adapter.encode_prompt(tok, _body(messages=ASK, tools=[WEATHER],
+                                            tool_choice={"type": "none"}))[1] is None
 
 
 # Mistral-like: system only first, roles alternate.
@@ -139,7 +139,7 @@ def test_refused_and_dropped_blocks(tok: ChatTokenizer) -> None:
             adapter.template_messages(_body(messages=messages), tok)
         assert e.value.status == 400 and e.value.param == param, (param, e.value.message)
     with pytest.raises(APIError) as e:
-        adapter.template_tools(_body(messages=ASK, tools=[
+        adapter.RequestTools(_body(messages=ASK, tools=[
             WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]))
     assert e.value.param == "tools.1" and "server tool" in e.value.message
     # Block types nothing here renders are dropped: the turn's text is what is left.
@@ -164,7 +164,7 @@ def test_follow_up_turn_extends_the_previous_prompt(tok: ChatTokenizer) -> None:
 
     def prompt(messages: list[dict]) -> list[int]:
         body = _body(system="Be terse.", tools=[WEATHER], messages=messages)
-        return tok.encode_chat(adapter.template_messages(body, tok), adapter.template_tools(body))
+        return adapter.encode_prompt(tok, body)[0]
 
     before, after = prompt(first), prompt(follow)
     written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -183,10 +183,116 @@ def test_a_text_block_sent_back_with_its_citations(tok: ChatTokenizer) -> None:
         body = _body(messages=[{"role": "user", "content": "Weather?"},
                                {"role": "assistant", "content": [block]},
                                {"role": "user", "content": "Thanks."}])
-        return tok.encode_chat(adapter.template_messages(body, tok), adapter.template_tools(body))
+        return adapter.encode_prompt(tok, body)[0]
 
     assert prompt({**said, "citations": None}) == prompt({**said, "citations": cited}) == \
         prompt(said)
+
+
+CLAUDE_CODE_BODY = Path(__file__).parent / "data" / "claude_code_2.1.332_messages.json"
+
+
+def test_the_newest_claude_codes_body_is_accepted_and_its_deferred_tool_left_out(
+        tok: ChatTokenizer) -> None:
+    """Claude Code 2.1.332's first request, as recorded (thinking.display, defer_loading,
+    context_management, output_config, a mid-conversation system message): accepted, and the
+    deferred tool's definition is not in the prompt, while the others are."""
+    body = MessagesRequest.model_validate(json.loads(CLAUDE_CODE_BODY.read_text()))
+    prompt, tools = adapter.encode_prompt(tok, body)
+    text = tok.tokenizer.decode(prompt)
+    assert "DeferredToolPlaceholder" not in text
+    assert '"name": "ToolSearch"' in text and '"name": "Write"' in text
+    # Its calls would still be read: every declared tool is callable.
+    assert "DeferredToolPlaceholder" in [t["function"]["name"] for t in tools.callable()]
+
+
+def _deferred(**kw) -> MessagesRequest:
+    lazy = {**WEATHER, "name": "get_forecast", "defer_loading": True}
+    return _body(tools=[WEATHER, lazy], **kw)
+
+
+def test_a_tool_reference_loads_a_deferred_tool_where_it_stands(tok: ChatTokenizer) -> None:
+    """A tool search's result names a deferred tool: its definition is rendered in that result,
+    so the prompt before it (what the prefix cache holds) does not change."""
+    search = {"type": "tool_use", "id": "toolu_s", "name": "get_weather", "input": {"city": "x"}}
+    first = [*ASK, {"role": "assistant", "content": [search]}]
+    found = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_s",
+                                          "content": [{"type": "tool_reference",
+                                                       "tool_name": "get_forecast"}]}]}
+    before = adapter.encode_prompt(tok, _deferred(messages=[*first, {
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_s",
+                                     "content": "none"}]}]))[0]
+    body = _deferred(messages=[*first, found])
+    after, tools = adapter.encode_prompt(tok, body)
+    shared = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+    assert "get_forecast" not in tok.tokenizer.decode(after[:shared])
+    assert '<function>{"name": "get_forecast"' in tok.tokenizer.decode(after[shared:])
+    # Loaded, it is among the tools tool_choice "any" may force.
+    assert [t["function"]["name"] for t in tools.offered()] == ["get_weather", "get_forecast"]
+    with pytest.raises(APIError) as e:
+        adapter.encode_prompt(tok, _deferred(messages=[*first, {
+            "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_s",
+                                         "content": [{"type": "tool_reference",
+                                                      "tool_name": "nope"}]}]}]))
+    assert e.value.param == "messages.2.content.0.content.0.tool_name", e.value.message
+
+
+def test_tool_additions_and_removals_in_a_system_message(tok: ChatTokenizer) -> None:
+    add = {"type": "tool_addition", "tool": {"type": "tool_reference", "tool_name": "get_forecast"}}
+    inline = {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
+        "name": "get_time", "input_schema": {"type": "object"}}}}
+    remove = {"type": "tool_removal", "tool": {"type": "tool_reference", "tool_name": "get_weather"}}
+    body = _deferred(messages=[*ASK, {"role": "system", "content": [add, inline, remove]}])
+    messages = adapter.template_messages(body, tok)
+    assert messages[-1]["role"] == "system"
+    late = messages[-1]["content"]
+    assert '"name": "get_forecast"' in late and '"name": "get_time"' in late
+    assert late.endswith("The tool get_weather is no longer available.")
+    prompt, tools = adapter.encode_prompt(tok, body)
+    assert {t["function"]["name"] for t in tools.callable()} == {
+        "get_weather", "get_forecast", "get_time"}
+    mcp = {"type": "tool_addition", "tool": {"type": "mcp_toolset_reference",
+                                             "mcp_server_name": "x"}}
+    with pytest.raises(APIError) as e:
+        adapter.template_messages(_deferred(messages=[*ASK, {"role": "system",
+                                                             "content": [mcp]}]), tok)
+    assert e.value.param == "messages.1.content.0.tool" and "MCP" in e.value.message
+
+
+def test_a_deferred_tools_call_is_parsed(tok: ChatTokenizer) -> None:
+    tools = adapter.RequestTools(_deferred(messages=ASK))
+    stream = ToolCallStream(tok.tool_call_format, tools.callable())
+    out = stream.feed('<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Rome"}}\n'
+                      '</tool_call>') + stream.flush()
+    [call] = [c for c in out if not isinstance(c, str)]
+    assert call.name == "get_forecast" and json.loads(call.arguments) == {"city": "Rome"}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mcp_servers", [{"type": "url", "url": "https://mcp.example", "name": "x"}]),
+    ("container", "container_1"), ("compaction", {"type": "auto"}),
+    ("thread", {"type": "create"})])
+def test_server_side_features_are_refused_by_name(tok: ChatTokenizer, field: str,
+                                                  value: object) -> None:
+    with pytest.raises(APIError) as e:
+        adapter.encode_prompt(tok, _body(messages=ASK, **{field: value}))
+    assert e.value.status == 400 and e.value.param == field, e.value.message
+    # Given no value, they are nothing to refuse.
+    assert adapter.encode_prompt(tok, _body(messages=ASK, **{field: None}))[0]
+
+
+def test_output_format_and_strict_tools_constrain_the_output(tok: ChatTokenizer) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for fields in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                   {"output_format": {"type": "json_schema", "schema": schema}}):
+        body = _body(messages=ASK, **fields)
+        fmt, grammar = adapter._tool_use(tok, body, adapter.encode_prompt(tok, body)[1])
+        assert fmt is None and '"ok"' in grammar
+    body = _body(messages=ASK, tools=[{**WEATHER, "strict": True}])
+    fmt, grammar = adapter._tool_use(tok, body, adapter.encode_prompt(tok, body)[1])
+    assert fmt is not None and "Paris" in grammar
+    assert adapter._tool_use(tok, _body(messages=ASK, tools=[WEATHER]),
+                             adapter.RequestTools(_body(messages=ASK, tools=[WEATHER])))[1] == ""
 
 
 def _reply(tok: ChatTokenizer, one_call: bool = False) -> adapter._Reply:
@@ -499,7 +605,10 @@ def test_claude_code_shaped_request(client: anthropic.Anthropic, qwen_server: Se
 
 
 BAD = {  # name: (body fields over a valid body, words the message must contain)
-    "unknown field": ({"container": "c1"}, ["container", "not supported"]),
+    "unknown field": ({"frobnicate": 1}, ["frobnicate"]),
+    "container": ({"container": "c1"}, ["container", "not supported"]),
+    "mcp server": ({"mcp_servers": [{"type": "url", "url": "https://mcp.example",
+                                     "name": "x"}]}, ["mcp_servers", "MCP"]),
     "output_config.format": ({"output_config": {"format": {"type": "json_schema"}}},
                              ["output_config.format"]),
     "missing max_tokens": ({"max_tokens": None}, ["max_tokens"]),

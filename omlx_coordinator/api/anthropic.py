@@ -14,7 +14,15 @@ Choices where the API leaves room:
   `cache_creation_input_tokens` is 0. The cache hit is known when generation ends, so
   message_start carries the whole prompt as input and message_delta the final split
   (message_delta usage is cumulative: the SDK and Claude Code take its counts).
-- Server tools (web search, code execution...) are refused: they run on Anthropic's servers.
+- Server tools (web search, code execution...) are refused: they run on Anthropic's servers,
+  and so are the other features only they provide (MCP connectors, containers, compaction,
+  threads, context edits other than clearing thinking) when a request gives them a value.
+- A tool with `defer_loading` is left out of the prompt; a `tool_reference` in a tool result or
+  a `tool_addition` in a system message renders its definition there, as one JSON line in
+  <functions> (the encoding Claude Code's ToolSearch describes), so the prompt before it, and
+  its cached prefix, stay the same. Calls of every declared tool are parsed, deferred or not.
+- `output_config.format` (and the older top-level `output_format`) and `strict` tools are
+  enforced by grammar, as OpenAI's response_format and strict tools are.
 - Image, document and search-result blocks are refused (the model reads text); other block
   types we do not render (thinking, redacted_thinking, server_tool_use...) are dropped, and
   logged once per type.
@@ -46,6 +54,9 @@ from omlx_coordinator.api.anthropic_schema import (
     PromptBody,
     ServerTool,
     TextBlock,
+    Tool,
+    ToolChangeBlock,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -56,7 +67,12 @@ from omlx_coordinator.api.common import (
     collect_unless_gone,
     sse,
 )
-from omlx_coordinator.constraints import grammar_for_tool_call, validate
+from omlx_coordinator.constraints import (
+    grammar_for_json_schema,
+    grammar_for_tool_call,
+    grammar_for_tools_or_reply,
+    validate,
+)
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
     Delta,
@@ -73,6 +89,7 @@ from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from omlx_shared.outsider_logs import cut
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +104,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 # Content the model was meant to read: dropping it would answer without it.
 _REFUSED_BLOCKS = {"image", "document", "search_result", "container_upload"}
 _dropped_types: set[str] = set()  # block types already logged as dropped
+_DROPPED_TYPES_TOLD = 32
 _LATE_SYSTEM_PROBE = "omlx-late-system-probe"
 
 
@@ -118,17 +136,93 @@ def _skip(block: OtherBlock, param: str) -> None:
     if block.type in _REFUSED_BLOCKS:
         raise APIError(400, f"'{param}': {block.type} blocks are not supported: the model served "
                             "here reads text only", param=param)
-    if block.type not in _dropped_types:
+    # Clients name the types: the set of those told stays small, whatever they send.
+    if block.type not in _dropped_types and len(_dropped_types) < _DROPPED_TYPES_TOLD:
         _dropped_types.add(block.type)
-        log.info("dropping %s content blocks: nothing here renders them", block.type)
+        log.info("dropping %s content blocks: nothing here renders them", cut(block.type))
 
 
-def _text(blocks: list[Block], param: str) -> str:
-    """The text of blocks that may hold only text (system turns)."""
+class RequestTools:
+    """The request's client tools: those declared in `tools` and those a system message's
+    tool_addition defines inline, by name, in the OpenAI shape chat templates and constraints.py
+    take; and which deferred ones the conversation has loaded so far."""
+
+    def __init__(self, body: PromptBody):
+        self.declared: list[Tool] = []
+        for i, t in enumerate(body.tools or []):
+            if isinstance(t, ServerTool):
+                raise APIError(400, f"'tools.{i}': {t.type!r} is a server tool (run by "
+                                    "Anthropic's servers), not supported here: declare client "
+                                    "tools with name, description and input_schema",
+                               param=f"tools.{i}")
+            if any(d.name == t.name for d in self.declared):
+                raise APIError(400, f"'tools.{i}.name': the tool name {t.name!r} is used twice",
+                               param=f"tools.{i}.name")
+            self.declared.append(t)
+        self.by_name: dict[str, Tool] = {t.name: t for t in self.declared}
+        self.loaded: set[str] = set()
+
+    def shown(self) -> list[dict]:
+        """The tools the prompt declares up front (deferred ones wait to be loaded)."""
+        return [_function(t) for t in self.declared if not t.defer_loading]
+
+    def callable(self) -> list[dict]:
+        """Every tool a call may name: the parser reads calls of deferred tools too."""
+        return [_function(t) for t in self.by_name.values()]
+
+    def offered(self) -> list[dict]:
+        """The tools the model has been shown by the end of the prompt (tool_choice any)."""
+        return [_function(t) for t in self.by_name.values()
+                if not t.defer_loading or t.name in self.loaded]
+
+    def load(self, name: str, param: str) -> str:
+        """A deferred tool's definition, rendered where a reference or an addition loads it."""
+        if name not in self.by_name:
+            raise APIError(400, f"'{param}': the tool {name!r} is not among the request's tools",
+                           param=param)
+        self.loaded.add(name)
+        return "<functions>\n<function>" + json.dumps(_function(self.by_name[name])["function"]) \
+            + "</function>\n</functions>"
+
+    def change(self, block: ToolChangeBlock, param: str) -> str:
+        """A system message's tool addition or removal, as the text the model reads."""
+        kind = block.tool.get("type")
+        if kind == "tool_definition" and block.type == "tool_addition":
+            try:
+                tool = Tool.model_validate(block.tool.get("definition"))
+            except ValueError as e:
+                raise APIError(400, f"'{param}.tool.definition' is not a client tool: {e}",
+                               param=f"{param}.tool.definition") from None
+            self.by_name[tool.name] = tool.model_copy(update={"defer_loading": True})
+            return self.load(tool.name, f"{param}.tool.definition")
+        name = block.tool.get("tool_name")
+        if kind != "tool_reference" or not isinstance(name, str):
+            raise APIError(400, f"'{param}.tool': only references to the request's own tools "
+                                "(and, for an addition, inline tool definitions) are supported "
+                                "here; MCP toolsets are not", param=f"{param}.tool")
+        if block.type == "tool_addition":
+            return self.load(name, f"{param}.tool.tool_name")
+        self.loaded.discard(name)
+        return f"The tool {name} is no longer available."
+
+
+def _function(t: Tool) -> dict:
+    fn = {"name": t.name, "parameters": t.input_schema}
+    if t.description is not None:
+        fn["description"] = t.description
+    if t.strict:
+        fn["strict"] = True
+    return {"type": "function", "function": fn}
+
+
+def _system_text(blocks: list[Block], param: str, tools: RequestTools) -> str:
+    """The text of a system turn: text, and the tool changes it makes."""
     parts = []
     for j, b in enumerate(blocks):
         if isinstance(b, TextBlock):
             parts.append(b.text)
+        elif isinstance(b, ToolChangeBlock):
+            parts.append(tools.change(b, f"{param}.{j}"))
         elif isinstance(b, OtherBlock):
             _skip(b, f"{param}.{j}")
         else:
@@ -137,7 +231,7 @@ def _text(blocks: list[Block], param: str) -> str:
     return "".join(parts)
 
 
-def _result_text(block: ToolResultBlock, param: str) -> str:
+def _result_text(block: ToolResultBlock, param: str, tools: RequestTools) -> str:
     if isinstance(block.content, str):
         text = block.content
     else:
@@ -145,6 +239,8 @@ def _result_text(block: ToolResultBlock, param: str) -> str:
         for k, part in enumerate(block.content):
             if isinstance(part, OtherBlock):
                 _skip(part, f"{param}.content.{k}")
+            elif isinstance(part, ToolReferenceBlock):
+                parts.append(tools.load(part.tool_name, f"{param}.content.{k}.tool_name"))
             else:
                 parts.append(part.text)
         text = "".join(parts)
@@ -152,7 +248,8 @@ def _result_text(block: ToolResultBlock, param: str) -> str:
     return "Error: " + text if block.is_error else text
 
 
-def _user_turn(blocks: list[Block], param: str, calls: dict[str, str]) -> list[dict]:
+def _user_turn(blocks: list[Block], param: str, calls: dict[str, str], tools: RequestTools
+               ) -> list[dict]:
     """A user message: its tool results become `tool` messages, its text a user message."""
     out: list[dict] = []
     texts: list[str] = []
@@ -173,9 +270,11 @@ def _user_turn(blocks: list[Block], param: str, calls: dict[str, str]) -> list[d
                                param=f"{at}.tool_use_id")
             flush_text()
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                        "name": calls[b.tool_use_id], "content": _result_text(b, at)})
+                        "name": calls[b.tool_use_id], "content": _result_text(b, at, tools)})
         elif isinstance(b, ToolUseBlock):
             raise APIError(400, f"'{at}': tool_use blocks belong in assistant messages", param=at)
+        elif isinstance(b, ToolChangeBlock):
+            raise APIError(400, f"'{at}': {b.type} blocks belong in system messages", param=at)
         else:
             _skip(b, at)
     flush_text()
@@ -194,8 +293,9 @@ def _assistant_turn(blocks: list[Block], param: str, calls: dict[str, str]) -> d
             # Templates render the arguments with `tojson`: a dict, not JSON text.
             tool_calls.append({"id": b.id, "type": "function",
                                "function": {"name": b.name, "arguments": b.input}})
-        elif isinstance(b, ToolResultBlock):
-            raise APIError(400, f"'{at}': tool_result blocks belong in user messages", param=at)
+        elif isinstance(b, (ToolResultBlock, ToolChangeBlock)):
+            raise APIError(400, f"'{at}': {b.type} blocks do not belong in assistant messages",
+                           param=at)
         else:
             _skip(b, at)
     msg: dict = {"role": "assistant", "content": "".join(texts)}
@@ -214,8 +314,11 @@ def _merge_user_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-def template_messages(body: PromptBody, tok: ChatTokenizer) -> list[dict]:
-    """The conversation as the messages a Hugging Face chat template renders."""
+def template_messages(body: PromptBody, tok: ChatTokenizer, tools: RequestTools | None = None
+                      ) -> list[dict]:
+    """The conversation as the messages a Hugging Face chat template renders; `tools` learns
+    which deferred tools it loads."""
+    tools = tools or RequestTools(body)
     msgs: list[dict] = []
     if body.system:
         # Separate system blocks are sections of one prompt (Claude Code splits it only to
@@ -229,11 +332,11 @@ def template_messages(body: PromptBody, tok: ChatTokenizer) -> list[dict]:
         at = f"messages.{i}.content"
         if m.role == "system":
             late_system = late_system or bool(msgs)
-            msgs.append({"role": "system", "content": _text(m.content, at)})
+            msgs.append({"role": "system", "content": _system_text(m.content, at, tools)})
         elif m.role == "assistant":
             msgs.append(_assistant_turn(m.content, at, calls))
         else:
-            msgs.extend(_user_turn(m.content, at, calls))
+            msgs.extend(_user_turn(m.content, at, calls, tools))
     if body.messages[-1].role == "assistant":
         raise APIError(400, "the last message is the assistant's: continuing a prefilled "
                             "assistant turn is not supported here", param="messages")
@@ -243,29 +346,22 @@ def template_messages(body: PromptBody, tok: ChatTokenizer) -> list[dict]:
     return msgs
 
 
-def template_tools(body: PromptBody) -> list[dict] | None:
-    """The tools in the OpenAI shape chat templates (and constraints.py) take; None when the
-    model is not to see any (no tools, or tool_choice none)."""
-    if not body.tools or (body.tool_choice and body.tool_choice.type == "none"):
-        return None
-    tools, seen = [], set()
-    for i, t in enumerate(body.tools):
-        if isinstance(t, ServerTool):
-            raise APIError(400, f"'tools.{i}': {t.type!r} is a server tool (run by Anthropic's "
-                                "servers), not supported here: declare client tools with name, "
-                                "description and input_schema", param=f"tools.{i}")
-        if t.name in seen:
-            raise APIError(400, f"'tools.{i}.name': the tool name {t.name!r} is used twice",
-                           param=f"tools.{i}.name")
-        seen.add(t.name)
-        fn = {"name": t.name, "parameters": t.input_schema}
-        if t.description is not None:
-            fn["description"] = t.description
-        tools.append({"type": "function", "function": fn})
-    return tools
+_SERVER_FEATURES = {
+    "mcp_servers": "MCP connectors are run by Anthropic's servers: connect the MCP server in "
+                   "your client and declare its tools as client tools",
+    "container": "containers belong to server tools (code execution), which are not supported "
+                 "here",
+    "compaction": "server-side compaction is not supported here: summarize the conversation in "
+                  "the client (Claude Code's /compact does)",
+    "thread": "server-held conversations are not supported here: send the whole conversation "
+              "in messages",
+}
 
 
 def _check_unsupported(body: PromptBody) -> None:
+    for field, why in _SERVER_FEATURES.items():
+        if getattr(body, field):
+            raise APIError(400, f"'{field}': {why}", param=field)
     for i, edit in enumerate(body.context_management.edits if body.context_management else []):
         # Clearing thinking is a no-op where no thinking blocks exist; other edits would make
         # the server rewrite the conversation.
@@ -274,12 +370,16 @@ def _check_unsupported(body: PromptBody) -> None:
                                 "supported here", param=f"context_management.edits.{i}.type")
 
 
-def _encode(tok: ChatTokenizer, body: PromptBody) -> tuple[list[int], list[dict] | None]:
-    """The prompt's token ids and the tools the model sees."""
+def encode_prompt(tok: ChatTokenizer, body: PromptBody) -> tuple[list[int], RequestTools | None]:
+    """The prompt's token ids and the request's tools (None when the model is not to see any:
+    no tools, or tool_choice none)."""
     _check_unsupported(body)
-    messages, tools = template_messages(body, tok), template_tools(body)
+    tools = RequestTools(body)
+    messages = template_messages(body, tok, tools)
+    if not tools.by_name or (body.tool_choice and body.tool_choice.type == "none"):
+        tools = None
     try:
-        return tok.encode_chat(messages, tools), tools
+        return tok.encode_chat(messages, tools.shown() if tools else None), tools
     except APIError:
         raise
     except Exception as e:  # a template that rejects these messages (roles, order...)
@@ -388,28 +488,47 @@ class _Reply:
 # ---- routes -------------------------------------------------------------------------------------
 
 
-def _tool_use(tok: ChatTokenizer, body: MessagesRequest, tools: list[dict] | None
+def _reply_schema(body: MessagesRequest) -> tuple[dict | None, str]:
+    """The JSON Schema a reply follows (output_config.format, or the older output_format) and
+    its grammar, checked; (None, "") for free text."""
+    fmt = (body.output_config.format if body.output_config else None) or body.output_format
+    if fmt is None:
+        return None, ""
+    param = "output_config.format.schema" if body.output_config and body.output_config.format \
+        else "output_format.schema"
+    grammar = grammar_for_json_schema(fmt.schema_, param)
+    validate(grammar, param, "the output format's schema")
+    return fmt.schema_, grammar
+
+
+def _tool_use(tok: ChatTokenizer, body: MessagesRequest, tools: RequestTools | None
               ) -> tuple[ToolCallFormat | None, str]:
-    """(the markup to parse tool calls in, the grammar that forces one)."""
+    """(the markup to parse tool calls in, the grammar that constrains the output)."""
     choice = body.tool_choice
     forced = choice is not None and choice.type in ("any", "tool")
     if forced and not tools:
         raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    reply, reply_grammar = _reply_schema(body)
     if not tools:
-        return None, ""
+        return None, reply_grammar
     fmt = ToolCallFormat.for_tokenizer(tok)
     if fmt is None:
         raise APIError(400, "this model cannot call tools: its chat template shows no "
                             "tool-call format mlx-lm knows", param="tools")
-    if not forced:
-        return fmt, ""
-    # A named tool is called once; "any" may call several unless parallel use is disabled.
-    grammar = grammar_for_tool_call(
-        fmt, tools, choice.name,
-        parallel=choice.type == "any" and not choice.disable_parallel_tool_use,
-        schema_param="tools.{i}.input_schema")
-    validate(grammar, "tool_choice")
-    return fmt, grammar
+    parallel = not (choice and choice.disable_parallel_tool_use)
+    if forced:
+        # A named tool is called once; "any" may call several unless parallel use is disabled.
+        grammar = grammar_for_tool_call(
+            fmt, tools.callable() if choice.name else tools.offered(), choice.name,
+            parallel=choice.type == "any" and parallel, schema_param="tools.{i}.input_schema")
+        validate(grammar, "tool_choice")
+        return fmt, grammar
+    if reply is not None or any(t.strict for t in tools.by_name.values()):
+        # The model may call a tool or reply: calls follow their schemas, a reply the format.
+        grammar = grammar_for_tools_or_reply(fmt, tools.callable(), parallel, reply)
+        validate(grammar, "tools")
+        return fmt, grammar
+    return fmt, ""
 
 
 def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, GatewayMetrics],
@@ -419,7 +538,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     async def messages(body: MessagesRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
         metrics, tok = metrics_of[served.name], served.tokenizer
-        prompt, tools = await asyncio.to_thread(_encode, tok, body)
+        prompt, tools = await asyncio.to_thread(encode_prompt, tok, body)
         try:
             max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
         except APIError as e:
@@ -440,7 +559,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                                 stop=body.stop_sequences + ([call_end] if call_end else []),
                                 grammar=grammar)
         reply = _Reply(served.name, len(prompt),
-                       ToolCallStream(fmt, tools) if fmt else None, one_call, call_end)
+                       ToolCallStream(fmt, tools.callable()) if fmt and tools else None,
+                       one_call, call_end)
         events = generate(manager, served, metrics, settings, req)
 
         if body.stream:
@@ -461,7 +581,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     @app.post(PATH + "/count_tokens", dependencies=keyed)
     async def count_tokens(body: PromptBody) -> dict:
         served = await check_servable(manager, body.model)
-        prompt, _ = await asyncio.to_thread(_encode, served.tokenizer, body)
+        prompt, _ = await asyncio.to_thread(encode_prompt, served.tokenizer, body)
         return {"input_tokens": len(prompt)}
 
 

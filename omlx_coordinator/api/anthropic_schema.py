@@ -1,11 +1,19 @@
 """The Anthropic Messages API request bodies the gateway accepts (POST /v1/messages and
 /v1/messages/count_tokens), as Claude Code and the `anthropic` SDK send them.
 
-Unlike the OpenAI bodies, unknown fields are refused (a 400 naming the field), as Anthropic's
-own API does: a field we silently ignored (a server-side feature) would change the answer
-without the client knowing. Hints that change nothing here are accepted and documented where
-they are declared. Content blocks we do not render are parsed as `OtherBlock`; the adapter
-(api/anthropic.py) decides whether one is refused (images, documents) or dropped (thinking).
+Every field Anthropic's API defines (the `anthropic` SDK's request types, beta ones included,
+and the sampling fields older versions define) is accepted; tests/test_anthropic_fields.py
+walks the installed SDK's types and fails on one this file does not know. A field no version
+defines is refused (a 400 naming it), as Anthropic's own API does. What a defined field means
+here is one of three, said where it is declared:
+- honoured (tools and `defer_loading`, `strict`, `output_config.format`, tool references...);
+- a hint with nothing to act on here, accepted without effect (`thinking`, effort, `speed`...);
+- a server-side feature we cannot provide (MCP connectors, containers, compaction, threads):
+  accepted by the parser, refused with a 400 by the adapter when given a value, since
+  answering without it would change the answer without the client knowing.
+Hint values are taken as any string, so a new value of a hint is never a 400. Content blocks
+we do not render are parsed as `OtherBlock`; the adapter (api/anthropic.py) decides whether one
+is refused (images, documents) or dropped (thinking).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ class CacheControl(_Strict):
     """Accepted on any block: the prefix cache here is automatic, so breakpoints are hints."""
 
     type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
+    ttl: str | None = None  # how long Anthropic would keep it: a hint here too
 
 
 class TextBlock(_Strict):
@@ -62,6 +70,31 @@ class ToolUseBlock(_Strict):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    # Who made the call (the model directly, or code a server tool ran) and the MCP toolset a
+    # tool came from: the call itself reads the same to the model.
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+class ToolReferenceBlock(_Strict):
+    """A tool result's pointer to a deferred tool (tool search): it loads that tool, so the
+    adapter renders the tool's definition in its place."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = Field(min_length=1)
+    cache_control: CacheControl | None = None
+
+
+class ToolChangeBlock(_Strict):
+    """A system message's tool addition or removal (mid-conversation tool changes): the
+    adapter renders the tool's definition, or that it is gone, at that point of the
+    conversation, so the prompt before it (and its cached prefix) stays the same."""
+
+    type: Literal["tool_addition", "tool_removal"]
+    # {"type": "tool_reference", "tool_name"}, {"type": "tool_definition", "definition"} or an
+    # MCP reference (refused: no MCP servers here).
+    tool: dict[str, Any]
     cache_control: CacheControl | None = None
 
 
@@ -83,8 +116,10 @@ def _block_kind(known: tuple[str, ...]) -> Callable[[Any], str]:
     return kind
 
 
-ResultPart = Annotated[Annotated[TextBlock, _tag("text")] | Annotated[OtherBlock, _tag("other")],
-                       Discriminator(_block_kind(("text",)))]
+ResultPart = Annotated[Annotated[TextBlock, _tag("text")]
+                       | Annotated[ToolReferenceBlock, _tag("tool_reference")]
+                       | Annotated[OtherBlock, _tag("other")],
+                       Discriminator(_block_kind(("text", "tool_reference")))]
 
 
 class ToolResultBlock(_Strict):
@@ -93,18 +128,30 @@ class ToolResultBlock(_Strict):
     content: str | list[ResultPart] = ""
     is_error: bool = False
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None  # the MCP toolset of the tool: nothing to act on
 
 
 Block = Annotated[Annotated[TextBlock, _tag("text")] | Annotated[ToolUseBlock, _tag("tool_use")]
                   | Annotated[ToolResultBlock, _tag("tool_result")]
+                  | Annotated[ToolChangeBlock, _tag("tool_addition")]
+                  | Annotated[ToolChangeBlock, _tag("tool_removal")]
                   | Annotated[OtherBlock, _tag("other")],
-                  Discriminator(_block_kind(("text", "tool_use", "tool_result")))]
+                  Discriminator(_block_kind(("text", "tool_use", "tool_result", "tool_addition",
+                                             "tool_removal")))]
+
+
+class SystemOutputConfig(_Strict):
+    effort: str | None = None  # a hint for reasoning models: nothing to apply here
 
 
 class Message(_Strict):
     # "system" mid-conversation: Claude Code's mid-conversation-system beta sends one.
     role: Literal["user", "assistant", "system"]
     content: list[Block]
+    # A system message's own settings: when Anthropic's server may drop it from the context
+    # (the client re-sends what it wants kept; here nothing is dropped), and an effort hint.
+    clear_at: str | None = None
+    output_config: SystemOutputConfig | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -126,6 +173,16 @@ class Tool(_Strict):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
+    # Left out of the prompt (what deferring is for: it saves the context) until a tool
+    # reference or a tool addition in the conversation loads it; its calls are still parsed.
+    defer_loading: bool = False
+    # Arguments that follow input_schema, by grammar-constrained sampling (as OpenAI's strict).
+    strict: bool | None = None
+    # Without effect here: arguments stream as they are generated whatever this says; only
+    # the model calls tools (no code execution caller); examples are the client's hint.
+    eager_input_streaming: bool | None = None
+    allowed_callers: list[str] | None = None
+    input_examples: list[dict[str, Any]] | None = None
 
     @field_validator("input_schema")
     @classmethod
@@ -171,11 +228,14 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    """Accepted: the model's own reasoning, if it writes any, arrives as text; no thinking
-    blocks are produced."""
+    """Accepted without effect: the model's own reasoning, if it writes any, arrives as text; no
+    thinking blocks are produced, so how they would be shown (`display`) or bound to the
+    prompt (`block_binding`) has nothing to act on."""
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: str
     budget_tokens: int | None = Field(default=None, ge=1)
+    display: str | None = None
+    block_binding: dict[str, Any] | None = None
 
 
 class ContextEdit(BaseModel):
@@ -191,9 +251,20 @@ class ContextManagement(_Strict):
     edits: list[ContextEdit] = []
 
 
+class OutputFormat(_Strict):
+    """Structured output: the reply is JSON that follows `schema`, by grammar-constrained
+    sampling (as OpenAI's response_format)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Strict):
-    # Claude Code sends an effort level: a hint for reasoning models, nothing to apply here.
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    # Claude Code sends an effort level and agents a task budget: hints for Anthropic's
+    # models, nothing to apply here.
+    effort: str | None = None
+    task_budget: dict[str, Any] | None = None
+    format: OutputFormat | None = None
 
 
 class Metadata(_Strict):
@@ -211,7 +282,22 @@ class PromptBody(_Strict):
     thinking: Thinking | None = None
     context_management: ContextManagement | None = None
     output_config: OutputConfig | None = None
+    # The first structured-outputs beta's place for output_config.format.
+    output_format: OutputFormat | None = None
     cache_control: CacheControl | None = None  # the whole prompt's breakpoint: a hint too
+    # Without effect here: one speed, one place, no billing, no model that declines (so no
+    # fallback is ever tried), nothing to diagnose against an earlier message.
+    speed: str | None = None
+    inference_geo: str | None = None
+    billing_policy: dict[str, Any] | None = None
+    fallback_credit_token: str | dict[str, Any] | None = None
+    fallbacks: list[dict[str, Any]] | None = None
+    diagnostics: dict[str, Any] | None = None
+    # Anthropic's servers' own features: refused when given a value (api/anthropic.py).
+    mcp_servers: list[dict[str, Any]] | None = None
+    container: str | dict[str, Any] | None = None
+    compaction: dict[str, Any] | None = None
+    thread: dict[str, Any] | None = None
 
 
 class MessagesRequest(PromptBody):
@@ -223,4 +309,4 @@ class MessagesRequest(PromptBody):
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)
     stream: bool = False
     metadata: Metadata | None = None  # accepted: nothing here is per user
-    service_tier: Literal["auto", "standard_only"] | None = None  # accepted: one tier here
+    service_tier: str | None = None  # accepted: one tier here
