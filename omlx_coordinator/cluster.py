@@ -26,6 +26,7 @@ from omlx_coordinator.weight_transfer import WeightCounters
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
 from omlx_shared.hardware import machine_memory
+from omlx_shared.outsider_logs import Refusals, cut
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class Cluster:
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
         self.registrations = auth.Registrations(self.options.secret)  # /cluster/register
+        # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
+        self.refusals = Refusals(log)
         self.weight_counters = WeightCounters()
 
     def local_budget(self) -> int:
@@ -240,7 +243,7 @@ class Cluster:
                 if (holder.name, holder.agent.address) == (node_id, address):
                     return holder
                 log.warning("refused node %s at %s: %s at %s is a live member, and a newcomer "
-                            "cannot take its place", node_id, address, holder.name,
+                            "cannot take its place", cut(node_id), cut(address), holder.name,
                             holder.agent.address)
                 return None
             agent = AgentClient(address, node_id, self.options.secret)
@@ -248,7 +251,9 @@ class Cluster:
                 hello = await agent.admit()
             except (AdmissionError, grpc.aio.AioRpcError) as e:
                 reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                log.warning("refused node %s at %s: %s", node_id, address, reason)
+                self.refusals.warning(address.rpartition(":")[0], "admission",
+                                      "refused node %s at %s: %s", cut(node_id), cut(address),
+                                      cut(reason))
                 await agent.close()
                 return None
             member = next((m for m in self.members if m.name == node_id), None)

@@ -28,6 +28,7 @@ from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics, ModelsCollector, exposition, prometheus_targets
 from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
 from omlx_shared import auth
+from omlx_shared.outsider_logs import Refusals, cut
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
     app.state.manager = manager
     app.state.register_tasks = set()
+    refusals = Refusals(log)  # anyone on the LAN may send registrations: a line a minute each
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
     # disconnects from the endpoint, and a client that goes away must cancel its generation.
@@ -313,8 +315,9 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         try:
             address, node_id = cluster.registrations.verify(body)
         except auth.RegistrationError as e:
-            log.warning("refused a registration of %r from %s: %s", address,
-                        request.client.host if request.client else "?", e)
+            source = request.client.host if request.client else "?"
+            refusals.warning(source, "registration", "refused a registration of %s from %s: %s",
+                             cut(address), source, cut(e))
             raise APIError(401, f"registration refused: {e}", code="invalid_registration")
         if any(n["id"] == node_id and n["address"] == address and n["alive"]
                for n in cluster.nodes):

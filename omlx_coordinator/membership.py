@@ -13,6 +13,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from omlx_shared.outsider_logs import cut
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ class DiscoveryBridge:
         self._loop.call_soon_threadsafe(self._admit, address, announcement.node_id)
 
     def _removed(self, node_id: str) -> None:  # on zeroconf's thread
-        log.info("node %s stopped announcing itself", node_id)
+        log.info("node %s stopped announcing itself", cut(node_id))
 
     def _admit(self, address: str, node_id: str) -> None:
         task = asyncio.ensure_future(self.admit(address, node_id))

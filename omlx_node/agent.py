@@ -28,6 +28,7 @@ from omlx_shared.blas import blas_env
 from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.node_identity import default_node_id
+from omlx_shared.outsider_logs import cut
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -199,7 +200,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext):
         if not auth.compatible(request.version, __version__):
             log.warning("refused coordinator %s: it runs omlx-cluster %s, this node %s",
-                        context.peer(), request.version, __version__)
+                        context.peer(), cut(request.version), __version__)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"version mismatch: this node runs omlx-cluster {__version__}, the "
                           f"coordinator {request.version}; upgrade one of them")

@@ -37,6 +37,8 @@ from zeroconf import (
     Zeroconf,
 )
 
+from omlx_shared.outsider_logs import cut
+
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_omlx-node._tcp.local."
@@ -353,12 +355,13 @@ class Browser:
             # else by asking, bounded).
             info = zeroconf.get_service_info(service_type, name, timeout=RESOLVE_TIMEOUT_MS)
             if info is None:
-                log.warning("mDNS: could not resolve %s within %d ms", name, RESOLVE_TIMEOUT_MS)
+                log.warning("mDNS: could not resolve %s within %d ms", cut(name),
+                            RESOLVE_TIMEOUT_MS)
                 return
             try:
                 announcement = NodeAnnouncement.from_service_info(info)
             except ValueError as exc:
-                log.warning("mDNS: ignoring %s", exc)
+                log.warning("mDNS: ignoring %s", cut(exc))
                 return
             with self._lock:
                 if self._closed:
@@ -367,7 +370,7 @@ class Browser:
             self._on_added(announcement)
         except Exception:
             # A failing callback must not kill the browser thread (later nodes would go unseen).
-            log.exception("mDNS: handling %s %s failed", state_change, name)
+            log.exception("mDNS: handling %s %s failed", state_change, cut(name))
 
     def close(self) -> None:
         """Stop browsing; no callback runs after this returns. Idempotent."""
