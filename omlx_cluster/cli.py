@@ -544,6 +544,22 @@ def _build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dest", type=Path, help="output folder (default: the store, named after "
                                                "the model)")
     msub.add_parser("pull-default", parents=[nested], help="fetch and import the embedded default model now")
+    secret = sub.add_parser("secret", parents=[common], help="make a cluster secret",
+                            description="The cluster secret is the root of trust of a "
+                                        "cluster (docs/security.md): `coordinator`, `join` and "
+                                        "`node` refuse one under 20 characters or easy to "
+                                        "guess. `secret new` makes a random one (256 bits).")
+    ssub = secret.add_subparsers(dest="secret_command", required=True, metavar="ACTION")
+    secret_new = ssub.add_parser("new", parents=[nested],
+                                 help="print a new random secret, or write it to a file",
+                          description="Print a new random cluster secret, or write it to "
+                                      "--file with mode 0600 (pass that file as --secret-file, "
+                                      "and `up --secret-file` copies it to the Macs).")
+    secret_new.add_argument("--file", type=Path, metavar="PATH",
+                            help="write the secret to PATH (mode 0600) instead of printing it")
+    secret_new.add_argument("--force", action="store_true",
+                            help="replace PATH if it exists (nodes holding the old secret are "
+                                 "no longer admitted)")
     _add_office_commands(sub, common)
     return parser
 
@@ -613,8 +629,10 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
                     "second run changes nothing.")
     _add_ssh_flags(up)
     _add_remote_command_flag(up)
-    up.add_argument("--secret-file", type=Path, required=True, metavar="FILE",
-                    help="the cluster secret (mode 0600), copied to each host")
+    up.add_argument("--secret-file", type=Path, metavar="FILE",
+                    help="the cluster secret (mode 0600), copied to each host (default: "
+                         "$OMLX_CLUSTER_HOME/secret, made with a new random secret if missing: "
+                         "start the coordinator with --secret-file pointing at it)")
     up.add_argument("--coordinator", type=_host_port, metavar="HOST:PORT",
                     help="the coordinator's HTTP address: join registers with it, and up waits "
                          "for the admission there (default: Bonjour only, no wait)")
@@ -813,11 +831,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     from omlx_shared.auth import new_secret
     from omlx_shared.discovery import default_interfaces
 
+    secret = _secret(args)  # first: a weak one is refused before any model is fetched
     checked = _keys_and_models(args)
     if checked is None:
         return 2
     keys, models = checked
-    secret = _secret(args)
     if secret is None:
         secret = new_secret()
         print(f"cluster secret (put it in a file for `omlx-cluster join --secret-file`, or "
@@ -895,6 +913,7 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
     import httpx
 
     from omlx_shared.auth import registration
+    from omlx_shared.outsider_logs import cut
 
     def loop() -> None:
         url = f"http://{coordinator}/cluster/register"
@@ -907,8 +926,9 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
                 r = client.post(url, json=registration(secret, address, node_id))
                 failing_since, warned = None, False
                 if r.status_code == 401:
+                    # Plain HTTP: whoever answers there writes this message.
                     log.warning("the coordinator %s refused this node's registration: %s",
-                                coordinator, r.json()["error"]["message"])
+                                coordinator, cut(r.json()["error"]["message"]))
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.debug("registration with %s failed: %s", coordinator, e)
                 # A coordinator restarting is gone for seconds; one that never answers is
@@ -1320,7 +1340,7 @@ def _up(args: argparse.Namespace) -> int:
     import asyncio
 
     from omlx_cluster import provision
-    from omlx_shared.auth import SecretError, secret_from
+    from omlx_shared.auth import SecretError
 
     hosts = _hosts(args)
     if not hosts:
@@ -1331,7 +1351,7 @@ def _up(args: argparse.Namespace) -> int:
               "a checkout of omlx-cluster (pip install -e)", file=sys.stderr)
         return 2
     try:
-        secret = secret_from(None, args.secret_file)
+        secret = _up_secret(args.secret_file)
     except SecretError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1342,6 +1362,36 @@ def _up(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, wait=args.wait, timeout=args.timeout,
         ssh_config=args.ssh_config)
     return 0 if asyncio.run(provision.up(hosts, options, _step_printer())) else 1
+
+
+def _up_secret(path: Path | None) -> str:
+    """--secret-file's secret; without one, the secret in $OMLX_CLUSTER_HOME/secret, made there
+    the first time (so a second `up` finds the same one and changes nothing)."""
+    from omlx_shared.auth import new_secret, secret_from, write_secret
+    from omlx_shared.model_store import data_home
+
+    if path is None and not (path := data_home() / "secret").exists():
+        write_secret(path, new_secret())
+        print(f"made a new cluster secret in {path} (mode 0600): start the coordinator with "
+              f"--secret-file {path}", file=sys.stderr)
+    return secret_from(None, path)
+
+
+def _secret_command(args: argparse.Namespace) -> int:
+    from omlx_shared.auth import SecretError, new_secret, write_secret
+
+    secret = new_secret()
+    if args.file is None:
+        print(secret)
+        return 0
+    try:
+        write_secret(args.file, secret, overwrite=args.force)
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a new cluster secret to {args.file} (mode 0600): pass --secret-file "
+          f"{args.file}", file=sys.stderr)
+    return 0
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -1421,6 +1471,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"serve": _serve, "coordinator": _coordinator, "join": _join, "node": _node,
                "worker": _worker, "plan": _plan, "status": _status, "rebalance": _rebalance,
                "models": _models, "doctor": _doctor, "up": _up, "down": _down,
+               "secret": _secret_command,
                "link-probe": _link_probe}[args.command]
     try:
         return handler(args)

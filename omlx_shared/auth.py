@@ -37,6 +37,7 @@ from pathlib import Path
 
 from omlx_shared import cluster_tls
 from omlx_shared.private_files import PrivateFileError, read_private
+from omlx_shared.secret_strength import weakness
 
 SECRET_ENV = "OMLX_CLUSTER_SECRET"
 SESSION_METADATA = "x-omlx-session"
@@ -53,20 +54,47 @@ def new_secret() -> str:
 
 
 class SecretError(ValueError):
-    """A secret file that cannot be used; the message says why and how to fix it."""
+    """A secret (or its file) that cannot be used; the message says why and how to fix it."""
 
 
 def secret_from(value: str | None, path: Path | None = None) -> str | None:
     """The secret given on the command line, else read from `path` (--secret-file, which keeps
-    it out of `ps`), else $OMLX_CLUSTER_SECRET, else None."""
+    it out of `ps`), else $OMLX_CLUSTER_SECRET, else None. A weak one is refused: guesses at it
+    can be checked offline (docs/security.md)."""
     if value:
-        return value
+        return _strong(value, "--secret")
     if path is not None:
         try:
-            return read_private(path, "secret")
+            return _strong(read_private(path, "secret"), f"the secret file {path}")
         except PrivateFileError as e:
             raise SecretError(str(e)) from None
-    return os.environ.get(SECRET_ENV) or None
+    env = os.environ.get(SECRET_ENV)
+    return _strong(env, f"${SECRET_ENV}") if env else None
+
+
+def _strong(secret: str, source: str) -> str:
+    if (why := weakness(secret)) is not None:
+        raise SecretError(f"the cluster secret from {source} is too weak to guard the cluster: "
+                          f"{why}. Make a random one with `omlx-cluster secret new --file "
+                          f"FILE` and pass --secret-file FILE")
+    return secret
+
+
+def write_secret(path: Path, secret: str, overwrite: bool = False) -> None:
+    """Writes `secret` to a new file at `path`, mode 0600 from the start (in a 0700 folder if
+    it makes one); an existing file is kept unless `overwrite`: it may guard a cluster."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise SecretError(f"{path} exists (it may hold a cluster's secret): pass --force to "
+                          "replace it") from None
+    except OSError as e:
+        raise SecretError(f"cannot write {path}: {e.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file that existed keeps its mode through O_TRUNC
+        f.write(secret + "\n")
 
 
 def proof(secret: str, role: str, *parts: bytes | str) -> bytes:

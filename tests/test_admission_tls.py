@@ -23,9 +23,9 @@ from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
+from tests.cluster_secret import SECRET
 from tests.tiny_models import build_model, serving
 
-SECRET = "the office's cluster secret"
 NODE = "mac-a"
 
 

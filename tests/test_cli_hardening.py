@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from omlx_shared.child import omlx_command
+from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.conftest import descendants, free_port, start_server
 
 
@@ -56,10 +57,10 @@ def test_secret_file(tmp_path: Path) -> None:
     from omlx_shared.auth import SecretError, secret_from
 
     f = tmp_path / "secret"
-    f.write_text("s3cret\n")
+    f.write_text(SECRET + "\n")
     f.chmod(0o600)
-    assert secret_from(None, f) == "s3cret"
-    assert secret_from("given", f) == "given"
+    assert secret_from(None, f) == SECRET
+    assert secret_from(OTHER_SECRET, f) == OTHER_SECRET
     f.chmod(0o644)
     with pytest.raises(SecretError, match="chmod 600"):
         secret_from(None, f)

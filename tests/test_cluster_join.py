@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from omlx_shared.child import omlx_command
+from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
 from tests.tiny_models import build_model
 
-SECRET = "the office cluster secret"
 PORT = 8500  # inside the namespace: nothing else listens there
 
 
@@ -113,7 +113,7 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             # from this cluster's CA, so the TLS handshake fails before any admission message
             # (which is why only the coordinator's log says so).
             rogue = start(ns, ["join", "--name", "rogue", "--port", "50063"],
-                          tmp_path / "rogue.log", secret="not the secret")
+                          tmp_path / "rogue.log", secret=OTHER_SECRET)
             procs.append(rogue)
 
             status = wait_for(ns, lambda s: alive_ids(s) == {"mac-a", "mac-b"} and s["ready"]

@@ -13,6 +13,7 @@ import pytest
 
 from omlx_shared.child import omlx_command
 from omlx_shared.link_probe import ProbeError, run_rank
+from tests.cluster_secret import SECRET
 from tests.sshd import free_port, free_port_pair, start_sshd
 from tests.tiny_models import build_model
 
@@ -40,7 +41,7 @@ def by_name(host: dict) -> dict[str, dict]:
 
 def test_doctor_checks_two_hosts_over_ssh(sshd, model, tmp_path):
     secret = tmp_path / "secret"
-    secret.write_text("the office cluster secret\n")
+    secret.write_text(SECRET + "\n")
     secret.chmod(0o600)
     probe_port = free_port_pair()  # rank 0 listens on it, rank 1 on the next
     done = doctor("mac-a", "mac-b", *sshd.ssh_args(), "--json", "--secret-file", str(secret),

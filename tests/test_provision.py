@@ -16,6 +16,7 @@ import pytest
 
 from omlx_cluster import provision
 from omlx_shared.child import omlx_command
+from tests.cluster_secret import SECRET
 from tests.sshd import free_port, start_sshd
 from tests.tiny_models import build_model
 
@@ -32,7 +33,7 @@ def coordinator(tmp_path):
     """A real coordinator on loopback (no Bonjour: the node registers), its secret file and URL."""
     model = build_model(tmp_path / "tiny-up", "llama", num_layers=4)
     secret = tmp_path / "secret"
-    secret.write_text("the office cluster secret\n")
+    secret.write_text(SECRET + "\n")
     secret.chmod(0o600)
     port = free_port()
     with open(tmp_path / "coordinator.log", "wb") as log:
@@ -156,7 +157,7 @@ def test_up_and_down_start_and_stop_an_admitted_join(sshd, coordinator):
 
 def test_up_refuses_a_host_it_cannot_reach(sshd, tmp_path):
     secret = tmp_path / "secret"
-    secret.write_text("s\n")
+    secret.write_text(SECRET + "\n")
     secret.chmod(0o600)
     done = cli("up", "wrong-key", *sshd.ssh_args(), "--secret-file", str(secret))
     assert done.returncode == 1

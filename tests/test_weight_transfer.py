@@ -33,10 +33,10 @@ from omlx_shared.model_spec import resolve_model
 from omlx_shared.model_store import ModelError, list_models, read_shard_record
 from omlx_shared.safetensors_header import read_header
 from proto import omlx_pb2 as pb
+from tests.cluster_secret import SECRET
 from tests.conftest import parse_metrics
 from tests.tiny_models import build_model, serving
 
-SECRET = "weights travel only to admitted nodes"
 
 
 @pytest.fixture(scope="module")
