@@ -253,6 +253,12 @@ def test_stream_error_is_response_failed(app: Scripted) -> None:
     assert events[-1]["response"]["error"] == {"code": "server_error",
                                                "message": "the node is gone"}
 
+    # A failure of ours tells the client an id, not the exception's text.
+    r = app.post({"input": "Hi", "stream": True}, RuntimeError("/secret/path exploded"))
+    error = _events(r)[-1]["response"]["error"]
+    assert error["code"] == "server_error" and "/secret/path" not in error["message"]
+    assert "(id " in error["message"]
+
 
 def test_previous_response_id_continues_a_stored_response(app: Scripted) -> None:
     first = app.post({"instructions": "Be terse.", "input": "My name is Ada."},

@@ -73,6 +73,7 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
+from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
@@ -491,8 +492,7 @@ async def _stream(reply: _Reply, events: AsyncIterator, metrics: GatewayMetrics,
         # Headers are sent already: the error ends the stream as the API's response.failed.
         yield _event(reply.failed(e))
     except Exception as e:
-        log.exception("stream failed")
-        yield _event(reply.failed(APIError(500, f"internal error: {e}", type="server_error")))
+        yield _event(reply.failed(internal_error(log, "internal error", e)))
     except asyncio.CancelledError:
         outcome = "disconnected"
         raise
