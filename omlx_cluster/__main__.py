@@ -4,4 +4,6 @@ import sys
 
 from omlx_cluster.cli import main
 
-sys.exit(main())
+# Guarded: a spawned child (the gateway's body parser) imports the parent's main module.
+if __name__ == "__main__":
+    sys.exit(main())

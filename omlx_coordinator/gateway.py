@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -20,13 +18,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
-from omlx_coordinator.api.common import check_unicode
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
 from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
-from omlx_coordinator.metrics import GatewayMetrics, ModelsCollector, exposition, prometheus_targets
+from omlx_coordinator.metrics import (
+    GatewayMetrics,
+    ModelsCollector,
+    exposition,
+    prometheus_targets,
+)
 from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
+from omlx_coordinator.request_body import BodyRefused, JSONBodyRequest
 from omlx_shared import auth
 from omlx_shared.outsider_logs import Refusals, cut
 
@@ -53,8 +56,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     e = errors[0]
-    if e.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
     msg = e.get("msg", "invalid value").removeprefix("Value error, ")
     if e.get("type") == "extra_forbidden":
         msg = "this field is not supported here"
@@ -75,76 +76,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"'{field}' has none of its accepted forms: " + "; ".join(parts), field
 
 
-MAX_BODY_BYTES = 32 << 20
-
-
-class _BodyRefused(StarletteHTTPException):
-    """An APIError met while FastAPI reads a body (it lets only HTTP exceptions through)."""
-
-    def __init__(self, error: APIError):
-        super().__init__(error.status, error.message)
-        self.error = error
-
-
-class _Request(Request):
-    """Its JSON body parsed by orjson: a 2048-token prompt's ids took 155 us with json, 52 with
-    orjson, on every request's way to its first token. A body orjson refuses is parsed again
-    by json, so what is accepted and every error message stay json's; json also takes lone
-    surrogates, which orjson does not: such a body is refused here, whatever field holds one."""
-
-    async def body(self) -> bytes:
-        """The body, refused (413) past MAX_BODY_BYTES before more of it is read: it is read
-        before the API key is checked, so anyone could otherwise make the gateway hold and
-        parse any size on the event loop every stream shares."""
-        if not hasattr(self, "_body"):
-            declared = self.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                raise _BodyRefused(_too_large(int(declared)))
-            chunks, size = [], 0
-            async for chunk in self.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise _BodyRefused(_too_large(size))
-                chunks.append(chunk)
-            self._body = b"".join(chunks)
-        return self._body
-
-    async def json(self):
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            try:
-                self._json = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                try:
-                    parsed = json.loads(body)
-                except json.JSONDecodeError:  # FastAPI says where, as JSON's
-                    raise
-                except (RecursionError, ValueError) as e:
-                    raise _BodyRefused(APIError(400, _unreadable(e))) from None
-                try:
-                    check_unicode(parsed)
-                except APIError as e:
-                    raise _BodyRefused(e) from None
-                self._json = parsed
-        return self._json
-
-
-def _too_large(size: int) -> APIError:
-    return APIError(413, f"the request body is {size} bytes or more; at most {MAX_BODY_BYTES} "
-                         "(32 MiB, as Anthropic's API) are taken", code="request_too_large")
-
-
-def _unreadable(e: Exception) -> str:
-    """Why a body JSON's parser gave up on is refused (FastAPI would say only "There was an
-    error parsing the body")."""
-    if isinstance(e, RecursionError):
-        return ("the request body nests JSON arrays or objects too deeply; no field of the API "
-                "takes more than a few levels")
-    if isinstance(e, UnicodeDecodeError):
-        return (f"the request body is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at "
-                f"offset {e.start}); send JSON text in UTF-8")
-    return ("the request body holds a number too long to read (over 4300 digits); no field "
-            "of the API takes one that long")
+def _keyless() -> APIError:
+    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                         "'x-api-key: <key>' with a key this server was started with",
+                    code="invalid_api_key")
 
 
 class _Route(APIRoute):
@@ -152,7 +87,13 @@ class _Route(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            request.__class__ = _Request  # nothing has read the body yet
+            request.__class__ = JSONBodyRequest  # nothing has read the body yet
+            # The key before the body: FastAPI reads and parses a body before it runs a route's
+            # dependencies, so anyone could make the gateway read and parse 32 MiB.
+            state = request.app.state
+            if any(d.dependency is state.require_api_key for d in self.dependencies) and (
+                    refused := state.refuse_keyless(request)) is not None:
+                return refused
             return await handler(request)
 
         return route
@@ -216,11 +157,17 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     async def require_api_key(request: Request) -> None:
         if not has_key(request):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                "or 'x-api-key: <key>' with a key this server was started with",
-                           code="invalid_api_key")
+            raise _keyless()
+
+    def refuse_keyless(request: Request) -> Response | None:
+        """The 401 of a keyed route's request without a valid key, answered before its body is
+        read; the connection closes after it, so the rest of the body is never read."""
+        if has_key(request):
+            return None
+        return error(request, _keyless(), headers={"connection": "close"})
 
     keyed = [Depends(require_api_key)]
+    app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
@@ -254,7 +201,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if isinstance(exc, _BodyRefused):
+        if isinstance(exc, BodyRefused):
             return error(request, exc.error)
         message = {404: f"no such endpoint: {request.method} {request.url.path} (the API is "
                         "under /v1: /v1/models, /v1/chat/completions, /v1/completions, "
