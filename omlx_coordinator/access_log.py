@@ -1,9 +1,12 @@
-"""uvicorn's access log, without the secrets a client put in a query string.
+"""uvicorn's access log, without the secrets a client put in a query string, and without the
+floods an outsider could write with a long path.
 
 A client that sends its key as `?api_key=...` is refused, but uvicorn would still write the key
 into the log with the path, where anyone who reads logs (or a log shipper) finds a working key.
 The values of secret-looking parameters are replaced before the line is formatted; the names
-stay, so the line still says what was sent.
+stay, so the line still says what was sent. Every string argument (path, method, version: the
+client's own) is then cut as every outsider's string is (omlx_shared/outsider_logs.py): a path
+may be as long as the HTTP parser takes, tens of KB a line otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 from urllib.parse import unquote_plus
+
+from omlx_shared.outsider_logs import cut
 
 REDACTED = "REDACTED"
 # Matched anywhere in a parameter's name: api_key, x-api-key, access_token, client_secret...
@@ -33,12 +38,12 @@ def redact_query(target: str) -> str:
 
 
 class RedactedQuery(logging.Filter):
-    """Rewrites the path argument of uvicorn's access log records (`'%s - "%s %s HTTP/%s" %d'`
-    with the client, method, path, version and status): any string argument with a query."""
+    """Rewrites the arguments of uvicorn's access log records (`'%s - "%s %s HTTP/%s" %d'` with
+    the client, method, path, version and status): queries redacted, every string cut."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(redact_query(a) if isinstance(a, str) and "?" in a else a
+            record.args = tuple(cut(redact_query(a)) if isinstance(a, str) else a
                                 for a in record.args)
         return True
 

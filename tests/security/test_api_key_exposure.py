@@ -39,6 +39,16 @@ def test_the_access_log_filter_rewrites_the_path_argument():
     assert "s3" not in record.getMessage() and "api_key=REDACTED" in record.getMessage()
 
 
+def test_an_outsiders_long_path_is_cut_in_the_access_log():
+    """A 60 KB path (an outsider's, keyless) makes one short line, control characters escaped."""
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
+                               '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/" + "a\n" * 30_000, "1.1", 404), None)
+    assert RedactedQuery().filter(record)
+    line = record.getMessage()
+    assert len(line) < 400 and "\n" not in line and "(60001 characters)" in line, line
+
+
 def given(*argv: str) -> list[str]:
     p = argparse.ArgumentParser()
     add_api_key_flags(p, "a key")
