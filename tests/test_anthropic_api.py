@@ -140,8 +140,12 @@ def test_refused_and_dropped_blocks(tok: ChatTokenizer) -> None:
         assert e.value.status == 400 and e.value.param == param, (param, e.value.message)
     with pytest.raises(APIError) as e:
         adapter.RequestTools(_body(messages=ASK, tools=[
-            WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]))
+            WEATHER, {"type": "code_execution_20250825", "name": "code_execution"}]))
     assert e.value.param == "tools.1" and "server tool" in e.value.message
+    # A search tool is one the model may leave unused: it is left out, not refused.
+    searching = adapter.RequestTools(_body(messages=ASK, tools=[
+        WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]))
+    assert [t["function"]["name"] for t in searching.shown()] == ["get_weather"]
     # Block types nothing here renders are dropped: the turn's text is what is left.
     body = _body(messages=[{"role": "user", "content": [
         {"type": "text", "text": "Hi"}, {"type": "server_tool_use", "id": "srvtoolu_1",
@@ -624,7 +628,7 @@ BAD = {  # name: (body fields over a valid body, words the message must contain)
                                   ["tools.0.input_schema", "object"]),
     "bad tool name": ({"tools": [{"name": "no spaces", "input_schema": {"type": "object"}}]},
                       ["tools.0.name"]),
-    "server tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    "server tool": ({"tools": [{"type": "code_execution_20250825", "name": "code_execution"}]},
                     ["tools.0", "server tool"]),
     "tool_choice names no tool": ({"tools": [WEATHER],
                                    "tool_choice": {"type": "tool", "name": "nope"}}, ["nope"]),

@@ -3,9 +3,9 @@
 Codex is the newest release npm serves, installed into the test cache on first use (`python -m
 tests.test_codex` does it by hand); its version is printed with the test's output. Its model
 provider is ours: `base_url` http://127.0.0.1:PORT/v1, `wire_api = "responses"`, the key from an
-environment variable (`env_key`), no retries (a failure shows at once), web search off (Codex
-sends OpenAI's built-in `web_search` tool otherwise, which this server refuses: it would run on
-OpenAI's servers). CODEX_HOME is a temporary folder holding that config.toml; anything but our
+environment variable (`env_key`), no retries (a failure shows at once), and Codex's defaults
+otherwise: its built-in `web_search` tool comes in every request and is left out of the prompt.
+CODEX_HOME is a temporary folder holding that config.toml; anything but our
 server goes to a proxy that refuses at once.
 
 What Codex 0.171.0 sends (tests/data/codex_responses_body.json, recorded with a capturing
@@ -54,7 +54,6 @@ def codex_config(base_url: str, model: str) -> str:
     """The config.toml that points Codex at this server (README: Codex CLI)."""
     return f'''model = "{model}"
 model_provider = "omlx"
-web_search = "disabled"
 model_context_window = {CONTEXT}
 
 [model_providers.omlx]

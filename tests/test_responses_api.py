@@ -306,7 +306,7 @@ def test_the_store_forgets_the_least_recently_used() -> None:
     ({"input": [{"type": "message", "role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0", "text only"),
     ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input.0", "computer_call"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "web_search = \"disabled\""),
+    ({"input": "x", "tools": [{"type": "file_search"}]}, "tools.0", "built-in tool"),
     ({"input": "x", "tools": [{"type": "custom", "name": "patch"}]}, "tools.0", "custom"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
     ({"input": "x", "background": True}, "background", "background"),

@@ -14,9 +14,10 @@ Choices where the API leaves room:
   `cache_creation_input_tokens` is 0. The cache hit is known when generation ends, so
   message_start carries the whole prompt as input and message_delta the final split
   (message_delta usage is cumulative: the SDK and Claude Code take its counts).
-- Server tools (web search, code execution...) are refused: they run on Anthropic's servers,
+- Server tools (code execution, computer use...) are refused: they run on Anthropic's servers,
   and so are the other features only they provide (MCP connectors, containers, compaction,
   threads, context edits other than clearing thinking) when a request gives them a value.
+  Web search and web fetch are left out of the prompt instead (common.py `leaves_out`).
 - A tool with `defer_loading` is left out of the prompt; a `tool_reference` in a tool result or
   a `tool_addition` in a system message renders its definition there, as one JSON line in
   <functions> (the encoding Claude Code's ToolSearch describes), so the prompt before it, and
@@ -65,6 +66,7 @@ from omlx_coordinator.api.common import (
     Primed,
     Silence,
     collect_unless_gone,
+    leaves_out,
     sse,
 )
 from omlx_coordinator.constraints import (
@@ -150,6 +152,8 @@ class RequestTools:
     def __init__(self, body: PromptBody):
         self.declared: list[Tool] = []
         for i, t in enumerate(body.tools or []):
+            if isinstance(t, ServerTool) and leaves_out(t.type):
+                continue
             if isinstance(t, ServerTool):
                 raise APIError(400, f"'tools.{i}': {t.type!r} is a server tool (run by "
                                     "Anthropic's servers), not supported here: declare client "

@@ -98,6 +98,23 @@ def encode_chat(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | No
                        param=param) from e
 
 
+_SEARCH_TOOLS = ("web_search", "web_fetch")
+_left_out: set[str] = set()  # search tool types already logged as left out
+
+
+def leaves_out(tool_type: str) -> bool:
+    """Whether a provider's server tool of this type is left out of the prompt rather than
+    refused: a search tool (web search, web fetch) is one the model may use or not, and one that
+    answers without searching answers as the API allows, while Codex sends `web_search` in every
+    request of its default config. Tools that run code or act for the model stay refused."""
+    if not tool_type.startswith(_SEARCH_TOOLS):
+        return False
+    if tool_type not in _left_out and len(_left_out) < 32:
+        _left_out.add(tool_type)
+        log.info("leaving %s tools out of prompts: no web search here", tool_type[:64])
+    return True
+
+
 def sse(obj: dict, event: str | None = None) -> str:
     """One server-sent event (orjson: several times faster than json, which at many streams
     is felt per token)."""

@@ -18,8 +18,9 @@ Choices where the API leaves room:
   `reasoning_tokens` is 0 (reasoning, if a model writes any, is in the text).
 - A reply cut by `max_output_tokens` (or the context) is `incomplete`, reason
   `max_output_tokens`, as OpenAI's.
-- Built-in tools (web_search, file_search, code_interpreter, computer use, MCP...) and custom
-  (free-form) tools are refused: they would run on OpenAI's servers, or need a grammar per tool.
+- Built-in tools (file_search, code_interpreter, computer use, MCP...) and custom (free-form)
+  tools are refused: they would run on OpenAI's servers, or need a grammar per tool. Web search
+  is left out of the prompt instead (common.py `leaves_out`: Codex sends it by default).
   A `defer_loading` function is left out of the prompt and its calls still parsed.
 """
 
@@ -43,6 +44,7 @@ from omlx_coordinator.api.common import (
     Silence,
     collect_unless_gone,
     encode_chat,
+    leaves_out,
     sse,
 )
 from omlx_coordinator.api.openai_schema import _arguments
@@ -187,7 +189,7 @@ def _tools(body: ResponsesRequest) -> _Tools:
                 if isinstance(member, Other):
                     _refuse_tool(member, f"{at}.tools.{j}")
                 add(member, f"{at}.tools.{j}", t.name)
-        else:
+        elif not leaves_out(t.type or ""):
             _refuse_tool(t, at)
     return _Tools(tools, frozenset(deferred), namespaces)
 
@@ -197,9 +199,8 @@ def _refuse_tool(tool: Other, at: str) -> None:
         why = ("custom (free-form) tools are not supported here: declare a function tool with "
                "JSON parameters")
     else:
-        # Codex sends web_search unless its config says `web_search = "disabled"`.
         why = (f"{tool.type!r} is a built-in tool (run by OpenAI's servers), not supported "
-               "here: declare function tools (Codex: set web_search = \"disabled\")")
+               "here: declare function tools")
     raise APIError(400, f"'{at}': {why}", param=at)
 
 
