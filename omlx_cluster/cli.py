@@ -47,8 +47,11 @@ def _port(value: str) -> int:
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH_OR_NAME",
                    help="an mlx-lm model folder (config.json, safetensors, tokenizer; "
-                        "quantized folders too) or the name of a model in the store "
-                        "(`omlx-cluster models list`), optionally NAME= the name clients "
+                        "quantized folders too), the name of a model in the store "
+                        "(`omlx-cluster models list`) or a Hugging Face id ORG/NAME (from "
+                        "the Hugging Face cache, else downloaded into the store; a GGUF "
+                        "repository imports one file, or ORG/NAME/FILE.gguf), optionally "
+                        "NAME= the name clients "
                         "send; repeat it to serve several models (the first is the main "
                         "model: loaded first, rebalanced); default: the embedded SmolLM2")
     p.add_argument("--model-id", help="the name clients send for a single --model without "
@@ -515,7 +518,7 @@ def _build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", parents=[common],
                             help="manage the local model store, or a running gateway's models",
                             description="Manage the model store under "
-                                        "$OMLX_CLUSTER_HOME/models (list, import-gguf, "
+                                        "$OMLX_CLUSTER_HOME/models (list, pull, import-gguf, "
                                         "pull-default), or the models a running gateway "
                                         "serves (load, unload, pin, unpin).")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -544,6 +547,17 @@ def _build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dest", type=Path, help="output folder (default: the store, named after "
                                                "the model)")
     msub.add_parser("pull-default", parents=[nested], help="fetch and import the embedded default model now")
+    pull = msub.add_parser(
+        "pull", parents=[nested], help="fetch a model by its Hugging Face id now",
+        description="Make a model named by its Hugging Face id ready to serve: found in the "
+                    "Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else "
+                    "~/.cache/huggingface/hub; where `hf download` and mlx-lm put models), "
+                    "else downloaded into the store (resumed if interrupted; HF_ENDPOINT, "
+                    "HF_TOKEN and HF_HUB_OFFLINE apply). A repository of GGUF files imports "
+                    "one of them as import-gguf does (Q8_0 first, then Q4_1, Q4_0, BF16, F16, "
+                    "F32), or the one named as ORG/NAME/FILE.gguf.")
+    pull.add_argument("repo_id", metavar="ORG/NAME",
+                      help="e.g. mlx-community/Qwen3-4B-4bit, then `serve --model ORG/NAME`")
     secret = sub.add_parser("secret", parents=[common], help="make a cluster secret",
                             description="The cluster secret is the root of trust of a "
                                         "cluster (docs/security.md): `coordinator`, `join` and "
@@ -739,7 +753,7 @@ def _keys_and_models(args: argparse.Namespace):
     (after saying why) to exit with 2."""
     from omlx_coordinator import model_config as mc
     from omlx_coordinator.served_model import ServedModel
-    from omlx_shared.model_spec import resolve_model
+    from omlx_shared.model_spec import resolve_model, served_name
     from omlx_shared.model_store import ModelError
 
     keys = _api_keys(args)
@@ -765,8 +779,8 @@ def _keys_and_models(args: argparse.Namespace):
                 raise mc.ModelConfigError(f"--model-id {args.model_id} and --model "
                                           f"{named[0][0]}=...: name the model once")
             resolved = [resolve_model(spec, progress=True) for _, spec in named]
-            names = [name or args.model_id or path.name
-                     for (name, _), path in zip(named, resolved)]
+            names = [name or args.model_id or served_name(spec, path)
+                     for (name, spec), path in zip(named, resolved)]
             configs = mc.from_flags([(n, str(p)) for n, p in zip(names, resolved)],
                                     args.alias, args.pin, args.ttl, args.replicas)
         configs = mc.with_split(configs, getattr(args, "split", None))
@@ -965,12 +979,13 @@ def _node(args: argparse.Namespace) -> int:
         return 2
     if args.model:
         from omlx_shared.child import ChildError
-        from omlx_shared.model_spec import resolve_model
+        from omlx_shared.model_spec import resolve_model, served_name
         from omlx_shared.model_store import ModelError
 
         try:
-            path = resolve_model(args.model, progress=False)
-            agent.load(pb.LoadShardRequest(model_path=str(path), model_id=path.name))
+            path = resolve_model(args.model, progress=False, fetch=False)
+            agent.load(pb.LoadShardRequest(model_path=str(path),
+                                           model_id=served_name(args.model, path)))
         except (ModelError, ChildError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -1229,7 +1244,8 @@ def _models(args: argparse.Namespace) -> int:
             rows = model_store.list_models()
             if not rows:
                 console.print(f"no models in {model_store.models_dir()}; `omlx-cluster "
-                              "models pull-default` or `models import-gguf FILE` adds one")
+                              "models pull ORG/NAME`, `models pull-default` or `models "
+                              "import-gguf FILE` adds one")
                 return 0
             table = Table("family", "layers", "size", "quantization")
             # The name is what --model takes: never cut it; the path folds instead.
@@ -1241,6 +1257,9 @@ def _models(args: argparse.Namespace) -> int:
                 table.add_row(m.model_type, layers, f"{m.size_bytes / 2**20:.0f} MiB",
                               m.quantization, m.name, str(m.path))
             console.print(table)
+        elif args.models_command == "pull":
+            console.print(f"{args.repo_id} ready at {_pull(args.repo_id)}", markup=False,
+                          soft_wrap=True)
         elif args.models_command == "import-gguf":
             dest = args.dest or (import_dest(args.file) if args.file.is_file() else None)
             path = import_gguf(args.file, dest, progress=True)
@@ -1251,6 +1270,17 @@ def _models(args: argparse.Namespace) -> int:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {e}")
         return 2
     return 0
+
+
+def _pull(repo_id: str) -> Path:
+    from omlx_shared.hub import is_hub_id, resolve_hub_model
+    from omlx_shared.model_store import ModelError
+
+    if not is_hub_id(repo_id):
+        raise ModelError(f"{repo_id!r} is not a Hugging Face id: pull takes ORG/NAME (e.g. "
+                         "mlx-community/Qwen3-4B-4bit); a local folder needs no pull, pass it "
+                         "as --model PATH")
+    return resolve_hub_model(repo_id)
 
 
 def _model_action(args: argparse.Namespace, console) -> int:

@@ -25,7 +25,7 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
                            param="model", code="model_not_found")
         return model
 
-    @app.post("/cluster/models/{name}/load", dependencies=keyed)
+    @app.post("/cluster/models/{name:path}/load", dependencies=keyed)
     async def load(name: str) -> dict:
         """Loads the model now (evicting least recently used unpinned idle models if memory
         is short); answers once it serves."""
@@ -37,7 +37,7 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
                            type="server_error", code="no_capacity") from None
         return manager.describe(model)
 
-    @app.post("/cluster/models/{name}/unload", dependencies=keyed)
+    @app.post("/cluster/models/{name:path}/unload", dependencies=keyed)
     async def unload(name: str, wait: float = Query(0.0, ge=0.0, le=3600.0)) -> dict:
         """Unloads the model; 409 with requests in flight, unless `wait` seconds for them."""
         model = find(name)
@@ -48,14 +48,14 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
                                 "unload --wait`) or retry later", code="model_busy") from None
         return manager.describe(model)
 
-    @app.post("/cluster/models/{name}/pin", dependencies=keyed)
+    @app.post("/cluster/models/{name:path}/pin", dependencies=keyed)
     async def pin(name: str) -> dict:
         """Never evicted nor unloaded for idling from now on."""
         model = find(name)
         model.pinned = True
         return manager.describe(model)
 
-    @app.post("/cluster/models/{name}/unpin", dependencies=keyed)
+    @app.post("/cluster/models/{name:path}/unpin", dependencies=keyed)
     async def unpin(name: str) -> dict:
         model = find(name)
         model.pinned = False
