@@ -9,7 +9,26 @@ registered as a package of its own name (its modules import each other relativel
 `tokenizer_utils.py` (which imports only transformers) is loaded as a lone module, both from
 the files `importlib.util.find_spec("mlx_lm")` locates without importing the package.
 
-Used by every protocol adapter (api/openai.py, api/anthropic.py) and by constraints.py.
+Streaming (`ToolCallStream(..., stream=True)`, what a streamed reply uses): once a call's name
+is known its arguments go out as they are generated, as CallStart, CallArguments pieces, then
+CallEnd; nothing sent is ever taken back, and only text that may still be markup (a partial end
+marker) waits. The pieces add up to the arguments string the whole-call parse gives.
+- json_tools (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen, Hermes and the
+  like) streams: the call starts when `"name": "..."` is complete, and the `arguments` object
+  follows re-written as json.dumps writes it (streamed_json.py). A body whose `arguments` come
+  before the name, or are not an object, waits for its end (after the name: the arguments come
+  whole).
+- Every other family comes whole at its end marker, as before: their arguments are not JSON as
+  written (qwen3_coder, glm47, laguna, longcat, minimax_m2, minicpm5, kimi_k3, muse_spark write
+  XML-like parameters typed by the tool's schema; gemma4, function_gemma, pythonic their own
+  syntax), or are JSON that the parser may instead read as a Python literal (kimi_k2), or hold
+  several calls whose boundaries a prefix cannot tell yet (mistral).
+Once a call has started, markup that breaks off (cut by max_tokens, or not JSON further on)
+ends the call with the arguments sent so far, which are then not JSON (as OpenAI's own are when
+max_tokens cuts a call); a whole-call reply gives such markup back as text instead.
+
+Used by every protocol adapter (api/openai.py, api/anthropic.py, api/responses.py) and by
+constraints.py.
 """
 
 from __future__ import annotations
@@ -27,6 +46,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
+
+from omlx_coordinator.streamed_json import JsonStream
 
 log = logging.getLogger(__name__)
 
@@ -168,26 +189,61 @@ def _arguments_json(arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
+def call_input(arguments: str) -> dict:
+    """A call's arguments as an object; {} for a streamed call cut off (its arguments are then
+    not JSON)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+
+
+@dataclass
+class CallStart:
+    """A call begins: pieces of its arguments follow, then its CallEnd."""
+
+    id: str
+    name: str
+
+
+@dataclass
+class CallArguments:
+    text: str  # the next piece of the open call's arguments
+
+
+@dataclass
+class CallEnd:
+    call: ToolCall  # the whole call: its arguments are its pieces put together
+
+
+Item = str | CallStart | CallArguments | CallEnd
+
+# The families whose calls stream (the module docstring says why the others do not).
+STREAMED_FAMILIES = frozenset({"json_tools"})
+
+
 class ToolCallStream:
     """Splits streamed output into text and tool calls.
 
     Text before a call goes out at once; a tail that could still be the start of `fmt.start` is
     held back only while it could be (as stop_strings.py holds partial matches); markup never
-    reaches the text, each complete call comes out as ToolCall(s). Markup that does not parse
-    (or is cut off unparseable at the end) comes out as text, markers included: the client sees
-    what the model wrote rather than losing it."""
+    reaches the text, each call comes out as CallStart, CallArguments, CallEnd: all at its end
+    marker, or with `stream` as it is generated where the family allows (module docstring).
+    Markup that does not parse whole (or is cut off unparseable at the end) comes out as text,
+    markers included: the client sees what the model wrote rather than losing it."""
 
-    def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None):
+    def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None, stream: bool = False):
         self.fmt, self.tools = fmt, tools
-        self.pending = ""  # held text: a possible start marker, or the body of an open call
-        self.inside = False  # after a start marker, waiting for its end
+        self.stream = stream and fmt.family in STREAMED_FAMILIES
+        self.pending = ""  # held text: a possible start marker, or a possible end marker
+        self.call: _WholeCall | _JsonCall | None = None  # the open call, after a start marker
 
-    def feed(self, text: str) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
+    def feed(self, text: str) -> list[Item]:
+        out: list[Item] = []
         self.pending += text
         start, end = self.fmt.start, self.fmt.end
         while True:
-            if not self.inside:
+            if self.call is None:
                 i = self.pending.find(start)
                 if i < 0:
                     cut = len(self.pending) - _partial_suffix(self.pending, start)
@@ -195,33 +251,118 @@ class ToolCallStream:
                     self.pending = self.pending[cut:]
                     return out
                 _add_text(out, self.pending[:i])
-                self.pending, self.inside = self.pending[i + len(start):], True
+                self.pending = self.pending[i + len(start):]
+                self.call = (_JsonCall if self.stream else _WholeCall)(self.fmt, self.tools)
             elif not end:  # the call runs to the end of the output
+                out += self.call.feed(self.pending)
+                self.pending = ""
                 return out
             else:
                 j = self.pending.find(end)
                 if j < 0:
+                    cut = len(self.pending) - _partial_suffix(self.pending, end)
+                    out += self.call.feed(self.pending[:cut])
+                    self.pending = self.pending[cut:]
                     return out
-                body, self.pending, self.inside = (self.pending[:j],
-                                                   self.pending[j + len(end):], False)
-                out.extend(self._calls(body, start + body + end))
+                out += self.call.feed(self.pending[:j]) + self.call.close(ended=True)
+                self.pending, self.call = self.pending[j + len(end):], None
 
-    def flush(self) -> list[str | ToolCall]:
+    def flush(self) -> list[Item]:
         """The end of the output: an open call is parsed (an unterminated one too, as mlx-lm
         does; a forced call's grammar always writes the end marker), held text comes out."""
-        out: list[str | ToolCall] = []
-        if self.inside:
-            out.extend(self._calls(self.pending, self.fmt.start + self.pending))
+        out: list[Item] = []
+        if self.call is not None:
+            out += self.call.feed(self.pending) + self.call.close(ended=False)
         else:
             _add_text(out, self.pending)
-        self.pending, self.inside = "", False
+        self.pending, self.call = "", None
         return out
 
-    def _calls(self, body: str, markup: str) -> list[str | ToolCall]:
+
+class _WholeCall:
+    """A call's markup kept until its end, then parsed whole."""
+
+    def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None):
+        self.fmt, self.tools = fmt, tools
+        self.body: list[str] = []
+
+    def feed(self, text: str) -> list[Item]:
+        self.body.append(text)
+        return []
+
+    def close(self, ended: bool) -> list[Item]:
+        """`ended`: the end marker came (else the output ended first)."""
+        body = "".join(self.body)
         try:
-            return list(self.fmt.parse(body, self.tools))
+            calls = self.fmt.parse(body, self.tools)
         except ValueError:
-            return [markup] if markup else []
+            return [self.fmt.start + body + (self.fmt.end if ended else "")]
+        return [item for c in calls
+                for item in (CallStart(c.id, c.name), CallArguments(c.arguments), CallEnd(c))]
+
+
+class _JsonCall(_WholeCall):
+    """A json_tools call (`{"name": ..., "arguments": {...}}`), streamed: CallStart once the
+    name is complete, then the arguments' canonical text as it comes. Where that cannot be (the
+    body is no such object), the rest waits for the end marker and is parsed whole."""
+
+    def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None):
+        super().__init__(fmt, tools)
+        self.json: JsonStream | None = JsonStream()  # None once the rest waits for the end
+        self.texts: dict[str, list[str]] = {}  # the other members' values, canonical
+        self.start: CallStart | None = None
+        self.arguments: list[str] | None = None  # the pieces sent, None before the first
+
+    def feed(self, text: str) -> list[Item]:
+        super().feed(text)
+        if self.json is None:
+            return []
+        try:
+            pieces = self.json.feed(text)
+        except ValueError:
+            self.json = None
+            return []
+        out: list[Item] = []
+        for p in pieces:
+            if p.member == "arguments":
+                if self.start is None or (self.arguments is None and p.text[:1] != "{"):
+                    self.json = None  # not streamable: the rest waits for the end
+                    break
+                if p.text:
+                    self.arguments = self.arguments if self.arguments is not None else []
+                    self.arguments.append(p.text)
+                    out.append(CallArguments(p.text))
+            elif p.member is not None:
+                self.texts.setdefault(p.member, []).append(p.text)
+                if p.end and p.member == "name" and self.start is None:
+                    if not self._begin():
+                        break
+                    out.append(self.start)
+        return out
+
+    def _begin(self) -> bool:
+        name = json.loads("".join(self.texts["name"]))
+        if not isinstance(name, str):
+            self.json = None
+            return False
+        # A model's own id is taken where it came first (json_tools models write none).
+        model_id = json.loads("".join(self.texts["id"])) if "id" in self.texts else None
+        self.start = CallStart(_call_id(model_id), name)
+        return True
+
+    def close(self, ended: bool) -> list[Item]:
+        if self.start is None:
+            return super().close(ended)
+        if self.arguments is not None:
+            arguments, out = "".join(self.arguments), []
+        else:  # the arguments did not stream: the whole body gives them, if it parses
+            try:
+                calls = self.fmt.parse("".join(self.body), self.tools)
+            except ValueError:
+                calls = []
+            arguments = calls[0].arguments if len(calls) == 1 else ""
+            out = [CallArguments(arguments)] if arguments else []
+        return out + [CallEnd(ToolCall(self.start.id, self.start.name, arguments))]
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -232,6 +373,6 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _add_text(out: list[str | ToolCall], text: str) -> None:
+def _add_text(out: list[Item], text: str) -> None:
     if text:
         out.append(text)

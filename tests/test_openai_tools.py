@@ -33,7 +33,7 @@ from omlx_coordinator.api.openai_schema import ChatCompletionRequest
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import Delta, Done
 from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from omlx_coordinator.tool_calls import CallEnd, CallStart, Item, ToolCallFormat, ToolCallStream
 from proto import omlx_pb2 as pb
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
@@ -59,7 +59,7 @@ def tok(tmp_path_factory) -> ChatTokenizer:
     return ChatTokenizer(qwen_tokenizer(tmp_path_factory.mktemp("tok") / "qwen-tok"))
 
 
-def _merged(items: list[str | ToolCall]) -> list[str | tuple[str, dict]]:
+def _merged(items: list[Item]) -> list[str | tuple[str, dict]]:
     """Adjacent texts joined, calls as (name, arguments) (their ids are fresh each time)."""
     out: list = []
     for item in items:
@@ -68,8 +68,8 @@ def _merged(items: list[str | ToolCall]) -> list[str | tuple[str, dict]]:
                 out[-1] += item
             else:
                 out.append(item)
-        else:
-            out.append((item.name, json.loads(item.arguments)))
+        elif isinstance(item, CallEnd):
+            out.append((item.call.name, json.loads(item.call.arguments)))
     return out
 
 
@@ -114,10 +114,11 @@ MIXED_PARSED = ["Let me look.\n", ("get_weather", {"city": "Paris", "days": 2}),
                 ("get_time", {}), " and <tool_c"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("cut", range(len(MIXED) + 1))
-def test_stream_at_every_split_point(tok: ChatTokenizer, cut: int) -> None:
+def test_stream_at_every_split_point(tok: ChatTokenizer, cut: int, stream: bool) -> None:
     fmt = tok.tool_call_format
-    s = ToolCallStream(fmt, TOOLS)
+    s = ToolCallStream(fmt, TOOLS, stream)
     first = s.feed(MIXED[:cut])
     # Text before the first call goes out at once, but for a tail that may open a call.
     before = MIXED[:min(cut, MIXED.index("<tool_call>"))]
@@ -127,8 +128,9 @@ def test_stream_at_every_split_point(tok: ChatTokenizer, cut: int) -> None:
     assert _merged(first + s.feed(MIXED[cut:]) + s.flush()) == MIXED_PARSED
 
 
-def test_stream_char_by_char(tok: ChatTokenizer) -> None:
-    s = ToolCallStream(tok.tool_call_format, TOOLS)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stream_char_by_char(tok: ChatTokenizer, stream: bool) -> None:
+    s = ToolCallStream(tok.tool_call_format, TOOLS, stream)
     items = [x for ch in MIXED for x in s.feed(ch)] + s.flush()
     assert _merged(items) == MIXED_PARSED
     assert not any(isinstance(x, str) and "tool_call>" in x for x in items)  # no markup leaks
@@ -164,7 +166,9 @@ def test_family_from_tokenizer_config_and_calls_without_end_marker() -> None:
     text = 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abc123XYZ"}]'
     items = [x for ch in text for x in s.feed(ch)]
     assert items == list("Sure.")  # the call waits for the end of the output
-    [call] = s.flush()
+    start, _, end = s.flush()
+    assert isinstance(start, CallStart) and isinstance(end, CallEnd)
+    call = end.call
     assert (call.id, call.name, json.loads(call.arguments)) == ("abc123XYZ", "f", {"a": 1})
 
 
@@ -176,7 +180,7 @@ def test_coordinator_imports_no_mlx(tok: ChatTokenizer) -> None:
         from omlx_coordinator.tool_calls import ToolCallStream, _parser_module
         fmt = ChatTokenizer({str(tok.tokenizer.name_or_path)!r}).tool_call_format
         s = ToolCallStream(fmt, None)
-        assert len(s.feed({CALL_TEXT!r}) + s.flush()) == 1
+        assert len(s.feed({CALL_TEXT!r}) + s.flush()) == 3  # start, arguments, end
         for family in ("qwen3_coder", "mistral", "glm47", "laguna", "pythonic", "kimi_k2"):
             _parser_module(family)
         loaded = [m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm")]

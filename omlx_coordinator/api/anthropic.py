@@ -90,7 +90,14 @@ from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from omlx_coordinator.tool_calls import (
+    CallArguments,
+    CallStart,
+    Item,
+    ToolCallFormat,
+    ToolCallStream,
+    call_input,
+)
 from omlx_shared.outsider_logs import cut
 
 log = logging.getLogger(__name__)
@@ -411,6 +418,7 @@ class _Reply:
         self.calls = calls
         self.one_call = one_call  # disable_parallel_tool_use: nothing after a first call
         self.call_end = call_end  # the stop string we added to end that call
+        self.ended_a_call = False
         self.content: list[dict] = []
         self.text_open = False  # the last block is text that may still grow
         # Whitespace outside any block (between or after tool calls) opens no block: Anthropic
@@ -457,22 +465,27 @@ class _Reply:
         self.text_open = False
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _add(self, items: list[str | ToolCall]) -> list[dict]:
+    def _add(self, items: list[Item]) -> list[dict]:
         events: list[dict] = []
         for item in items:
-            if self.one_call and any(b["type"] == "tool_use" for b in self.content):
+            if self.one_call and self.ended_a_call:
                 break
-            if isinstance(item, ToolCall):
+            if isinstance(item, CallStart):
                 events += self._close_text()
                 self.held = ""
-                index = len(self.content)
                 block = {"type": "tool_use", "id": item.id, "name": item.name, "input": {}}
-                events += [
-                    {"type": "content_block_start", "index": index, "content_block": dict(block)},
-                    {"type": "content_block_delta", "index": index,
-                     "delta": {"type": "input_json_delta", "partial_json": item.arguments}},
-                    {"type": "content_block_stop", "index": index}]
-                self.content.append({**block, "input": json.loads(item.arguments)})
+                events.append({"type": "content_block_start", "index": len(self.content),
+                               "content_block": dict(block)})
+                self.content.append(block)
+                continue
+            if isinstance(item, CallArguments):
+                events.append({"type": "content_block_delta", "index": len(self.content) - 1,
+                               "delta": {"type": "input_json_delta", "partial_json": item.text}})
+                continue
+            if not isinstance(item, str):  # the call's end
+                self.content[-1]["input"] = call_input(item.call.arguments)
+                self.ended_a_call = True
+                events.append({"type": "content_block_stop", "index": len(self.content) - 1})
                 continue
             if not self.text_open:
                 self.held += item
@@ -563,7 +576,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                                 stop=body.stop_sequences + ([call_end] if call_end else []),
                                 grammar=grammar)
         reply = _Reply(served.name, len(prompt),
-                       ToolCallStream(fmt, tools.callable()) if fmt and tools else None,
+                       ToolCallStream(fmt, tools.callable(), body.stream)
+                       if fmt and tools else None,
                        one_call, call_end)
         events = generate(manager, served, metrics, settings, req)
 

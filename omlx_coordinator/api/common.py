@@ -25,8 +25,9 @@ T = TypeVar("T")
 
 class Silence:
     """How long a stream has written nothing. The generation sends a keep-alive only while no
-    token comes; tokens that render to nothing (a tool call, held back until it is whole) must
-    not leave the client without a byte either: proxies and clients drop a silent stream."""
+    token comes; tokens that render to nothing (a tool call of a family whose calls do not
+    stream, held back until it is whole: tool_calls.py) must not leave the client without a
+    byte either: proxies and clients drop a silent stream."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds

@@ -8,6 +8,8 @@ turns with tools, and the prefix cache serves less of it) and the output is not 
 tool_choice "required" forces one or more calls (one with parallel_tool_calls false), a named
 function exactly one call of it, through a grammar (constraints.py); "auto" parses whatever
 calls the model writes. parallel_tool_calls false ends the generation after the first call.
+A streamed reply sends a call's arguments as the model writes them, where its family allows
+(tool_calls.py); a whole reply parses each call whole.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from omlx_coordinator.tool_calls import (
+    CallArguments,
+    CallStart,
+    Item,
+    ToolCall,
+    ToolCallFormat,
+    ToolCallStream,
+)
 from omlx_shared.token_ids import outside_vocabulary
 from proto import omlx_pb2 as pb
 
@@ -80,6 +89,7 @@ class _Output:
     single_call: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    stream_calls: bool = False  # a streamed reply: calls' arguments go out as they come
 
 
 class _Choice:
@@ -88,12 +98,13 @@ class _Choice:
 
     def __init__(self, index: int, chat: bool, tok: ChatTokenizer, out: _Output):
         self.index, self.chat, self.tok, self.out = index, chat, tok, out
-        self.tools = ToolCallStream(out.tool_format, out.tools) if out.tool_format else None
+        self.tools = (ToolCallStream(out.tool_format, out.tools, out.stream_calls)
+                      if out.tool_format else None)
         self.texts: list[str] = []
         # With tools, whitespace waits for more text: what a model writes around its calls
         # ("\n" between two) is no message, streamed or not.
         self.blank = ""
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # the calls ended; an open one's index is their count
         self.chat_logprobs: list[dict] = []
         self.text_logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [],
                                                "top_logprobs": [], "text_offset": []}
@@ -116,7 +127,7 @@ class _Choice:
                             else reason)
         return deltas
 
-    def _pieces(self, pieces: list[str | ToolCall], logprobs: dict | None,
+    def _pieces(self, pieces: list[Item], logprobs: dict | None,
                 final: bool = False) -> list[dict]:
         deltas: list[dict] = []
         for piece in pieces:
@@ -129,14 +140,16 @@ class _Choice:
                 piece, self.blank = self.blank + piece, ""
                 self.texts.append(piece)
                 deltas.append({"content": piece} if self.chat else {"text": piece})
-            else:
-                k = len(self.calls)
-                self.calls.append(piece)
-                deltas.append({"tool_calls": [{"index": k, "id": piece.id, "type": "function",
+            elif isinstance(piece, CallStart):
+                deltas.append({"tool_calls": [{"index": len(self.calls), "id": piece.id,
+                                               "type": "function",
                                                "function": {"name": piece.name,
                                                             "arguments": ""}}]})
-                deltas.append({"tool_calls": [{"index": k,
-                                               "function": {"arguments": piece.arguments}}]})
+            elif isinstance(piece, CallArguments):
+                deltas.append({"tool_calls": [{"index": len(self.calls),
+                                               "function": {"arguments": piece.text}}]})
+            else:
+                self.calls.append(piece.call)
         if logprobs is not None:
             if not deltas:  # tokens whose text is held back still bring their logprobs
                 deltas.append({} if self.chat else {"text": ""})
@@ -395,7 +408,7 @@ def _tool_setup(body: ChatCompletionRequest, tok: ChatTokenizer
     setup = setup_tools(tok, body.tool_dicts, mode, name, body.parallel_tool_calls,
                         *_reply_format(body))
     output = _Output(setup.fmt, setup.tools, setup.single_call, body.logprobs,
-                     body.top_logprobs or 0)
+                     body.top_logprobs or 0, body.stream)
     return setup.template_tools, output, setup.grammar
 
 

@@ -27,7 +27,6 @@ Choices where the API leaves room:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -79,7 +78,14 @@ from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCall, ToolCallStream
+from omlx_coordinator.tool_calls import (
+    CallArguments,
+    CallStart,
+    Item,
+    ToolCall,
+    ToolCallStream,
+    call_input,
+)
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +272,8 @@ class _Reply:
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.body, self.model, self.namespaces = body, model, tools.namespaces
-        self.calls = ToolCallStream(setup.fmt, setup.tools) if setup.fmt else None
+        self.calls = (ToolCallStream(setup.fmt, setup.tools, bool(body.stream)) if setup.fmt
+                      else None)
         self.single_call = setup.single_call
         self.output: list[dict] = []
         self.text_open = False  # the last item is a message whose text may still grow
@@ -332,7 +339,7 @@ class _Reply:
         text = "".join(p["text"] for m in self.output if m["type"] == "message"
                        for p in m["content"])
         calls = [{"id": c["call_id"], "type": "function",
-                  "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
+                  "function": {"name": c["name"], "arguments": call_input(c["arguments"])}}
                  for c in self.output if c["type"] == "function_call"]
         return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
@@ -371,32 +378,44 @@ class _Reply:
                                      output_index=index, content_index=0, delta=text,
                                      logprobs=[])]
 
-    def _call(self, call: ToolCall) -> list[dict]:
+    def _call_start(self, start: CallStart) -> list[dict]:
         events = self._close_text()
         item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "in_progress",
-                "call_id": call.id, "name": call.name, "arguments": ""}
-        if call.name in self.namespaces:
-            item["namespace"] = self.namespaces[call.name]
+                "call_id": start.id, "name": start.name, "arguments": ""}
+        if start.name in self.namespaces:
+            item["namespace"] = self.namespaces[start.name]
         self.output.append(item)
-        index = len(self.output) - 1
-        events += [self._event("response.output_item.added", output_index=index, item=dict(item)),
-                   self._event("response.function_call_arguments.delta", item_id=item["id"],
-                               output_index=index, delta=call.arguments)]
-        item.update(arguments=call.arguments, status="completed")
-        return events + [self._event("response.function_call_arguments.done",
-                                     item_id=item["id"], output_index=index, name=call.name,
-                                     arguments=call.arguments),
-                         self._event("response.output_item.done", output_index=index,
-                                     item=item)]
+        return events + [self._event("response.output_item.added",
+                                     output_index=len(self.output) - 1, item=dict(item))]
 
-    def _add(self, pieces: list[str | ToolCall]) -> list[dict]:
+    def _call_arguments(self, text: str) -> list[dict]:
+        index = len(self.output) - 1
+        return [self._event("response.function_call_arguments.delta",
+                            item_id=self.output[index]["id"], output_index=index, delta=text)]
+
+    def _call_end(self, call: ToolCall) -> list[dict]:
+        index = len(self.output) - 1
+        item = self.output[index]
+        item.update(arguments=call.arguments, status="completed")
+        return [self._event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _add(self, pieces: list[Item]) -> list[dict]:
         events: list[dict] = []
         for piece in pieces:
-            if self.single_call and any(i["type"] == "function_call" for i in self.output):
+            if self.single_call and any(i["type"] == "function_call"
+                                        and i["status"] == "completed" for i in self.output):
                 break  # parallel_tool_calls false: nothing after the first call
-            if isinstance(piece, ToolCall):
+            if isinstance(piece, CallStart):
                 self.held = ""
-                events += self._call(piece)
+                events += self._call_start(piece)
+                continue
+            if isinstance(piece, CallArguments):
+                events += self._call_arguments(piece.text)
+                continue
+            if not isinstance(piece, str):  # the call's end
+                events += self._call_end(piece.call)
                 continue
             if self.calls and not self.text_open:
                 self.held += piece
