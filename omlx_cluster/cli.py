@@ -144,6 +144,14 @@ def _size_or_auto(value: str) -> int | None:
     return None if value.strip().lower() == "auto" else _size(value)
 
 
+def _add_kv_reserve_flags(p: argparse.ArgumentParser) -> None:
+    """The KV memory a plan sets aside on each stage beside its weights."""
+    p.add_argument("--context", type=_positive, default=4096, metavar="TOKENS",
+                   help="KV reserved per sequence when planning (default: 4096)")
+    p.add_argument("--sequences", type=_positive, default=8, metavar="N",
+                   help="concurrent sequences the KV reserve covers (default: 8)")
+
+
 def _add_hot_cache_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--hot-cache-max-size", type=_size, default="1GiB", metavar="SIZE",
                    help=f"{help} (default: 1GiB)")
@@ -214,8 +222,16 @@ def _seconds(value: str) -> float:
 
 
 def _gateway_url(value: str) -> str:
-    """A gateway's address: HOST:PORT is taken as http://HOST:PORT."""
-    return value if "://" in value else "http://" + value
+    """A gateway's address: HOST:PORT is taken as http://HOST:PORT, and the base URL the SDK
+    examples use (ending in /v1) as the gateway's own (the cluster routes are beside /v1)."""
+    url = (value if "://" in value else "http://" + value).rstrip("/")
+    return url.removesuffix("/v1")
+
+
+def _add_url_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
+                   help="the gateway's address, or the base URL clients use (ending in /v1) "
+                        "(default: http://127.0.0.1:8000)")
 
 
 def _unload_wait(value: str) -> float:
@@ -334,8 +350,12 @@ def _build_parser() -> argparse.ArgumentParser:
                             "layers, no stage empty; default: the planner's split)")
     serve.add_argument("--node-memory", type=_positive_size, default=None, metavar="SIZE",
                        help="memory each local node may hold for models (default: this "
-                            "machine's memory less 4 GiB, shared by the nodes); models past "
-                            "it evict the least recently used idle ones")
+                            "machine's memory less --os-reserve, shared by the nodes); models "
+                            "past it evict the least recently used idle ones")
+    serve.add_argument("--os-reserve", type=_size, default="4GiB", metavar="SIZE",
+                       help="memory this machine keeps for its OS and apps; the local nodes "
+                            "share the rest (default: 4GiB; ignored with --node-memory)")
+    _add_kv_reserve_flags(serve)
     _add_pipeline_flags(serve)
     _add_rebalance_flags(serve)
     _add_engine_flags(serve)
@@ -425,6 +445,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_secret_file_flag(coordinator)
     coordinator.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
                              help="memory every node keeps for its OS (default: 8GiB)")
+    _add_kv_reserve_flags(coordinator)
     coordinator.add_argument("--no-discovery", action="store_true",
                              help="do not browse Bonjour; only `join --coordinator` nodes join")
     _add_pipeline_flags(coordinator)
@@ -486,10 +507,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--os-reserve", type=_size, default="8GiB", metavar="SIZE",
                       help="memory kept free on every node (default: 8GiB, a joined Mac's; "
                            "serve's own local nodes share the machine less 4 GiB)")
-    plan.add_argument("--context", type=_positive, default=4096, metavar="TOKENS",
-                      help="KV reserved per sequence (default: 4096)")
-    plan.add_argument("--sequences", type=_positive, default=8, metavar="N",
-                      help="concurrent sequences the KV reserve covers (default: 8)")
+    _add_kv_reserve_flags(plan)
     _add_hot_cache_flag(plan, "RAM each node's shard worker keeps for its prefix KV cache, as "
                               "`join --hot-cache-max-size` sets it")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -499,8 +517,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Ask a running coordinator (`serve`) for its nodes: id, address, health, "
                     "layer range, agent and shard worker pids, metrics address, and the "
                     "active plan.")
-    status.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
-                        help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
+    _add_url_flag(status)
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     add_api_key_flags(status, "a key the gateway takes (the first is sent)")
 
@@ -510,8 +527,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the best split for those speeds and the predicted gain, and move to it "
                     "now (past the threshold, window and cooldown), unless --dry-run.")
     rebalance.add_argument("--dry-run", action="store_true", help="show, do not move")
-    rebalance.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
-                           help="the coordinator's HTTP address (default: http://127.0.0.1:8000)")
+    _add_url_flag(rebalance)
     add_api_key_flags(rebalance, "a key the gateway takes (the first is sent)")
     rebalance.add_argument("--json", action="store_true", help="print the raw JSON")
 
@@ -531,8 +547,7 @@ def _build_parser() -> argparse.ArgumentParser:
         a = msub.add_parser(action, parents=[nested], help=what,
                             description=what[0].upper() + what[1:] + ".")
         a.add_argument("name", help="the model's name (as GET /v1/models lists it)")
-        a.add_argument("--url", type=_gateway_url, default="http://127.0.0.1:8000",
-                       help="the gateway (default: http://127.0.0.1:8000)")
+        _add_url_flag(a)
         add_api_key_flags(a, "a key the gateway takes (the first is sent)")
         if action == "unload":
             a.add_argument("--wait", type=_unload_wait, default=0.0, metavar="SECONDS",
@@ -818,6 +833,8 @@ def _serve(args: argparse.Namespace) -> int:
                              node_args=tuple(_engine_args(args)),
                              node_metrics_port=args.node_metrics_port,
                              node_memory_bytes=args.node_memory or 0,
+                             local_reserve_bytes=args.os_reserve,
+                             context_tokens=args.context, max_sequences=args.sequences,
                              worker_cache_bytes=args.hot_cache_max_size,
                              secret=new_secret())
     manager = _manager(args, models, options)
@@ -857,6 +874,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     options = ClusterOptions(nodes=0, micro_batches=args.micro_batches or 0, secret=secret,
                              backend=args.backend,
                              os_reserve_bytes=args.os_reserve,
+                             context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
                              discovery_interfaces=default_interfaces(args.host))
     return _run_gateway(args, _manager(args, models, options), keys)
@@ -1141,8 +1159,10 @@ def _ask_gateway(args: argparse.Namespace, method: str, path: str, what: str,
     try:
         r = httpx.request(method, args.url.rstrip("/") + path, timeout=timeout, headers=headers)
         if r.status_code == 401:
-            print(f"error: {args.url} wants an API key: pass --api-key-file FILE or set "
-                  "OMLX_CLUSTER_API_KEY", file=sys.stderr)
+            print(f"error: {args.url} refused the API key sent: pass one the gateway was "
+                  "started with (--api-key-file FILE, --api-key KEY or OMLX_CLUSTER_API_KEY)"
+                  if key else f"error: {args.url} wants an API key: pass --api-key-file FILE "
+                  "or set OMLX_CLUSTER_API_KEY", file=sys.stderr)
             return None
         if r.status_code >= 400 and _error_message(r):
             print(f"error: {_error_message(r)}", file=sys.stderr)

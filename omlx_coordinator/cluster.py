@@ -48,6 +48,9 @@ class ClusterOptions:
     backend: str = "auto"  # the data plane: "auto", "ring" or "jaccl" (omlx_coordinator/backend.py)
     secret: str | None = None  # the cluster secret; serve makes one up for its own nodes
     os_reserve_bytes: int = 8 << 30  # memory every remote node keeps for its OS and apps
+    local_reserve_bytes: int = 4 << 30  # what serve's machine keeps besides its local nodes
+    context_tokens: int = 4096  # KV a plan reserves per sequence...
+    max_sequences: int = 8  # ... for this many sequences at once
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
     discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
@@ -123,11 +126,12 @@ class Cluster:
         self.weight_counters = WeightCounters()
 
     def local_budget(self) -> int:
-        """Local nodes share this machine's memory (less 4 GiB for everything else), unless
-        --node-memory says how much each may use."""
+        """Local nodes share this machine's memory (less --os-reserve for everything else),
+        unless --node-memory says how much each may use."""
         if self.options.node_memory_bytes:
             return self.options.node_memory_bytes
-        return max(0, machine_memory() - (4 << 30)) // max(1, self.options.nodes)
+        return (max(0, machine_memory() - self.options.local_reserve_bytes)
+                // max(1, self.options.nodes))
 
     def free_budget(self, name: str, excluding: Holder | None = None) -> int:
         """What node `name`'s budget leaves for one more plan: the other holders' plans (the

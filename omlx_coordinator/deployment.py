@@ -105,7 +105,10 @@ class Deployment:
             nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes)
                      for m in members]
         split = self.model.config.split
+        options = self.cluster.options
         return make_plan(self.model.layout, nodes, os_reserve_bytes=0,
+                         context_tokens=options.context_tokens,
+                         max_sequences=options.max_sequences,
                          split=split if split and len(split) == len(nodes) else None)
 
     def _next_plan(self) -> tuple[list[Member], Plan | None]:

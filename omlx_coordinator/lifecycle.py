@@ -26,9 +26,6 @@ from omlx_coordinator.cluster import Cluster, Member, NoCapacity
 from omlx_coordinator.deployment import Deployment
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError
 from omlx_coordinator.served_model import LOADED, LOADING, UNLOADED, ServedModel
-
-# Node budgets are given net of each node's OS reserve already.
-PLAN_SETTINGS = placement.PlanSettings(os_reserve_bytes=0)
 from omlx_shared.block_hashes import block_hashes
 from omlx_shared.heap import freeze_startup_heap
 
@@ -250,8 +247,13 @@ class ModelManager:
         would pause every stream the gateway serves."""
         nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes)
                  for m in self.cluster.servable()]
+        # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
+        options = self.cluster.options
+        settings = placement.PlanSettings(os_reserve_bytes=0,
+                                          context_tokens=options.context_tokens,
+                                          max_sequences=options.max_sequences)
         return await asyncio.to_thread(placement.place_evicting, model.layout, nodes, loaded,
-                                       model.config.replicas, model.config.split, PLAN_SETTINGS)
+                                       model.config.replicas, model.config.split, settings)
 
     async def _fits(self, model: ServedModel) -> bool:
         """Whether `model` fits beside the loaded models, evicting none."""

@@ -572,9 +572,12 @@ def _budget_str(c: _Costs, j: int) -> str:
     if c.budgets[j] >= 0:
         return f"budget {_b(c.budgets[j])}"
     nd = c.nodes[j]
-    taken = f"the {_b(c.os_reserve_bytes)} OS reserve" + (
-        f" and {_b(nd.cache_bytes)} prefix cache" if nd.cache_bytes else "")
-    return f"no budget: its {_b(nd.memory_bytes)} are {_b(-c.budgets[j])} short of {taken}"
+    # Only what takes memory is named: a 0 B reserve is no reason.
+    taken = [part for size, part in (
+        (c.os_reserve_bytes, f"the {_b(c.os_reserve_bytes)} OS reserve"),
+        (nd.cache_bytes, f"the {_b(nd.cache_bytes)} prefix cache")) if size]
+    return (f"no room: {' and '.join(taken)} take{'s' if len(taken) == 1 else ''} "
+            f"{_b(-c.budgets[j])} more than the node's {_b(nd.memory_bytes)}")
 
 
 def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -> PlanError:
@@ -613,9 +616,9 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
         else:
             lines.append(f"  {name}: no layers ({_budget_str(c, j)})")
     lines.append(
-        "Add memory or a node, reserve less KV (`omlx-cluster plan --context N --sequences N`), "
-        "lower the OS reserve (--os-reserve) or the nodes' prefix cache (--hot-cache-max-size), "
-        "or use a more quantized model."
+        "Add memory or a node, reserve less KV (--context TOKENS, --sequences N), keep a "
+        "smaller OS reserve (--os-reserve) or prefix cache (--hot-cache-max-size; a joined "
+        "node's is its `join --hot-cache-max-size`), or use a more quantized model."
     )
     return PlanError("\n".join(lines), missing_bytes=missing, missing_by_node=over)
 

@@ -312,8 +312,9 @@ def test_user_split_is_validated_and_explained():
              NodeSpec("c", 64 * GiB)]
     with pytest.raises(PlanError) as info:
         make_plan(lay, under, split=[1, 6, 2], os_reserve_bytes=8 * GiB, **kw)
-    assert ("b: layers [1, 7) need" in str(info.value) and "no budget: its 4.00 GiB are 5.00 GiB "
-            "short of the 8.00 GiB OS reserve and 1.00 GiB prefix cache" in str(info.value))
+    assert ("b: layers [1, 7) need" in str(info.value) and "no room: the 8.00 GiB OS reserve "
+            "and the 1.00 GiB prefix cache take 5.00 GiB more than the node's 4.00 GiB"
+            in str(info.value))
 
 
 def test_single_node_holds_a_tied_embedding_once_and_pays_no_link():
