@@ -827,6 +827,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: --split has {len(args.split)} entries but --nodes is {args.nodes}",
               file=sys.stderr)
         return 2
+    _warn_slow_blas()
     # Its own nodes get a secret made up for this run: nothing else can drive them.
     options = ClusterOptions(nodes=args.nodes,
                              micro_batches=args.micro_batches or 0, backend=args.backend,
@@ -855,6 +856,14 @@ def _serve(args: argparse.Namespace) -> int:
         for line in plan.explanation:
             log.info("plan: %s", line)
     return _run_gateway(args, manager, keys)
+
+
+def _warn_slow_blas() -> None:
+    """Once, at start: serve's nodes log their machine checks to their own files, out of the
+    user's sight; `join` runs them in its own process and logs them there."""
+    from omlx_shared import checks
+
+    checks.log_problems(checks.local_checks(only={"blas"}), log)
 
 
 def _coordinator(args: argparse.Namespace) -> int:

@@ -13,9 +13,14 @@ import asyncio
 import logging
 import shlex
 import socket
+import warnings
 from pathlib import Path
 
-import asyncssh
+# asyncssh still imports cryptography's DSA, which warns about it ten times at import (before
+# doctor's table, up's or down's steps): a warning to asyncssh's authors, not to our users.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="DSA is deprecated")
+    import asyncssh
 
 from omlx_shared.checks import Output
 

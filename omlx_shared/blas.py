@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+OPENBLAS_PACKAGE = "libopenblas0-pthread"  # Debian's package that installs it
 
 
 def blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:

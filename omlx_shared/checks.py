@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omlx_shared import __version__
+from omlx_shared.blas import OPENBLAS, OPENBLAS_PACKAGE
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 GIB = 1 << 30
@@ -416,6 +417,25 @@ def judge_sleep(out: Output, ctx: Context) -> CheckResult:
     return CheckResult("sleep", WARN, ", ".join(problems) + why, "; ".join(fixes))
 
 
+def judge_blas(out: Output, ctx: Context) -> CheckResult:
+    """Where MLX computes on the CPU (Linux without a CUDA GPU), whether a node preloads an
+    optimised BLAS: MLX's wheel ships a reference one, prefill ~6x slower."""
+    found = set(out.stdout.split())
+    if "metal" in found:
+        return CheckResult("blas", PASS, "Metal: MLX computes on the GPU")
+    if "gpu" in found:
+        return CheckResult("blas", PASS, "a CUDA GPU: MLX computes there, not on the CPU's BLAS")
+    if "openblas" in found:
+        return CheckResult("blas", PASS, f"OpenBLAS ({OPENBLAS}), preloaded for MLX's CPU "
+                                         "backend")
+    if "reference" in found:
+        return CheckResult("blas", PASS, "MLX's reference BLAS, as OMLX_BLAS=reference asks")
+    return CheckResult("blas", WARN, "MLX's CPU backend runs on its reference BLAS: prompts "
+                                     "prefill about 6x slower than with OpenBLAS",
+                       f"sudo apt-get install {OPENBLAS_PACKAGE} (Debian, Ubuntu); nodes "
+                       "preload it when they start")
+
+
 def judge_firewall(out: Output, ctx: Context) -> CheckResult:
     text = out.stdout.lower()
     if "firewall is disabled" in text:
@@ -497,6 +517,10 @@ PROBES: tuple[Probe, ...] = (
           judge_wired_limit),
     Probe("sleep", {"Darwin": f"pmset -g; echo {SECTION}; pmset -g custom"}, judge_sleep),
     Probe("firewall", {"Darwin": _FIREWALL}, judge_firewall),
+    Probe("blas", {"Darwin": "echo metal",
+                   "Linux": f'[ "${{OMLX_BLAS:-openblas}}" = reference ] && echo reference; '
+                            f"[ -e {OPENBLAS} ] && echo openblas; "
+                            "[ -e /dev/nvidiactl ] && echo gpu; true"}, judge_blas),
 )
 
 

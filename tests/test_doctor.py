@@ -114,7 +114,8 @@ def test_doctor_without_hosts_checks_this_machine(model):
     if host["system"] != "Darwin":
         assert all(checks[n]["detail"] == "not macOS" for n in MAC_ONLY)
     assert checks["versions"]["status"] == "pass"
-    assert set(checks) == {"versions", "memory", "disk"} | MAC_ONLY  # no view from elsewhere
+    # No view from elsewhere.
+    assert set(checks) == {"versions", "memory", "disk", "blas"} | MAC_ONLY
 
 
 def test_link_probe_between_two_local_ranks():
