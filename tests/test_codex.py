@@ -20,34 +20,33 @@ more; `tool_choice: "auto"`, `parallel_tool_calls: true`, `reasoning: {"summary"
 Bearer <key>`, `originator: codex_exec`, `session-id`, `x-codex-turn-metadata`. It reads
 `response.output_text.delta`, `response.output_item.done` and `response.completed` (with usage).
 
-The model is the tiny random one of tests/test_claude_code.py (a 32k BPE; one token in 20 ends
+The model is the tiny random one of tests/agent_clients.py (a 32k BPE; one token in 20 ends
 the turn, so a reply ends after about 20 tokens and Codex finishes the turn).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 
+from tests.agent_clients import (
+    CONTEXT,
+    TURN_TIMEOUT,
+    build_agent_model,
+    install_cli,
+    offline_env,
+)
 from tests.conftest import Server, start_server
-from tests.conftest_models import cache_dir
-from tests.tiny_models import QWEN_TEMPLATE, build_model
 
 pytestmark = pytest.mark.slow
 
 PACKAGE = "@openai/codex"
 KEY = "sk-codex-test"
 KEY_ENV = "OMLX_API_KEY"
-VOCAB = 32768
-CONTEXT = 65536
-TURN_TIMEOUT = 600  # seconds a turn may take (its first prefill is ~10k tokens on a CPU)
 
 
 def codex_config(base_url: str, model: str) -> str:
@@ -66,55 +65,19 @@ stream_max_retries = 0
 '''
 
 
-def install_codex() -> tuple[Path, str]:
-    """The `codex` CLI at the newest version npm serves (the one installed when npm cannot be
-    asked), in the test cache; RuntimeError says why it cannot be."""
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        raise RuntimeError("node and npm are needed to install Codex CLI")
-    prefix = cache_dir() / "codex"
-    cli = prefix / "node_modules" / ".bin" / "codex"
-    manifest = prefix / "node_modules" / PACKAGE / "package.json"
-    installed = json.loads(manifest.read_text())["version"] if manifest.exists() else None
-    r = subprocess.run([npm, "view", PACKAGE, "version"], capture_output=True, text=True,
-                       timeout=120)
-    newest = r.stdout.strip() if r.returncode == 0 else installed
-    if newest is None:
-        raise RuntimeError(f"npm view {PACKAGE} failed: {r.stderr[-2000:]}")
-    if newest != installed or not cli.exists():
-        prefix.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                            f"{PACKAGE}@{newest}"], capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"npm install {PACKAGE} failed: {r.stderr[-2000:]}")
-    # The npm package's launcher runs a native binary from a per-platform package.
-    r = subprocess.run([str(cli), "--version"], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 or newest not in r.stdout:
-        raise RuntimeError(f"{cli} --version said: {r.stdout[-500:]}{r.stderr[-1500:]}")
-    return cli, newest
-
-
 @pytest.fixture(scope="module")
 def codex() -> tuple[Path, str]:
     """(the CLI, its version)."""
     try:
-        return install_codex()
+        return install_cli(PACKAGE, "codex", "codex")
     except RuntimeError as e:
         pytest.skip(f"Codex CLI is not available: {e}")
 
 
 @pytest.fixture(scope="module")
 def codex_server(codex: tuple[Path, str], tmp_path_factory):
-    """A 2-layer Qwen-style model whose tokenizer reads English and code in few tokens."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    corpus = [f.read_text(errors="ignore") for f in sorted(stdlib.glob("*.py"))]
-    dest = tmp_path_factory.mktemp("models") / "tiny-codex"
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=0, vocab_size=VOCAB,
-                corpus=corpus, chat_template=QWEN_TEMPLATE,
-                extra_config={"max_position_embeddings": CONTEXT,
-                              # One token in 20 ends the turn (see the module docstring).
-                              "eos_token_id": list(range(VOCAB - VOCAB // 20, VOCAB))})
-    with start_server(dest, "--api-key", KEY, home=tmp_path_factory.mktemp("home")) as s:
+    model = build_agent_model(tmp_path_factory.mktemp("models") / "tiny-codex")
+    with start_server(model, "--api-key", KEY, home=tmp_path_factory.mktemp("home")) as s:
         yield s
 
 
@@ -129,11 +92,7 @@ def test_codex_exec_turn(codex: tuple[Path, str], codex_server: Server, tmp_path
     work.mkdir()
     (home / "config.toml").write_text(codex_config(codex_server.url + "/v1",
                                                    codex_server.model_id))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
-           "CODEX_HOME": str(home), KEY_ENV: KEY,
-           # No network: anything but our server goes to a proxy that refuses at once.
-           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-           "NO_PROXY": "127.0.0.1,localhost"}
+    env = offline_env(tmp_path, CODEX_HOME=str(home), **{KEY_ENV: KEY})
     r = subprocess.run([str(cli), "exec", "--skip-git-repo-check", "--ephemeral", "--json",
                         "-C", str(work), "Say hi."], env=env, stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=TURN_TIMEOUT)
@@ -144,7 +103,9 @@ def test_codex_exec_turn(codex: tuple[Path, str], codex_server: Server, tmp_path
     assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, \
         events
     usage = next(e["usage"] for e in events if e.get("type") == "turn.completed")
-    assert usage["input_tokens"] > 5000 and usage["output_tokens"] >= 1, usage  # its prompt
+    # Its whole prompt arrived. The reply may be empty: its first token ends the turn one time
+    # in 20 (measured: 1 of 40), and Codex finishes that turn as it should.
+    assert usage["input_tokens"] > 5000, usage
     assert '"POST /v1/responses HTTP/1.1" 200' in log, log
     assert not re.search(r'HTTP/1\.1" 4\d\d', log), log
     assert "Traceback" not in log
@@ -152,6 +113,6 @@ def test_codex_exec_turn(codex: tuple[Path, str], codex_server: Server, tmp_path
 
 if __name__ == "__main__":
     try:
-        print(*install_codex())
+        print(*install_cli(PACKAGE, "codex", "codex"))
     except RuntimeError as e:
         raise SystemExit(f"Codex CLI is not available: {e}") from None
