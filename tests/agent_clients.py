@@ -1,6 +1,6 @@
 """What the live agent-client tests share (Claude Code, Codex CLI, OpenCode): each client from
 npm, installed into the test cache on first use; an environment with no network but the test's
-server; and the tiny model they talk to.
+server; and the tiny model they talk to (on one node and through a 2-stage pipeline).
 
 The model is a 2-layer random Qwen-style one whose 32k BPE, trained on the Python standard
 library (and whatever text a client ships, passed in), reads an agent's ~10-20k-token prompt in
@@ -25,6 +25,8 @@ VOCAB = 32768
 CONTEXT = 65536
 TURN_TIMEOUT = 600  # seconds a turn may take (a first prefill is 10-20k tokens on a CPU)
 NO_NETWORK = "http://127.0.0.1:9"  # a proxy nothing listens on: refused at once
+# A server fixture's params: a client must work on one node and through a pipeline.
+ONE_NODE_AND_PIPELINE = {"params": [1, 2], "ids": ["one node", "2-stage pipeline"]}
 
 
 def _npm() -> str:

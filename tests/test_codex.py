@@ -1,4 +1,5 @@
-"""OpenAI's Codex CLI (`codex exec`, non-interactive) against a live server over the Responses API.
+"""OpenAI's Codex CLI (`codex exec`, non-interactive) against a live server over the Responses API,
+on one node and through a 2-stage pipeline.
 
 Codex is the newest release npm serves, installed into the test cache on first use (`python -m
 tests.test_codex` does it by hand); its version is printed with the test's output. Its model
@@ -35,6 +36,7 @@ import pytest
 
 from tests.agent_clients import (
     CONTEXT,
+    ONE_NODE_AND_PIPELINE,
     TURN_TIMEOUT,
     build_agent_model,
     install_cli,
@@ -75,9 +77,14 @@ def codex() -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def codex_server(codex: tuple[Path, str], tmp_path_factory):
-    model = build_agent_model(tmp_path_factory.mktemp("models") / "tiny-codex")
-    with start_server(model, "--api-key", KEY, home=tmp_path_factory.mktemp("home")) as s:
+def codex_model(codex: tuple[Path, str], tmp_path_factory) -> Path:
+    return build_agent_model(tmp_path_factory.mktemp("models") / "tiny-codex")
+
+
+@pytest.fixture(scope="module", **ONE_NODE_AND_PIPELINE)
+def codex_server(request, codex_model: Path, tmp_path_factory):
+    with start_server(codex_model, "--api-key", KEY, "--nodes", str(request.param),
+                      home=tmp_path_factory.mktemp("home")) as s:
         yield s
 
 
