@@ -13,9 +13,10 @@ Offline, measured with OpenCode 1.18.33 and a proxy that logs what it refuses: a
 fetches https://models.opencode.ai/api.json (models.dev's metadata; failing, it logs an error
 and goes on) unless OPENCODE_DISABLE_MODELS_FETCH is set, and in the background it runs npm
 (its bundled Arborist, registry.npmjs.org) to install `@opencode-ai/plugin` into each config
-folder whose node_modules is missing or whose package-lock.json lacks it (failing, a warning).
-The test installs that package once into the test cache with npm and gives each run's config
-folder its package.json, package-lock.json and node_modules: then nothing reaches the proxy.
+folder whose node_modules is missing or whose package-lock.json lacks it (failing, the turn
+goes on). The test installs that package once into the test cache with npm and gives each run's
+config folder its package.json, package-lock.json and node_modules: then nothing reaches the
+proxy.
 
 What OpenCode 1.18.33 sends (tests/data/opencode_chat_body.json, replayed in
 tests/test_opencode_body.py): two streamed `POST /v1/chat/completions` for a turn, both with
