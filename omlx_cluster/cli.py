@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
 from omlx_shared import __version__
+from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
 log = logging.getLogger("omlx_cluster")
@@ -185,8 +186,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "those no running stage uses (layer ranges a re-plan left, models not "
                         "loaded, older weights), least recently used pruned first; 0 keeps the "
                         "cache in RAM only (default: 16GiB)")
-    p.add_argument("--cache-block-size", type=_positive, default=256, metavar="TOKENS",
-                   help="tokens per prefix-cache block (default: 256)")
+    p.add_argument("--cache-block-size", type=_positive, default=DEFAULT_BLOCK_SIZE,
+                   metavar="TOKENS",
+                   help=f"tokens per prefix-cache block (default: {DEFAULT_BLOCK_SIZE})")
 
 
 def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -810,7 +812,7 @@ def _manager(args: argparse.Namespace, models, options):
     from omlx_coordinator.lifecycle import ModelManager
 
     return ModelManager(Cluster(options), models,
-                        block_size=getattr(args, "cache_block_size", None) or 256,
+                        block_size=getattr(args, "cache_block_size", None) or DEFAULT_BLOCK_SIZE,
                         routing_mode=args.routing)
 
 

@@ -22,6 +22,7 @@ import grpc
 
 from omlx_coordinator.membership import DiscoveryBridge
 from omlx_coordinator.node_client import AdmissionError, AgentClient
+from omlx_coordinator.status_log import LoggedStatus
 from omlx_coordinator.weight_transfer import WeightCounters
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
@@ -99,6 +100,8 @@ class Cluster:
     It watches its members (a health call every HEARTBEAT_SECONDS) and tells `on_lost` which
     ones stopped answering, and `on_joined` of a node that joined: the models' deployments
     (omlx_coordinator/lifecycle.py) then re-plan."""
+
+    status = LoggedStatus(lambda c: "cluster")
 
     def __init__(self, options: ClusterOptions | None = None):
         self.options = options or ClusterOptions()

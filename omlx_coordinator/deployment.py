@@ -23,6 +23,7 @@ from omlx_coordinator.placement import plan_bytes
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
 from omlx_coordinator.routing import PrefixIndex
 from omlx_coordinator.served_model import ServedModel
+from omlx_coordinator.status_log import LoggedStatus
 from omlx_coordinator.weight_transfer import TransferProgress, ensure_weights
 from proto import omlx_pb2 as pb
 
@@ -33,6 +34,8 @@ RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most thi
 
 
 class Deployment:
+    status = LoggedStatus(lambda d: d.name)
+
     def __init__(self, cluster: Cluster, model: ServedModel, replica: int = 0,
                  plan: Plan | None = None):
         self.cluster, self.model, self.replica = cluster, model, replica
@@ -237,7 +240,9 @@ class Deployment:
 
         def show(p: TransferProgress) -> None:
             progress[p.node] = p
-            self.status = "transferring weights: " + ", ".join(
+            # Not through the status setter: a line per message would flood the log (the
+            # transfer logs its own, every few seconds).
+            self._status = "transferring weights: " + ", ".join(
                 f"{q.node} {q.bytes_sent / 1e6:.0f}/{q.bytes_to_send / 1e6:.0f} MB"
                 for q in progress.values())
 

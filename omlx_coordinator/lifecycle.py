@@ -26,7 +26,7 @@ from omlx_coordinator.cluster import Cluster, Member, NoCapacity
 from omlx_coordinator.deployment import Deployment
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError
 from omlx_coordinator.served_model import LOADED, LOADING, UNLOADED, ServedModel
-from omlx_shared.block_hashes import block_hashes
+from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ NO_NODES = "no node has joined yet: run `omlx-cluster join` on a Mac with this c
 
 
 class ModelManager:
-    def __init__(self, cluster: Cluster, models: list[ServedModel], block_size: int = 256,
+    def __init__(self, cluster: Cluster, models: list[ServedModel], block_size: int = DEFAULT_BLOCK_SIZE,
                  routing_mode: str = "prefix"):
         if routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing {routing_mode!r}: one of {', '.join(ROUTING_MODES)}")

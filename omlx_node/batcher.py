@@ -179,6 +179,7 @@ class Sequence:
         self.looked_up = False  # the prefix cache was asked (and answered)
         self.lookup_sent = False  # (pipeline head) the stages were asked
         self.generated = 0
+        self.sampled: list[int] = []  # every token sampled for it, a stop token included
         self.input_is_prompt = True  # its decode input is still the last prompt token
         self.cancelled = False
         self.finished = False  # its Finish is out; a pipeline drops its row at the next step
@@ -195,12 +196,31 @@ class Sequence:
     def to_prefill(self) -> list[int]:
         return self.req.prompt[:-1]
 
+    @property
+    def fed(self) -> list[int]:
+        """The tokens its KV holds, in order, once it decodes: its prompt, then each sampled
+        token that a later step took as input (the last one or two may not have run yet)."""
+        return self.req.prompt + self.sampled
+
 
 def _row(cache: KVCache, r: int) -> KVCache:
     """Row `r` of a batch's KVCache, as a one-row KVCache of its own."""
     keys, values = cache.keys_and_values()
     out = KVCache()
     out.state = (keys[r:r + 1], values[r:r + 1], cache.offset)
+    return out
+
+
+def _row_view(cache: KVCache | BatchKVCache, r: int) -> KVCache:
+    """Row `r` of a micro-batch's layer cache as a one-row KVCache over the same buffer, its
+    left padding cut off: a slice, so a store copies only the blocks it keeps of it."""
+    if not isinstance(cache, BatchKVCache):
+        return cache  # a micro-batch of one row keeps its plain cache
+    pad = cache.left_padding[r].item()
+    out = KVCache()
+    out.keys = cache.keys[r:r + 1, :, pad:cache._idx]
+    out.values = cache.values[r:r + 1, :, pad:cache._idx]
+    out.offset = cache._idx - pad
     return out
 
 
@@ -331,6 +351,18 @@ class StageState:
             self.prefix_cache.store(tokens, cache)
         except Exception:
             log.exception("KV cache: storing a prompt's blocks failed")
+
+    def keep_answers(self, mb: int, rows: dict[int, list[int]]) -> None:
+        """The prefix cache keeps what rows of micro-batch `mb` (row index -> the tokens its KV
+        holds, `Sequence.fed`) computed past their prompt: an agent sends the answer back
+        with its next turn, and without it that turn would prefill the answer again. Call it
+        before `update` drops the rows. Only where every layer is a plain KVCache: a window
+        no longer holds a long answer's start."""
+        if self.prefix_cache is None or not self.batchable or not rows:
+            return
+        caches = self.caches[mb]
+        for r, tokens in rows.items():
+            self._keep(tokens, [_row_view(c, r) for c in caches])
 
     def flush_admitted(self) -> None:
         """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
@@ -632,6 +664,7 @@ class Engine:
               verdict: tuple[Verdict, str]) -> Finish | None:
         """Streams one sampled token; returns the sequence's Finish if it is done. `verdict`:
         what the token did to the sequence's grammar, and the matcher's error."""
+        seq.sampled.append(tok)
         grammar, error = verdict
         if grammar == Verdict.ERROR:
             return Finish("error", f"grammar: {error}")
@@ -890,6 +923,9 @@ class Batcher(Engine):
         logprobs = self._logprobs(records[1], records[0].tolist()) if records else None
         keep = self._emit_step(self._batch, y.tolist(), logprobs, verdicts, failed)
         if len(keep) < len(self._batch):
+            kept = set(keep)
+            self.state.keep_answers(self.MB, {i: s.fed for i, s in enumerate(self._batch)
+                                              if i not in kept})
             self.state.update(self.MB, keep, [])
             self._batch = [self._batch[i] for i in keep]
             self._samplers = [self._samplers[i] for i in keep]

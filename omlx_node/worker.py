@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from omlx_shared import __version__, auth, cluster_tls
+from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine, Finish
@@ -71,7 +72,7 @@ class WorkerConfig:
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
     init_timeout: float = 60.0
-    cache_block_size: int = 256
+    cache_block_size: int = DEFAULT_BLOCK_SIZE
     hot_cache_bytes: int = 0  # 0: no prefix cache at all
     ssd_cache_dir: Path | None = None  # None: RAM only
     ssd_cache_bytes: int = 0

@@ -17,6 +17,13 @@ import numpy as np
 
 _HASH_DOMAIN = b"omlx-kv-v1\0"
 
+# Tokens per block. Agents re-send their conversation every turn, and a turn reuses only whole
+# blocks of it: with 256-token blocks each turn prefilled up to 255 re-sent tokens again (the
+# prompt's partial block and the model's own answer). 16 keeps the loss under 1% of a
+# 1,500-token agent prompt; what more, smaller blocks cost is measured in
+# bench/results/block_size_cpu.md.
+DEFAULT_BLOCK_SIZE = 16
+
 
 def block_hashes(model_id: str, tokens: Sequence[int], block_size: int) -> list[str]:
     """Hex SHA-256 chain over the FULL blocks of `tokens`:

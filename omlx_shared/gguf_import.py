@@ -39,6 +39,7 @@ from rich.progress import (
 )
 
 from omlx_shared.model_store import ModelError, models_dir, validate_model_dir
+from omlx_shared.progress import ProgressLines, on_terminal
 
 GROUP_SIZE = 32
 
@@ -194,7 +195,8 @@ def import_gguf(gguf_path: Path, dest: Path | None = None, progress: bool = True
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".importing", dir=dest.parent))
     try:
-        quantized = _convert_tensors(plan, _ARCHITECTURES[arch], config, tmp, progress)
+        quantized = _convert_tensors(plan, _ARCHITECTURES[arch], config, tmp, progress,
+                                     f"importing {gguf_path.name}")
         config.update(_quantization_config(plan, quantized))
         config.update(_write_tokenizer(meta, arch, tmp, config["max_position_embeddings"]))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -350,7 +352,7 @@ def _f32(value: float) -> float:
 
 
 def _convert_tensors(plan: list[_Planned], arch: _Arch, config: dict, folder: Path,
-                     progress: bool) -> dict[str, int]:
+                     progress: bool, what: str) -> dict[str, int]:
     """Write the weights as safetensors shards; return {module path: bits} of quantized ones."""
     permuted_heads = {}
     if arch.permute_qk:
@@ -371,9 +373,11 @@ def _convert_tensors(plan: list[_Planned], arch: _Arch, config: dict, folder: Pa
 
     columns = (TextColumn("[bold]Importing GGUF"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn(), TextColumn("{task.description}"))
+    # Off a terminal the bar draws nothing: a few lines say how far a long import is.
+    lines = ProgressLines(what, len(plan), "tensors") if progress and not on_terminal() else None
     with Progress(*columns, disable=not progress, transient=True) as bar:
         task = bar.add_task("", total=len(plan))
-        for item in plan:
+        for i, item in enumerate(plan, 1):
             bar.update(task, description=item.tensor.name)
             module = item.name.rpartition(".")[0]
             n_head = permuted_heads.get(module.rpartition(".")[2])
@@ -386,6 +390,8 @@ def _convert_tensors(plan: list[_Planned], arch: _Arch, config: dict, folder: Pa
             if shard_bytes >= _SHARD_BYTES:
                 flush()
             bar.advance(task)
+            if lines is not None:
+                lines.update(i)
     if shard:
         flush()
 

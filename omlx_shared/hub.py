@@ -134,7 +134,11 @@ def _import(gguf: Path, dest: Path) -> Path:
 def _download(repo_id: str, gguf_file: str | None, dest: Path) -> Path:
     import httpx
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+    )
 
     from omlx_shared.progress import logged_tqdm
 

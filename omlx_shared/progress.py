@@ -31,7 +31,8 @@ def on_terminal() -> bool:
 
 
 class ProgressLines:
-    """Logs `what: 40% (37.20 MiB of 93.00 MiB)` each time another tenth is done; the total
+    """Logs `what: 40% (37.20 MiB of 93.00 MiB)` (or `(12 of 30 tensors)`) each time another
+    tenth is done; the total
     may grow while it runs (a download learns its files' sizes one by one)."""
 
     def __init__(self, what: str, total: float = 0, unit: str = "B") -> None:
@@ -45,11 +46,11 @@ class ProgressLines:
         tenths = min(STEPS, int(done * STEPS // self.total))
         if tenths > self._logged:
             self._logged = tenths
-            log.info("%s: %d%% (%s of %s)", self.what, tenths * 100 // STEPS,
-                     self._amount(done), self._amount(self.total))
-
-    def _amount(self, n: float) -> str:
-        return human_bytes(n) if self.unit == "B" else f"{n:.0f} {self.unit}"
+            if self.unit == "B":
+                amount = f"{human_bytes(done)} of {human_bytes(self.total)}"
+            else:
+                amount = f"{done:.0f} of {self.total:.0f} {self.unit}"
+            log.info("%s: %d%% (%s)", self.what, tenths * 100 // STEPS, amount)
 
 
 def logged_tqdm(what: str) -> type[tqdm]:

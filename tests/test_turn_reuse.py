@@ -1,0 +1,121 @@
+"""An agent's next turn computes only what is new: the prefix cache keeps a turn's whole prompt
+and the model's own answer, so the re-sent conversation is reused up to its last whole block,
+through token ids, the chat API and the Messages API with Qwen's template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from tests.conftest import start_server
+from tests.tiny_models import build_model, qwen_tokenizer
+
+BLOCK = 16
+ANSWER = 12
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("models") / "tiny-qwen-turns"
+    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
+                extra_config={"vocab_size": 400, "max_position_embeddings": 4096})
+    return qwen_tokenizer(dest)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with start_server(model, "--cache-block-size", str(BLOCK), "--api-key", "k",
+                      home=tmp_path_factory.mktemp("home"), keepalive=None) as s:
+        yield s
+
+
+def greedy(model_path: Path, ids: list[int], n: int = ANSWER) -> list[int]:
+    """mlx-lm's greedy continuation of `ids`: what the node must answer too."""
+    ref, _ = load(str(model_path))
+    out = [int(t) for t, _ in generate_step(mx.array(ids), ref, max_tokens=n)]
+    mx.synchronize()
+    return out
+
+
+def post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=120,
+                   headers={"authorization": "Bearer k", "x-api-key": "k",
+                            "anthropic-version": "2023-06-01"})
+    r.raise_for_status()
+    return r.json()
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@slow
+def test_a_turns_answer_is_reused_by_the_next_turn(server, model) -> None:
+    """Token ids: turn 2 re-sends turn 1's prompt and answer token for token; every whole block
+    of them is reused, the answer's included, and the outputs stay mlx-lm's."""
+    _, tok = load(str(model))
+    p1 = tok.encode("Read the file and tell me what it does. " * 5)
+    g1 = greedy(model, p1)
+    first = post(server, "/v1/completions", {"model": server.model_id, "prompt": p1,
+                                             "max_tokens": ANSWER, "temperature": 0,
+                                             "ignore_eos": True})
+    assert first["choices"][0]["text"] == tok.decode(g1)
+    p2 = p1 + g1 + tok.encode(" Now fix it.")
+    second = post(server, "/v1/completions", {"model": server.model_id, "prompt": p2,
+                                              "max_tokens": ANSWER, "temperature": 0,
+                                              "ignore_eos": True})
+    assert second["choices"][0]["text"] == tok.decode(greedy(model, p2))
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (len(p1) + len(g1)) // BLOCK * BLOCK > len(p1) // BLOCK * BLOCK
+
+
+def conversation(tok, system: str, turns: list[tuple[str, str]]) -> list[int]:
+    """The rendered chat's ids: the system prompt, then (user, assistant) pairs; a last pair
+    with no answer ends in the generation prompt."""
+    messages = [{"role": "system", "content": system}]
+    for user, answer in turns:
+        messages.append({"role": "user", "content": user})
+        if answer:
+            messages.append({"role": "assistant", "content": answer})
+    return tok.apply_chat_template(messages, add_generation_prompt=not turns[-1][1])
+
+
+@slow
+@pytest.mark.parametrize("api", ["chat", "anthropic"])
+def test_the_re_sent_conversation_is_reused_through_the_apis(server, model, api) -> None:
+    """Turn 2 through the chat or Messages API: its cached tokens cover the whole prefix it
+    re-sent token for token (turn 1's prompt and the answer as the template renders it again),
+    but for the last partial block."""
+    _, tok = load(str(model))
+    system = f"You are a coding agent ({api}). " + "Use the tools you have. " * 8
+    ask, then = "Where is the parser?", "Now explain it."
+    p1 = conversation(tok, system, [(ask, "")])
+    answer = tok.decode(greedy(model, p1))
+    resent = common(conversation(tok, system, [(ask, answer), (then, "")]),
+                    p1 + greedy(model, p1))
+    assert resent > len(p1)  # the template gives the answer back token for token, at least part
+
+    def turn(history: list[dict]) -> int:
+        if api == "chat":
+            body = {"model": server.model_id, "temperature": 0, "max_tokens": ANSWER,
+                    "ignore_eos": True,
+                    "messages": [{"role": "system", "content": system}, *history]}
+            out = post(server, "/v1/chat/completions", body)
+            return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        body = {"model": server.model_id, "temperature": 0, "max_tokens": ANSWER,
+                "system": system, "messages": history}
+        return post(server, "/v1/messages", body)["usage"]["cache_read_input_tokens"]
+
+    turn([{"role": "user", "content": ask}])
+    cached = turn([{"role": "user", "content": ask}, {"role": "assistant", "content": answer},
+                   {"role": "user", "content": then}])
+    assert cached >= resent // BLOCK * BLOCK
