@@ -44,8 +44,8 @@ NO_NODES = "no node has joined yet: run `omlx-cluster join` on a Mac with this c
 
 
 class ModelManager:
-    def __init__(self, cluster: Cluster, models: list[ServedModel], block_size: int = DEFAULT_BLOCK_SIZE,
-                 routing_mode: str = "prefix"):
+    def __init__(self, cluster: Cluster, models: list[ServedModel],
+                 block_size: int = DEFAULT_BLOCK_SIZE, routing_mode: str = "prefix"):
         if routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing {routing_mode!r}: one of {', '.join(ROUTING_MODES)}")
         self.cluster = cluster
