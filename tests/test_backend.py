@@ -18,6 +18,7 @@ from omlx_coordinator.backend import BackendError, choose_backend
 from omlx_coordinator.cluster import ClusterOptions
 from omlx_node import thunderbolt
 from proto import omlx_pb2 as pb
+from tests.cluster_secret import SECRET
 from tests.conftest import REPO, free_port, start_server
 from tests.tiny_models import build_model, serving
 
@@ -294,7 +295,7 @@ def test_jaccl_that_does_not_form_falls_back_to_ring(model):
     workers refuse jaccl at once (this MLX build has none), and the plan loads over ring."""
 
     async def main():
-        manager = serving(model, "tiny-be", ClusterOptions(nodes=2, secret="s"))
+        manager = serving(model, "tiny-be", ClusterOptions(nodes=2, secret=SECRET))
         await manager.start()
         cluster = manager.main
         try:

@@ -18,6 +18,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from omlx_coordinator.cluster import NODE_BACK_SECONDS, ClusterOptions
+from tests.cluster_secret import SECRET
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, serving
 
@@ -141,7 +142,7 @@ def test_a_join_that_leaves_the_plan_as_it_is_reloads_nothing(models):
     """A node that joins but that the planner leaves out: the plan and its data plane stay, so
     nothing reloads and no stream is cut (a node that changes the plan is planned in)."""
     async def main() -> tuple[int, int, bool, bool]:
-        manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret="s"))
+        manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret=SECRET))
         await manager.start()
         try:
             d = manager.main
@@ -175,7 +176,7 @@ def test_a_plan_that_no_longer_fits_its_nodes_is_made_again(models):
     decided a tick before that load; a placement) is not loaded as it was made: the load plans
     again within the room left, and serves."""
     async def main() -> tuple[dict, dict, dict, bool]:
-        manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret="s"))
+        manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret=SECRET))
         await manager.start()
         try:
             d, cluster = manager.main, manager.cluster
