@@ -1320,10 +1320,24 @@ def _model_action(args: argparse.Namespace, console) -> int:
 
     action = args.models_command
     query = f"?wait={args.wait}" if action == "unload" and args.wait else ""
-    # A load waits for the model to serve; an unload for its requests and its workers.
-    body = _ask_gateway(args, "POST", f"/cluster/models/{quote(args.name, safe='')}/{action}"
-                        + query, f"the model {action}", timeout=1800 + args.__dict__.get(
-                            "wait", 0))
+    done = threading.Event()
+    if action == "load":  # seconds to minutes: its stages shown meanwhile
+        from omlx_cluster.load_progress import watch_load
+
+        key = _client_api_key(args)
+        watcher = threading.Thread(target=watch_load, daemon=True, args=(
+            args.url, {"authorization": f"Bearer {key}"} if key else {}, args.name, done,
+            console))
+        watcher.start()
+    try:
+        # A load waits for the model to serve; an unload for its requests and its workers.
+        body = _ask_gateway(args, "POST", f"/cluster/models/{quote(args.name, safe='')}/"
+                            f"{action}{query}", f"the model {action}",
+                            timeout=1800 + args.__dict__.get("wait", 0))
+    finally:
+        done.set()
+        if action == "load":
+            watcher.join()
     if body is None:
         return 2
     # A loaded model's state reads "pinned" when it is: said once, after "loaded".
