@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
@@ -15,6 +16,7 @@ from omlx_shared import __version__
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
+REGISTER_BACKOFF_SECONDS = 120.0  # refused, it asks again ever less often, at most this far apart
 log = logging.getLogger("omlx_cluster")
 
 
@@ -95,6 +97,10 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=_positive, default=4096, metavar="N",
                    help="completion limit when a request sets none, capped by the context "
                         "(default: 4096)")
+    p.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="also append the gateway's log (the access log included, GET /health "
+                        "left out) to FILE, mode 0600 (default: the terminal only; node and "
+                        "worker logs are in $OMLX_CLUSTER_HOME/logs/)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -753,6 +759,13 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
                                            timeout_graceful_shutdown=5, timeout_keep_alive=75,
                                            loop="uvloop", http="httptools"))
     redact_access_log()  # a key sent as ?api_key=... never reaches the log
+    if args.log_file:
+        try:
+            _log_to_file(args.log_file)
+        except OSError as e:
+            sock.close()
+            print(f"error: --log-file {args.log_file}: {e.strerror}", file=sys.stderr)
+            return 2
     log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
              "is ready)", args.host, sock.getsockname()[1],
              ", ".join(m.name for m in manager.models))
@@ -762,6 +775,16 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
               file=sys.stderr)
         return 1
     return 0
+
+
+def _log_to_file(path: Path) -> None:
+    """Every log line of this process to `path` too: the root logger's and uvicorn's, which
+    do not propagate to it (so this runs after uvicorn.Config has set them up)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # as all it writes
+    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("", "uvicorn", "uvicorn.access"):
+        logging.getLogger(name).addHandler(handler)
 
 
 def _keys_and_models(args: argparse.Namespace):
@@ -946,11 +969,13 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _register_periodically(coordinator: str, address: str, node_id: str, secret: str,
-                           every: float = 2.0) -> None:
+                           every: float = 2.0,
+                           longest: float = REGISTER_BACKOFF_SECONDS) -> threading.Event:
     """Tells the coordinator where this node is, again and again: it may restart, and it
     answers 'member' once it has admitted us. Each registration is signed with the secret
-    and carries a fresh timestamp and nonce (the coordinator accepts each once)."""
-    import threading
+    and carries a fresh timestamp and nonce (the coordinator accepts each once). A refusal
+    (another secret) is said once with its fix, and asked again ever less often: the secret
+    does not change by itself. Returns the event that stops it."""
     import time
 
     import httpx
@@ -963,15 +988,31 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
         # One client for good: each new one builds a TLS context (~20 ms of CPU here), which
         # every 2 s was most of what an idle `join` spent.
         client = httpx.Client(timeout=5)
-        failing_since, warned = None, False
-        while True:
+        failing_since, warned, refused = None, False, 0
+        delay = 0.0  # the first at once
+        while not stop.wait(delay):
+            delay = every
             try:
                 r = client.post(url, json=registration(secret, address, node_id))
                 failing_since, warned = None, False
                 if r.status_code == 401:
+                    refused += 1
+                    delay = min(longest, every * 2 ** refused)
                     # Plain HTTP: whoever answers there writes this message.
-                    log.warning("the coordinator %s refused this node's registration: %s",
-                                coordinator, cut(r.json()["error"]["message"]))
+                    said = cut(r.json()["error"]["message"])
+                    if refused == 1:
+                        log.warning(
+                            "the coordinator %s refused this node's registration: %s. Its "
+                            "cluster secret is not this node's: restart join with "
+                            "--secret-file FILE holding the coordinator's secret (`omlx-cluster "
+                            "up --secret-file FILE` copies it to the Macs). Asking again ever "
+                            "less often, every %.0f s at most", coordinator, said, longest)
+                    else:
+                        log.debug("refused again by %s: %s", coordinator, said)
+                elif refused:
+                    log.info("the coordinator %s takes this node's registration now",
+                             coordinator)
+                    refused = 0
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 log.debug("registration with %s failed: %s", coordinator, e)
                 # A coordinator restarting is gone for seconds; one that never answers is
@@ -982,9 +1023,10 @@ def _register_periodically(coordinator: str, address: str, node_id: str, secret:
                                 "running, and is that its HTTP address?", coordinator,
                                 REGISTER_WARN_SECONDS, e)
                     warned = True
-            time.sleep(every)
 
+    stop = threading.Event()
     threading.Thread(target=loop, name="register", daemon=True).start()
+    return stop
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -1124,7 +1166,8 @@ def _status(args: argparse.Namespace) -> int:
                   "agent pid", "worker pid", Column("metrics", overflow="fold"), "checks")
     for n in body["nodes"]:
         health = "ok" if n["healthy"] else ("lost" if not n["alive"] else "unhealthy")
-        layers = f"[{n['layers'][0]}, {n['layers'][1]})" if n["layers"] else "-"
+        layers = _layers_on(n["id"], body.get("models") or []) or (
+            f"[{n['layers'][0]}, {n['layers'][1]})" if n["layers"] else "-")
         table.add_row(n["id"], n["address"], health, layers,
                       _speed(n.get("measured_speed_gbps"), n.get("ms_per_layer")),
                       str(n["agent_pid"] or "-"), str(n["worker_pid"] or "-"),
@@ -1140,6 +1183,16 @@ def _status(args: argparse.Namespace) -> int:
                 console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
                               + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def _layers_on(node: str, models: list[dict]) -> str:
+    """The layers every model's stages hold on `node`: "[0, 4)", or with several models
+    "a [0, 4), b#1 [2, 6)" (b's second replica); "" when none."""
+    held = [(m["id"] + (f"#{r['replica']}" if r["replica"] else ""), s["layers"])
+            for m in models for r in m["replicas"] for s in r["stages"] if s["node"] == node]
+    if len(models) == 1 and len(held) == 1:  # what one model on one replica always showed
+        return "[{}, {})".format(*held[0][1])
+    return ", ".join(f"{name} [{a}, {b})" for name, (a, b) in held)
 
 
 def _models_table(models: list[dict]):

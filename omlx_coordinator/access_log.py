@@ -7,6 +7,9 @@ The values of secret-looking parameters are replaced before the line is formatte
 stay, so the line still says what was sent. Every string argument (path, method, version: the
 client's own) is then cut as every outsider's string is (omlx_shared/outsider_logs.py): a path
 may be as long as the HTTP parser takes, tens of KB a line otherwise.
+
+GET /health is not logged at all: load balancers, `serve`'s waiters and Docker poll it every
+few seconds, and a line each buried the requests people look for.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ REDACTED = "REDACTED"
 # Matched anywhere in a parameter's name: api_key, x-api-key, access_token, client_secret...
 _SECRET_NAME = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|session",
                           re.IGNORECASE)
+_UNLOGGED_PATHS = frozenset({"/health"})
 
 
 def redact_query(target: str) -> str:
@@ -43,6 +47,9 @@ class RedactedQuery(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
+            if (len(record.args) > 2 and isinstance(record.args[2], str)
+                    and record.args[2].partition("?")[0] in _UNLOGGED_PATHS):
+                return False
             record.args = tuple(cut(redact_query(a)) if isinstance(a, str) else a
                                 for a in record.args)
         return True

@@ -177,7 +177,9 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         """The error in the shape of the API the path belongs to; a generation request's
         counted by outcome (rejected: the client's fault; error: ours)."""
         if (endpoint := endpoints.get(request.url.path)) is not None:
-            outcome = "rejected" if exc.status < 500 else "error"
+            # A model name no one serves is not a reject of the model that is.
+            outcome = ("unknown_model" if exc.code == "model_not_found"
+                       else "rejected" if exc.status < 500 else "error")
             metrics.requests.labels(endpoint, outcome).inc()
         body = (anthropic.error_body(exc.status, exc.message)
                 if anthropic.owns(request.url.path) else exc.body())
