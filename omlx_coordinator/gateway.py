@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
+from omlx_coordinator.docs import add_docs_routes
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
 from omlx_coordinator.internal_error import internal_error
@@ -135,7 +136,9 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             await rebalancer.stop()
             await manager.stop()
 
-    app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan)
+    # The docs pages are docs.py's: their assets served here, behind the key.
+    app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
     app.router.route_class = _Route
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
     app.state.manager = manager
@@ -168,6 +171,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     keyed = [Depends(require_api_key)]
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
+    add_docs_routes(app, keyed)
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",

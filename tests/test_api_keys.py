@@ -79,7 +79,8 @@ def test_rejected_requests_are_counted_by_outcome(tiny_model_path, tmp_path):
 def test_openapi_documents_what_the_server_answers(tiny_model_path, tmp_path):
     with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
                       keepalive=None) as server:
-        schema = httpx.get(server.url + "/openapi.json", timeout=5).json()
+        schema = httpx.get(server.url + "/openapi.json", timeout=5,
+                           headers={"authorization": "Bearer k1"}).json()
         chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
         assert "422" not in chat and {"400", "401", "404"} <= set(chat)
         metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
