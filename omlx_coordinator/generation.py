@@ -118,10 +118,11 @@ async def check_servable(manager: ModelManager, name: str) -> ServedModel:
 
 
 def token_budget(model: ServedModel, prompt: list[int], limit: int | None,
-                 settings: GatewaySettings, prompt_param: str = "messages",
-                 limit_param: str = "max_tokens", clamp: bool = False) -> int:
-    """How many tokens the request may generate: its limit, refused past the context's room
-    (or cut to the room with `clamp`: Anthropic's max_tokens is a cap, not a demand)."""
+                 settings: GatewaySettings, prompt_param: str = "messages") -> int:
+    """How many tokens the request may generate: its limit, cut to the context's room. A limit
+    is a cap, not a demand, in every API here: agents send one for the largest models they know
+    (Claude Code and OpenCode 32,000), and a refusal failed each of their turns on a model with
+    less room; a reply that fills the room ends with the length reason, as one at its limit."""
     ctx = model.max_context
     if ctx and len(prompt) >= ctx:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the model's context is "
@@ -130,10 +131,6 @@ def token_budget(model: ServedModel, prompt: list[int], limit: int | None,
     room = ctx - len(prompt) if ctx else settings.default_max_tokens
     if limit is None:
         return min(room, settings.default_max_tokens)
-    if limit > room and not clamp:
-        raise APIError(400, f"{limit_param} is {limit} but only {room} tokens fit in the model's "
-                            f"context of {ctx} after the {len(prompt)}-token prompt",
-                       param=limit_param, code="context_length_exceeded")
     return min(limit, room)
 
 

@@ -557,7 +557,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(encode_prompt, tok, body)
         try:
-            max_tokens = token_budget(served, prompt, body.max_tokens, settings, clamp=True)
+            max_tokens = token_budget(served, prompt, body.max_tokens, settings)
         except APIError as e:
             if e.code != "context_length_exceeded":
                 raise

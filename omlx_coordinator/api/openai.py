@@ -317,10 +317,8 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
                    settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
                    endpoint: str, output: _Output, grammar: str = "",
                    echo: str = "") -> Response:
-    limit_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
-                   else "max_tokens")
     max_tokens = token_budget(model, prompt, body.token_limit, settings,
-                              "messages" if chat else "prompt", limit_param)
+                              "messages" if chat else "prompt")
     shape = _Shape(chat, model.name)
     stop = body.stop
     if output.single_call and output.tool_format and output.tool_format.end:

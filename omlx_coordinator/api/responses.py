@@ -451,8 +451,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                                param="previous_response_id", code="previous_response_not_found")
         prompt, conversation, setup, tools = await asyncio.to_thread(_prompt, tok, body,
                                                                       previous)
-        max_tokens = token_budget(served, prompt, body.max_output_tokens, settings, "input",
-                                  "max_output_tokens")
+        max_tokens = token_budget(served, prompt, body.max_output_tokens, settings, "input")
         fmt = setup.fmt
         # One call only: its end marker ends generation (the parser takes a call without it).
         stop = [fmt.end] if fmt and fmt.end and setup.single_call else []
