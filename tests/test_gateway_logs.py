@@ -4,12 +4,9 @@ its fix once and backing off, `status` showing every model's layers."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,6 +17,7 @@ from omlx_cluster.cli import _layers_on, _register_periodically
 from omlx_coordinator.access_log import RedactedQuery
 from tests.conftest import start_server
 from tests.in_process_gateway import app_for, ask
+from tests.stub_http import QuietHandler, stub_server
 
 
 def test_unknown_model_names_are_counted_apart(tiny_model_path: Path) -> None:
@@ -61,35 +59,23 @@ def test_serve_logs_its_stages_and_to_its_log_file(tiny_model_path: Path, tmp_pa
     assert log_file.stat().st_mode & 0o777 == 0o600
 
 
-class _WrongSecret(BaseHTTPRequestHandler):
+class _WrongSecret(QuietHandler):
     posts: ClassVar[list[float]] = []
-
-    def log_message(self, *args) -> None:
-        pass
 
     def do_POST(self) -> None:
         self.posts.append(time.monotonic())
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = json.dumps({"error": {"message": "registration refused"}}).encode()
-        self.send_response(401)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json(401, {"error": {"message": "registration refused"}})
 
 
 def test_a_refused_join_backs_off_and_says_the_fix_once(caplog) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _WrongSecret)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     _WrongSecret.posts.clear()
-    try:
-        with caplog.at_level(logging.DEBUG, logger="omlx_cluster"):
-            stop = _register_periodically(f"127.0.0.1:{server.server_port}", "127.0.0.1:1",
-                                          "n1", "s" * 32, every=0.02, longest=0.16)
-            time.sleep(1.2)
-            stop.set()
-    finally:
-        server.shutdown()
-        server.server_close()
+    with stub_server(_WrongSecret) as url, caplog.at_level(logging.DEBUG,
+                                                           logger="omlx_cluster"):
+        stop = _register_periodically(url.removeprefix("http://"), "127.0.0.1:1", "n1",
+                                      "s" * 32, every=0.02, longest=0.16)
+        time.sleep(1.2)
+        stop.set()
     gaps = [b - a for a, b in zip(_WrongSecret.posts, _WrongSecret.posts[1:])]
     # 0.04, 0.08, then capped at 0.16 s: about 8 tries, not the 60 of a fixed 0.02 s.
     assert 4 <= len(_WrongSecret.posts) <= 12, gaps

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from omlx_cluster.cli import _build_parser, main
+from tests.stub_http import QuietHandler, stub_server
 from tests.tiny_models import build_model
 
 
@@ -48,28 +47,18 @@ def test_coordinator_takes_the_kv_reserve_flags() -> None:
     assert (args.context, args.sequences) == (2048, 4)
 
 
-class _Refusing(BaseHTTPRequestHandler):
-    paths: list[str] = []
-
-    def log_message(self, *args) -> None:
-        pass
+class _Refusing(QuietHandler):
+    paths: ClassVar[list[str]] = []
 
     def do_GET(self) -> None:
         self.paths.append(self.path)
-        body = json.dumps({"error": {"message": "invalid API key"}}).encode()
-        self.send_response(401)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json(401, {"error": {"message": "invalid API key"}})
 
 
 @pytest.fixture
 def refusing_gateway():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with stub_server(_Refusing) as url:
+        yield url
 
 
 def test_url_takes_the_sdk_base_url_and_a_wrong_key_is_named(refusing_gateway: str,

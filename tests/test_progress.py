@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import io
-import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
@@ -17,6 +15,7 @@ from omlx_cluster.cli import main
 from omlx_cluster.load_progress import watch_load
 from omlx_shared.progress import ProgressLines
 from tests.conftest_models import write_tiny_gguf
+from tests.stub_http import QuietHandler, stub_server
 
 
 def progress_lines(caplog) -> list[str]:
@@ -45,7 +44,7 @@ def test_import_gguf_says_how_far_it_is(tmp_path: Path, caplog, monkeypatch) -> 
     assert said[-1].endswith(" tensors)")
 
 
-class _Loading(BaseHTTPRequestHandler):
+class _Loading(QuietHandler):
     """/cluster/status of a gateway loading model "m": one status after the other."""
 
     statuses: ClassVar[list[str]] = ["waiting for memory", "loading m (plan 1234abcd)",
@@ -53,28 +52,18 @@ class _Loading(BaseHTTPRequestHandler):
                 "ready"]
     polls = 0
 
-    def log_message(self, *args) -> None:
-        pass
-
     def do_GET(self) -> None:
         status = self.statuses[min(type(self).polls, len(self.statuses) - 1)]
         type(self).polls += 1
-        body = json.dumps({"models": [{"id": "m", "aliases": [], "replicas": [
-            {"replica": 0, "status": status}]}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json(200, {"models": [{"id": "m", "aliases": [], "replicas": [
+            {"replica": 0, "status": status}]}]})
 
 
 @pytest.fixture
 def loading_gateway():
     _Loading.polls = 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Loading)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with stub_server(_Loading) as url:
+        yield url
 
 
 def test_models_load_shows_the_stages(loading_gateway: str, capsys) -> None:
