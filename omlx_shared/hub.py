@@ -166,9 +166,9 @@ def _download(repo_id: str, gguf_file: str | None, dest: Path) -> Path:
                                endpoint=endpoint, tqdm_class=bar)
     except (GatedRepoError, RepositoryNotFoundError) as e:
         raise ModelError(
-            f"{endpoint} has no {repo_id} that this machine may read ({type(e).__name__}): "
-            f"check the spelling; for a private or gated model log in (`hf auth login`) or "
-            f"set HF_TOKEN") from None
+            f"{endpoint} has no {repo_id} that this machine may read ({type(e).__name__}), "
+            f"and no folder {repo_id} exists here: check the spelling; for a private or gated "
+            f"model log in (`hf auth login`) or set HF_TOKEN") from None
     except (HfHubHTTPError, httpx.HTTPError, OSError) as e:
         raise ModelError(
             f"downloading {repo_id} from {endpoint} failed: {e}. Run the same command again to "
