@@ -6,9 +6,10 @@ tokens out, finish sequences. `Batcher` is the engine of a one-stage pipeline (s
 `omlx_node.pipeline.PipelineHead` the one of a longer pipeline.
 
 Each iteration runs at most one decode step for the running batch and then at most one prefill
-chunk (`prefill_chunk` tokens, over the oldest waiting sequences), so a long prompt delays the
-running streams by one chunk, never by its whole length. A sequence's prompt, all but its last
-token, is prefilled into its own KV cache, merged into the batch's left-padded `BatchKVCache`,
+chunk over the oldest waiting sequences: `prefill_chunk` tokens while nobody decodes, and while
+others do, as many as take about one decode step's time (`omlx_node.step_pace`), so a decoding
+stream keeps about half its rate however long the prompts that arrive (docs/scheduling.md).
+A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into the batch's left-padded `BatchKVCache`,
 and its last prompt token becomes its first decode input, exactly as mlx-lm's BatchGenerator
 does, so greedy outputs match mlx-lm's single-sequence generation. Pieces of a chunk that start
 at one offset and run as many tokens (prompts of one length arriving together) share one forward
@@ -68,6 +69,7 @@ from omlx_node.sampling import (
     unpack_logprobs,
 )
 from omlx_node.stage import StageRunner
+from omlx_node.step_pace import StepPace
 from omlx_shared.token_ids import outside_vocabulary
 
 log = logging.getLogger(__name__)
@@ -464,6 +466,8 @@ class Engine:
         self.grammars = grammars
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk or device_prefill_chunk()
+        # How much of a prompt an iteration prefills while others decode (step_pace.py).
+        self.pace = StepPace()
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
@@ -632,9 +636,10 @@ class Engine:
         self.state.free([seq.sid])
 
     def _take_prefill(self, room: int) -> list[tuple[Sequence, int, int]]:
-        """Plans one prefill chunk: (sequence, start, n) pieces of at most `prefill_chunk`
-        tokens in all, oldest sequences first, for at most `room` new sequences."""
-        budget, plan = self.prefill_chunk, []
+        """Plans one prefill chunk: (sequence, start, n) pieces of at most the pace's budget
+        (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
+        most `room` new sequences."""
+        budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
         for seq in self._waiting:
             if budget <= 0 or len(plan) >= room or not self._looked_up(seq):
                 break
@@ -819,12 +824,15 @@ class Batcher(Engine):
         self.ready, self.status = True, "ready"
 
     def _work(self) -> None:
-        if self._batch:
+        t0, decoded, prefilled = time.perf_counter(), bool(self._batch), 0
+        if decoded:
             self._decode_step()
         if self._waiting and len(self._batch) < self.max_batch:
-            self._prefill_step()
+            prefilled = self._prefill_step()
+        self.pace.observe(time.perf_counter() - t0, decoded, prefilled)
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self) -> int:
+        """Runs one prefill chunk; returns its tokens."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
@@ -856,6 +864,7 @@ class Batcher(Engine):
                 self._samplers.append(sampler)
                 if error:
                     self._failed[s] = f"sampling cannot start: {error}"
+        return sum(n for _, _, n in plan)
 
     def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
                         ) -> list[list[tuple[Sequence, int, int]]]:
