@@ -416,5 +416,7 @@ def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, "the request ran past the server's time limit", type="server_error",
                         code="timeout")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a bound: the unread chunks', the node's
+        return APIError(503, e.details(), type="server_error", code="resource_exhausted")
     return APIError(503, f"the node is unavailable ({code.name}: {e.details()})",
                     type="server_error")

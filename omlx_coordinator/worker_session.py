@@ -24,6 +24,13 @@ from proto import omlx_pb2_grpc as pb_grpc
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # The largest message a worker's gRPC server takes (gRPC's default, which it keeps).
 MAX_MESSAGE_BYTES = 4 << 20
+# The most chunks of a sequence the gateway keeps unread. A client that reads nothing stops its
+# request's consumer, and the worker would go on generating into this queue without bound (one
+# call carries every sequence, so it cannot be paused for one); past it the sequence is
+# cancelled on the worker and ends with RESOURCE_EXHAUSTED. A chunk is one stream interval
+# (20 ms) of tokens, or one token with --stream-interval 0: a client this far behind has read
+# nothing for seconds, and its chunks hold at most a few MB.
+MAX_UNREAD_CHUNKS = 1024
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -64,6 +71,13 @@ class SessionCall:
 
     def _feed(self, item: pb.TokenChunk | grpc.aio.AioRpcError) -> None:
         if not self._open:
+            return
+        if self.items.qsize() >= MAX_UNREAD_CHUNKS:
+            self.cancel()
+            self.items.put_nowait(rpc_error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the client read nothing while {MAX_UNREAD_CHUNKS} chunks of tokens were "
+                "generated for it: the request was ended to bound the server's memory"))
             return
         self.items.put_nowait(item)
         if isinstance(item, Exception) or item.finish_reason:
@@ -150,6 +164,12 @@ class WorkerSession:
         else:
             stream.send(message)
         return call
+
+    def unread(self) -> int:
+        """The most chunks a live sequence has waiting for its request to read them."""
+        if self._stream is None:
+            return 0
+        return max((c.items.qsize() for c in self._stream.calls.values()), default=0)
 
     def close(self) -> None:
         if self._stream is not None:

@@ -247,6 +247,10 @@ class _Shape:
         return {**self._base(obj), "choices": [], "usage": _usage(dones)}
 
 
+# Events of a request's n choices merged and not yet read by its client.
+_MERGED_EVENTS = 64
+
+
 class _Choices:
     """The n generations of one request, their events merged as (choice index, event).
 
@@ -255,7 +259,9 @@ class _Choices:
 
     def __init__(self, make: Callable[[int], AsyncIterator], n: int):
         self.gens = [make(i) for i in range(n)]  # not started until pumped
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a client that reads nothing stops the pumps here, and each choice's unread
+        # chunks then wait in its own bounded queue (worker_session.py), not in this one.
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=_MERGED_EVENTS)
         self.tasks: dict[int, asyncio.Task] = {}
 
     def prime(self) -> None:
@@ -268,11 +274,11 @@ class _Choices:
     async def _pump(self, i: int) -> None:
         try:
             async for ev in self.gens[i]:
-                self.queue.put_nowait((i, ev))
+                await self.queue.put((i, ev))
         except Exception as e:  # handed to the consumer, which raises it
-            self.queue.put_nowait((i, e))
+            await self.queue.put((i, e))
             return
-        self.queue.put_nowait((i, None))
+        await self.queue.put((i, None))
 
     async def merged(self) -> AsyncIterator[tuple[int, Delta | KeepAlive | Done]]:
         if len(self.gens) == 1:
