@@ -87,6 +87,15 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_api_key_flags(p, "a key clients must send as 'Authorization: Bearer KEY' or "
                          "'x-api-key: KEY' (repeatable; none: open, only allowed on a "
                          "loopback address)")
+    p.add_argument("--max-queue", type=_positive, default=None, metavar="N",
+                   help="the most requests of one model the gateway holds at once, decoding "
+                        "or waiting (a request with n choices counts n); past it a request is "
+                        "refused at once with 429 (Anthropic: 529) and a Retry-After from the "
+                        "rate requests finished lately, rather than wait in memory for minutes; "
+                        "a model's max_queue in --models-config wins (default: 4 x --max-batch: "
+                        "one batch decoding and three waiting keep the batch full as sequences "
+                        "end, while the last in line waits about three batches; `coordinator` "
+                        "assumes the nodes' default --max-batch 64, so 256)")
     p.add_argument("--request-timeout", type=_positive_seconds, default=900.0,
                    metavar="SECONDS",
                    help="longest a request may run before it fails with 504 (default: 900)")
@@ -791,7 +800,10 @@ def _keys_and_models(args: argparse.Namespace):
     """What every gateway command checks first: the API keys and the served models (every
     folder resolved and checked now, so a config naming a missing one fails at start). None
     (after saying why) to exit with 2."""
+    from dataclasses import replace
+
     from omlx_coordinator import model_config as mc
+    from omlx_coordinator.admission import default_bound
     from omlx_coordinator.served_model import ServedModel
     from omlx_shared.model_spec import resolve_model, served_name
     from omlx_shared.model_store import ModelError
@@ -824,6 +836,8 @@ def _keys_and_models(args: argparse.Namespace):
             configs = mc.from_flags([(n, str(p)) for n, p in zip(names, resolved)],
                                     args.alias, args.pin, args.ttl, args.replicas)
         configs = mc.with_split(configs, getattr(args, "split", None))
+        queue = args.max_queue or default_bound(getattr(args, "max_batch", None))
+        configs = [c if c.max_queue else replace(c, max_queue=queue) for c in configs]
         return keys, [ServedModel(c, path) for c, path in zip(configs, resolved)]
     except (ModelError, mc.ModelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

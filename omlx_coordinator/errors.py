@@ -11,9 +11,10 @@ class APIError(Exception):
     """An error the client caused or must know about."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers  # sent with it (a refusal's Retry-After)
 
     def body(self) -> dict:
         """OpenAI's error object."""

@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omlx_coordinator.admission import OVERLOADED, ReleaseWhenDone
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.docs import add_docs_routes
@@ -140,6 +141,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app = FastAPI(title="omlx-cluster", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.router.route_class = _Route
+    app.add_middleware(ReleaseWhenDone)  # pure ASGI: a client's disconnect still reaches routes
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
     app.state.manager = manager
     app.state.register_tasks = set()
@@ -183,11 +185,14 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if (endpoint := endpoints.get(request.url.path)) is not None:
             # A model name no one serves is not a reject of the model that is.
             outcome = ("unknown_model" if exc.code == "model_not_found"
+                       else "overloaded" if exc.code == OVERLOADED
                        else "rejected" if exc.status < 500 else "error")
             metrics.requests.labels(endpoint, outcome).inc()
-        body = (anthropic.error_body(exc.status, exc.message)
-                if anthropic.owns(request.url.path) else exc.body())
-        return JSONResponse(body, status_code=exc.status, headers=headers)
+        status, body = exc.status, exc.body()
+        if anthropic.owns(request.url.path):
+            status = anthropic.error_status(exc)
+            body = anthropic.error_body(status, exc.message)
+        return JSONResponse(body, status_code=status, headers=headers or exc.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -114,8 +114,20 @@ class ModelsCollector:
                                       labels=["model", "node"])
         active = GaugeMetricFamily("omlx_model_mlx_active_bytes", "MLX active memory of the "
                                    "model's worker on a node", labels=["model", "node"])
+        held = GaugeMetricFamily("omlx_model_queue_held", "Requests of the model the gateway "
+                                 "holds, decoding or waiting (n choices count n)", labels=["model"])
+        bound = GaugeMetricFamily("omlx_model_queue_limit", "Its bound (--max-queue): past it "
+                                  "requests are refused with 429", labels=["model"])
+        unread = GaugeMetricFamily("omlx_model_unread_chunks_max", "The most token chunks a "
+                                   "running sequence has waiting for its client to read",
+                                   labels=["model"])
         for model in m.models:
             loaded.add_metric([model.name], float(model.state == "loaded"))
+            held.add_metric([model.name], model.admission.held)
+            bound.add_metric([model.name], model.admission.limit)
+            unread.add_metric([model.name], max((d.node.session.unread()
+                                                 for d in m.replicas[model.name] if d.node),
+                                                default=0))
             for s in ("loaded", "loading", "unloaded"):
                 state.add_metric([model.name, s], float(model.state == s))
             leases.add_metric([model.name], model.leases)
@@ -142,7 +154,7 @@ class ModelsCollector:
                 total.add_metric([node.name], h.memory_total_bytes)
                 pressure.add_metric([node.name], PRESSURE_LEVELS.get(h.memory_pressure, 0))
         yield from (loaded, state, leases, pinned, loads, unloads, load_s, footprint, active,
-                    available, total, pressure)
+                    available, total, pressure, held, bound, unread)
 
 
 def prometheus_targets(nodes: list[dict], plans: list[tuple[str, Plan]]) -> list[dict]:

@@ -11,6 +11,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     pin = true                     # never evicted
     ttl = 1800                     # seconds idle before it is unloaded (0: never)
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
+    max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ModelConfig:
     ttl_seconds: float = 0.0  # idle time before it is unloaded; 0: never
     replicas: Replicas = 1
     split: list[int] | None = field(default=None, compare=False)
+    max_queue: int | None = None  # requests held at once (admission.py); None: the gateway's
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -46,6 +48,11 @@ class ModelConfig:
                                             and self.replicas >= 1):
             raise ModelConfigError(f"model {self.name}: replicas must be a positive integer "
                                    f"or \"auto\", got {self.replicas!r}")
+        if self.max_queue is not None and not (isinstance(self.max_queue, int)
+                                               and not isinstance(self.max_queue, bool)
+                                               and self.max_queue >= 1):
+            raise ModelConfigError(f"model {self.name}: max_queue must be a positive integer, "
+                                   f"got {self.max_queue!r}")
 
 
 def parse_model_arg(text: str) -> tuple[str | None, str]:
@@ -153,7 +160,7 @@ def from_file(path: Path) -> list[ModelConfig]:
     tables = data.get("model")
     if not isinstance(tables, list) or not tables:
         raise ModelConfigError(f"the models config {path} has no [[model]] table")
-    known = {"name", "path", "aliases", "pin", "ttl", "replicas"}
+    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue"}
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
@@ -177,7 +184,8 @@ def from_file(path: Path) -> list[ModelConfig]:
                 raise ModelConfigError(f"{what}: {key} must be {kind}, got {t[key]!r}")
         name = t.get("name") or Path(t["path"]).name
         out.append(ModelConfig(name, t["path"], tuple(aliases), t.get("pin", False),
-                               _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what)))
+                               _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what),
+                               max_queue=t.get("max_queue")))
     check_names(out)
     return out
 

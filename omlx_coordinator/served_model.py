@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+from omlx_coordinator.admission import DEFAULT_MAX_QUEUE, Admission
 from omlx_coordinator.model_config import ModelConfig
 from omlx_coordinator.model_layout import ModelLayout, read_layout
 from omlx_coordinator.tokenizer import ChatTokenizer
@@ -42,6 +43,7 @@ class ServedModel:
         self.state = UNLOADED
         self.pinned = config.pinned
         self.leases = 0  # requests admitted and not yet finished
+        self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE)  # the queue bound
         self.last_used = time.monotonic()
         self.error = ""  # why its last load failed ("" when it did not)
         self.load_seconds = 0.0  # of its last load, eviction included

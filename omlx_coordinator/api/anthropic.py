@@ -48,6 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
+from omlx_coordinator.admission import OVERLOADED, hold
 from omlx_coordinator.api.anthropic_schema import (
     Block,
     MessagesRequest,
@@ -103,13 +104,14 @@ from omlx_shared.outsider_logs import cut
 log = logging.getLogger(__name__)
 
 PATH = "/v1/messages"
+OVERLOADED_STATUS = 529
 ENDPOINT = "messages"  # the metrics label
 
 # Anthropic's error type for each HTTP status (the SDK picks its exception class by status).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 402: "billing_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                503: "overloaded_error", 504: "timeout_error"}
+                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 # Content the model was meant to read: dropping it would answer without it.
 _REFUSED_BLOCKS = {"image", "document", "search_result", "container_upload"}
 _dropped_types: set[str] = set()  # block types already logged as dropped
@@ -120,6 +122,12 @@ _LATE_SYSTEM_PROBE = "omlx-late-system-probe"
 def owns(path: str) -> bool:
     """Whether errors on `path` take Anthropic's shape."""
     return path == PATH or path.startswith(PATH + "/")
+
+
+def error_status(exc: APIError) -> int:
+    """The status Anthropic's API would answer with: a full queue is its 529 overloaded_error
+    (429 there is a client's own rate limit), which its SDK retries after the Retry-After."""
+    return OVERLOADED_STATUS if exc.code == OVERLOADED else exc.status
 
 
 def error_body(status: int, message: str) -> dict:
@@ -554,6 +562,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     @app.post(PATH, dependencies=keyed)
     async def messages(body: MessagesRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
+        hold(request.scope, served.admission)
         metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(encode_prompt, tok, body)
         try:

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
+from omlx_coordinator.admission import hold
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -454,6 +455,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
+        hold(request.scope, served.admission, body.n)
         messages = body.template_messages()
         tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
         prompt = await asyncio.to_thread(encode_chat, served.tokenizer, messages, tools)
@@ -463,6 +465,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
+        hold(request.scope, served.admission, body.n)
         if isinstance(body.prompt, str):
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:

@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
+from omlx_coordinator.admission import hold
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -439,6 +440,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     @app.post(PATH, dependencies=keyed)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         served = await check_servable(manager, body.model)
+        hold(request.scope, served.admission)
         metrics, tok = metrics_of[served.name], served.tokenizer
         previous = None
         if body.previous_response_id is not None:

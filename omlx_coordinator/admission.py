@@ -1,0 +1,140 @@
+"""The bound on how many requests of one model the gateway holds at once, and the Retry-After
+its refusals carry.
+
+Every request the gateway admits holds memory (its prompt, its events, a slot in the node's
+queue) until it ends, so past `limit` a request is refused at once with a 429 (Anthropic: 529),
+before any prompt work: a refusal costs a fraction of a millisecond, a queued request seconds or
+minutes of everyone's wait. Retry-After is how long the requests held now take to drain at the
+rate requests finished recently, so that refused clients come back when there is room rather
+than all at once a second later. The rate is per second of busy time (while anything was held):
+a server idle all morning has not drained slowly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+
+from omlx_coordinator.errors import APIError
+
+# A model's bound when none is given is this many batches (`omlx-cluster serve --help` says
+# why), of a node's default --max-batch where the gateway does not know the nodes' own.
+QUEUE_BATCHES, NODE_DEFAULT_BATCH = 4, 64
+DEFAULT_MAX_QUEUE = QUEUE_BATCHES * NODE_DEFAULT_BATCH
+# The error code of a refusal (OpenAI's); Anthropic's routes render it as their 529.
+OVERLOADED = "rate_limit_exceeded"
+# Where a request's held places are noted in its ASGI scope, for `ReleaseWhenDone`.
+_SCOPE_KEY = "omlx.admitted"
+# The recent past the drain rate is measured over: long enough to count several completions
+# of long generations, short enough to follow a change of load.
+DRAIN_WINDOW_SECONDS = 60.0
+# Retry-After when nothing finished within the window (no rate to go by) ...
+UNMEASURED_RETRY_SECONDS = 10
+# ... and its range: a client told 0 comes back at once; one told an hour gives up.
+MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 1, 120
+
+
+@dataclass(frozen=True)
+class Refusal:
+    held: int  # requests (sequences) held when it came
+    limit: int
+    retry_after: int  # seconds
+
+
+class Admission:
+    """One model's requests held now, against its limit. A request of `n` choices holds n
+    places: each is a sequence the node runs."""
+
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
+        if limit < 1:
+            raise ValueError(f"the queue bound must be at least 1, got {limit}")
+        self.limit, self._clock = limit, clock
+        self.held = 0
+        self.refused = 0
+        self._busy = 0.0  # seconds with something held, until `_busy_from`
+        self._busy_from = clock()
+        self._finished: deque[float] = deque()  # the busy time of each recent release
+
+    def admit(self, n: int = 1) -> Refusal | None:
+        """Holds `n` places and returns None, or refuses. A request wider than the whole bound
+        is admitted alone (when nothing else is held): refused, it never could run."""
+        n = min(n, self.limit)
+        if self.held + n > self.limit:
+            self.refused += 1
+            return Refusal(self.held, self.limit, self.retry_after())
+        self._busy_time()
+        self.held += n
+        return None
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.limit)
+        busy = self._busy_time()
+        self.held -= n
+        self._finished.extend([busy] * n)
+        self._forget(busy)
+
+    def drain_rate(self) -> float:
+        """Sequences finished per busy second over the recent window; 0.0 when none did."""
+        busy = self._busy_time()
+        self._forget(busy)
+        span = min(DRAIN_WINDOW_SECONDS, busy)
+        return len(self._finished) / span if self._finished and span > 0 else 0.0
+
+    def retry_after(self) -> int:
+        """Seconds until the requests held now have drained at the recent rate."""
+        rate = self.drain_rate()
+        if rate <= 0:
+            return UNMEASURED_RETRY_SECONDS
+        return max(MIN_RETRY_SECONDS, min(MAX_RETRY_SECONDS, math.ceil(self.held / rate)))
+
+    def _busy_time(self) -> float:
+        """Seconds with something held so far (what the drain window runs on)."""
+        now = self._clock()
+        if self.held:
+            self._busy += now - self._busy_from
+        self._busy_from = now
+        return self._busy
+
+    def _forget(self, busy: float) -> None:
+        while self._finished and self._finished[0] < busy - DRAIN_WINDOW_SECONDS:
+            self._finished.popleft()
+
+
+def default_bound(max_batch: int | None) -> int:
+    """The bound for a model whose nodes decode `max_batch` sequences at once (None: unknown)."""
+    return QUEUE_BATCHES * (max_batch or NODE_DEFAULT_BATCH)
+
+
+def hold(scope: MutableMapping, admission: Admission, n: int = 1) -> None:
+    """Admits the request whose ASGI `scope` this is for `n` places of `admission`, held until
+    its response has been sent or abandoned; raises the 429 of a refusal."""
+    refusal = admission.admit(n)
+    if refusal is not None:
+        raise APIError(429, f"the server is at its queue bound for this model ({refusal.held} of "
+                            f"{refusal.limit} requests held): retry after "
+                            f"{refusal.retry_after} s", type="requests", code=OVERLOADED,
+                       headers={"Retry-After": str(refusal.retry_after)})
+    scope[_SCOPE_KEY].append((admission, n))
+
+
+class ReleaseWhenDone:
+    """ASGI middleware: releases what each request held once the app is done with it, however
+    it ended (sent, failed, a client gone mid-stream), since a stream's response outlives its
+    route function."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held = scope[_SCOPE_KEY] = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for admission, n in held:
+                admission.release(n)

@@ -1,0 +1,139 @@
+"""A live server past its queue bound (`--max-batch 2 --max-queue 4`): the excess is refused at
+once with Retry-After in each API's shape, every admitted request completes, the server goes on
+serving, and a client that reads nothing leaves a bounded backlog in the gateway.
+(The bound itself, on an injected clock: tests/test_queue_bound.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from omlx_coordinator.worker_session import MAX_UNREAD_CHUNKS
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.slow
+
+BURST = 60
+REFUSED_WITHIN_SECONDS = 2.0  # loose: a refusal does no prompt work, on a shared 2-core box
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_model_path, tmp_path_factory):
+    with start_server(tiny_model_path, "--max-batch", "2", "--max-queue", "4",
+                      "--stream-interval", "0", node_metrics=True,
+                      home=tmp_path_factory.mktemp("overload-home")) as server:
+        yield server
+
+
+def _metric(server, name: str) -> float:
+    return sum(v for k, v in server.metrics().items() if k.split("{")[0] == name)
+
+
+def _node_sequences(server) -> float:
+    text = httpx.get(server.node_metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("omlx_node_requests_processing", "omlx_node_requests_deferred")))
+
+
+def _outcome(server, outcome: str) -> float:
+    return sum(v for k, v in server.metrics().items()
+               if k.startswith("omlx_requests_total{") and f'outcome="{outcome}"' in k)
+
+
+async def _burst(url: str, path: str, body: dict, n: int) -> list[tuple[httpx.Response, float]]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+        async def one() -> tuple[httpx.Response, float]:
+            start = time.perf_counter()
+            r = await client.post(path, json=body)
+            return r, time.perf_counter() - start
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def _check_burst(results, refused_status: int) -> list[httpx.Response]:
+    """The refused ones: each quick and with a Retry-After; every other one a 200."""
+    refused = [(r, s) for r, s in results if r.status_code == refused_status]
+    assert all(r.status_code in (200, refused_status) for r, _ in results), \
+        sorted({r.status_code for r, _ in results})
+    assert len(refused) >= BURST - 4 * 3, len(refused)  # a few more get in as others finish
+    for r, seconds in refused:
+        assert seconds < REFUSED_WITHIN_SECONDS, seconds
+        assert 1 <= int(r.headers["retry-after"]) <= 120
+    return [r for r, _ in results if r.status_code == 200]
+
+
+def _serves_again(server) -> None:
+    assert _metric(server, "omlx_model_queue_held") == 0
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model_id, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_openai_excess_is_refused_with_retry_after_and_admitted_complete(bounded):
+    before = _outcome(bounded, "overloaded")
+    results = asyncio.run(_burst(bounded.url, "/v1/chat/completions", {
+        "model": bounded.model_id, "max_tokens": 32, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Count to ten."}]}, BURST))
+    admitted = _check_burst(results, 429)
+    refused = [r for r, _ in results if r.status_code == 429]
+    error = refused[0].json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "queue bound" in error["message"]
+    for r in admitted:
+        assert r.json()["usage"]["completion_tokens"] == 32
+    assert _outcome(bounded, "overloaded") - before == len(refused)
+    _serves_again(bounded)
+
+
+def test_anthropic_excess_is_its_529_overloaded_error(bounded):
+    results = asyncio.run(_burst(bounded.url, "/v1/messages", {
+        "model": bounded.model_id, "max_tokens": 32,
+        "messages": [{"role": "user", "content": "Count to ten."}]}, BURST))
+    admitted = _check_burst(results, 529)
+    body = next(r for r, _ in results if r.status_code == 529).json()
+    assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    assert all(r.json()["type"] == "message" for r in admitted)
+    _serves_again(bounded)
+
+
+def test_a_client_that_reads_nothing_leaves_a_bounded_backlog(bounded):
+    """Its stream's events fill the socket and the server's write buffer, then each choice's
+    chunks wait in the gateway: at most MAX_UNREAD_CHUNKS, then the request is ended with a
+    clear error (the node stops generating for it) instead of growing with every token."""
+    # Four long choices of large events: more than the kernel and the server's write buffer
+    # take (up to ~4 MB on Linux), so that the gateway's send blocks.
+    body = json.dumps({"model": bounded.model_id, "n": 4, "max_tokens": 1900,
+                       "ignore_eos": True, "stream": True, "logprobs": True,
+                       "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "Tell a story."}]}).encode()
+    port = int(bounded.url.rsplit(":", 1)[1])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.connect(("127.0.0.1", port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        most, started, deadline = 0.0, False, time.monotonic() + 180
+        while time.monotonic() < deadline:
+            most = max(most, _metric(bounded, "omlx_model_unread_chunks_max"))
+            on_node = _node_sequences(bounded)
+            if on_node:
+                started = True
+            elif started:  # the node stopped generating for it while nothing was read
+                break
+            time.sleep(0.1)
+        assert started and 0 < most <= MAX_UNREAD_CHUNKS, most
+        sock.settimeout(30)
+        received = b""
+        while b"data: [DONE]" not in received and (chunk := sock.recv(1 << 16)):
+            received += chunk
+    finally:
+        sock.close()
+    assert b"read nothing" in received  # the clear error, after what was sent before it
+    assert received.count(b'"finish_reason":"length"') < 4  # those sent before it stalled
+    _serves_again(bounded)
