@@ -58,6 +58,10 @@ class Admission:
         self._busy_from = clock()
         self._finished: deque[float] = deque()  # the busy time of each recent release
 
+    @property
+    def full(self) -> bool:
+        return self.held >= self.limit
+
     def admit(self, n: int = 1) -> Refusal | None:
         """Holds `n` places and returns None, or refuses. A request wider than the whole bound
         is admitted alone (when nothing else is held): refused, it never could run."""
@@ -113,11 +117,25 @@ def hold(scope: MutableMapping, admission: Admission, n: int = 1) -> None:
     its response has been sent or abandoned; raises the 429 of a refusal."""
     refusal = admission.admit(n)
     if refusal is not None:
-        raise APIError(429, f"the server is at its queue bound for this model ({refusal.held} of "
-                            f"{refusal.limit} requests held): retry after "
-                            f"{refusal.retry_after} s", type="requests", code=OVERLOADED,
-                       headers={"Retry-After": str(refusal.retry_after)})
+        raise overloaded(refusal)
     scope[_SCOPE_KEY].append((admission, n))
+
+
+def overloaded(refusal: Refusal, headers: dict[str, str] | None = None) -> APIError:
+    """The 429 of `refusal` (Anthropic's routes render it as their 529), with its Retry-After
+    and any other `headers`."""
+    return APIError(429, f"the server is at its queue bound for this model ({refusal.held} of "
+                         f"{refusal.limit} requests held): retry after {refusal.retry_after} s",
+                    type="requests", code=OVERLOADED,
+                    headers={"Retry-After": str(refusal.retry_after), **(headers or {})})
+
+
+def refuse_all_full(admissions: list[Admission]) -> Refusal | None:
+    """A refusal when every model is at its bound (the soonest Retry-After of theirs), else
+    None: a request may then be refused before its body is read, whichever model it names."""
+    if not admissions or not all(a.full for a in admissions):
+        return None
+    return min((a.admit() for a in admissions), key=lambda r: r.retry_after)
 
 
 class ReleaseWhenDone:

@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.admission import OVERLOADED, ReleaseWhenDone
+from omlx_coordinator.admission import OVERLOADED, ReleaseWhenDone, overloaded, refuse_all_full
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.docs import add_docs_routes
@@ -96,6 +96,8 @@ class _Route(APIRoute):
             if any(d.dependency is state.require_api_key for d in self.dependencies) and (
                     refused := state.refuse_keyless(request)) is not None:
                 return refused
+            if (refused := state.refuse_overloaded(request)) is not None:
+                return refused
             return await handler(request)
 
         return route
@@ -171,8 +173,18 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             return None
         return error(request, _keyless(), headers={"connection": "close"})
 
+    def refuse_overloaded(request: Request) -> Response | None:
+        """A generation request's 429 while every model is at its bound, answered before its
+        body is read or parsed: the excess of a burst then costs the gateway the least it can.
+        (Otherwise the route refuses it once it knows the model.)"""
+        if request.url.path not in endpoints or (
+                refusal := refuse_all_full([m.admission for m in manager.models])) is None:
+            return None
+        return error(request, overloaded(refusal, {"connection": "close"}))
+
     keyed = [Depends(require_api_key)]
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
+    app.state.refuse_overloaded = refuse_overloaded
     add_docs_routes(app, keyed)
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.

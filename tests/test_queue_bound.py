@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from omlx_coordinator import admission as adm
-from omlx_coordinator.admission import Admission, ReleaseWhenDone, hold
+from omlx_coordinator.admission import Admission, ReleaseWhenDone, hold, refuse_all_full
 from omlx_coordinator.api.openai import _MERGED_EVENTS, _Choices
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.model_config import ModelConfigError, from_file
@@ -82,6 +82,17 @@ def test_retry_after_stays_within_its_range():
     a.admit(1)
     assert a.drain_rate() == pytest.approx(1 / adm.DRAIN_WINDOW_SECONDS)  # the rest left
     assert a.retry_after() == adm.MAX_RETRY_SECONDS
+
+
+def test_refused_before_the_body_only_while_every_model_is_full():
+    clock = Clock()
+    a, b = Admission(1, clock), Admission(2, clock)
+    a.admit()
+    assert refuse_all_full([a, b]) is None  # b has room: the route decides by the model
+    b.admit(2)
+    refusal = refuse_all_full([a, b])
+    assert refusal is not None and (a.refused, b.refused) == (1, 1)
+    assert refusal.retry_after == adm.UNMEASURED_RETRY_SECONDS
 
 
 def test_a_models_config_sets_a_bound_per_model(tmp_path):
