@@ -9,9 +9,10 @@ Each iteration runs at most one decode step for the running batch and then at mo
 chunk over the oldest waiting sequences: `prefill_chunk` tokens while nobody decodes, and while
 others do, as many as take about one decode step's time (`omlx_node.step_pace`), so a decoding
 stream keeps about half its rate however long the prompts that arrive (docs/scheduling.md).
-A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into the batch's left-padded `BatchKVCache`,
-and its last prompt token becomes its first decode input, exactly as mlx-lm's BatchGenerator
-does, so greedy outputs match mlx-lm's single-sequence generation. Pieces of a chunk that start
+A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into
+the batch's left-padded `BatchKVCache`, and its last prompt token becomes its first decode
+input, exactly as mlx-lm's BatchGenerator does, so greedy outputs match mlx-lm's
+single-sequence generation. Pieces of a chunk that start
 at one offset and run as many tokens (prompts of one length arriving together) share one forward
 pass where every layer keeps a plain KVCache (`StageState.prefill_rows`): unpadded, so each row
 computes what it would alone, and on a GPU the weights are read once for them all.

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import itertools
 
-import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
-from omlx_node.batcher import Batcher, Finish, SeqRequest
+from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
+from tests.test_engine import drain, reference
 from tests.tiny_models import build_model
 
 
@@ -58,23 +57,6 @@ class CyclingPace(StepPace):
         return min(chunk, next(self._sizes)) if decoding else chunk
 
 
-def reference(model, ids: list[int], n: int) -> list[int]:
-    out = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
-    mx.synchronize()
-    return out
-
-
-def events(seq) -> tuple[list[int], Finish | None]:
-    toks, fin = [], None
-    while not seq.events.empty():
-        ev = seq.events.get_nowait()
-        if isinstance(ev, Finish):
-            fin = ev
-        else:
-            toks.append(ev)
-    return toks, fin
-
-
 def test_greedy_outputs_stay_mlx_lms_under_small_budgets(tmp_path) -> None:
     """Sequences join at different steps with prompts of different lengths, prefill in budgets
     of 1 to 16 tokens while others decode, and second turns resume from their first turn's
@@ -91,9 +73,7 @@ def test_greedy_outputs_stay_mlx_lms_under_small_budgets(tmp_path) -> None:
         runs.append((batcher.submit(SeqRequest(f"t1-{i}", p, 6 + i)), p, 6 + i))
         for _ in range(3 + 2 * i):  # the others prefill and decode meanwhile
             batcher.step()
-    while not batcher.idle:
-        batcher.step()
-    answers = [events(s)[0] for s, _, _ in runs]
+    answers = [toks for toks, _ in drain(batcher, [s for s, _, _ in runs])]
     for (_, p, n), got in zip(runs, answers):
         assert got == reference(model, p, n)
     # Second turns: turn 1's prompt and answer, re-sent, and something new.
@@ -102,10 +82,7 @@ def test_greedy_outputs_stay_mlx_lms_under_small_budgets(tmp_path) -> None:
         p2 = p + a + tok.encode(f" Result {i}.")
         again.append((batcher.submit(SeqRequest(f"t2-{i}", p2, 5)), p2))
         batcher.step()
-    while not batcher.idle:
-        batcher.step()
-    for seq, p2 in again:
-        toks, fin = events(seq)
+    for (seq, p2), (toks, fin) in zip(again, drain(batcher, [s for s, _ in again])):
         assert toks == reference(model, p2, 5) and fin.reason == "length"
         assert seq.cached >= len(p2) - 1 - len(tok.encode(" Result 0.")) - 4
     cache.close()
