@@ -223,6 +223,9 @@ class PipelineHead(Engine):
                 self._dropped_while_waiting(s)
                 self._finish(s, Finish("cancelled"))
         m.pending = []
+        answers = ({i: s.fed for i, s in enumerate(m.seqs) if s.finished}
+                   if self.state.prefix_cache is not None else {})
+        self.state.keep_answers(m.mb, answers)
         self.state.update(m.mb, keep, [s.sid for s in admits])
         inputs = []
         if live:
@@ -231,6 +234,7 @@ class PipelineHead(Engine):
             inputs.append(mx.array([s.req.prompt[-1] for s in admits]))
         m.seqs = [m.seqs[i] for i in live] + admits
         step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=keep,
+                         answers=answers,
                          admits=[wire.Admit(s.sid, s.req.sampling, s.req.penalty_context,
                                             s.req.grammar, s.req.resumed) for s in admits])
         hidden = (self.state.forward(m.mb, mx.concatenate(inputs)[:, None]) if m.seqs
@@ -344,6 +348,7 @@ class StageLoop:
         if step.op != wire.DECODE:
             return None
         before = self.state.rows.get(step.target, [])
+        self.state.keep_answers(step.target, step.answers)
         self.state.update(step.target, step.keep, [a.seq_id for a in step.admits])
         if self.is_tail:
             for a in step.admits:

@@ -53,8 +53,11 @@ Header fields (int32 each; then the inline payload, zero-padded):
     6 payload_len  int32 count of the payload
     7 plan         the low 31 bits of the plan hash (every stage checks it)
 
-DECODE payload: [n_keep, keep row indices..., n_admit, admitted records...] where `keep` lists the
-rows of the micro-batch that stay (-1 for n_keep means "all rows stay"). An admitted record is
+DECODE payload: [n_keep, keep row indices..., n_admit, admitted records..., n_answers, answers...]
+where `keep` lists the rows of the micro-batch that stay (-1 for n_keep means "all rows stay"),
+and an answer [row, n, n tokens] gives a leaving row's tokens, its prompt and what was sampled,
+so that every stage's prefix cache keeps the KV the row computed past its prompt before the row
+is dropped (only when the head keeps a prefix cache). An admitted record is
 what the tail needs to sample the sequence, floats carried as their int32 bit patterns:
 8 ints [sequence id, temperature, top_p, min_p, top_k, flags, seed (2 ints)], then, in
 this order, only the parts its flags name, so a row that asks for none costs nothing more:
@@ -195,6 +198,7 @@ class Step:
     rows: int = 0
     tokens: int = 0
     keep: list[int] | None = None  # DECODE: rows that stay; None = all
+    answers: dict[int, list[int]] = field(default_factory=dict)  # DECODE: leaving rows' tokens
     admits: list[Admit] = field(default_factory=list)  # DECODE
     freed: list[int] = field(default_factory=list)  # FREE
     held: int = 0  # LOOKUP: the prefix every stage so far holds; TRIM: the one to keep
@@ -203,7 +207,9 @@ class Step:
     def payload(self) -> list[int]:
         if self.op == DECODE:
             keep = [-1] if self.keep is None else [len(self.keep), *self.keep]
-            return [*keep, len(self.admits), *(i for a in self.admits for i in a.encode())]
+            answers = [i for row, t in self.answers.items() for i in (row, len(t), *t)]
+            return [*keep, len(self.admits), *(i for a in self.admits for i in a.encode()),
+                    len(self.answers), *answers]
         if self.op == FREE:
             return list(self.freed)
         if self.op == LOOKUP:
@@ -220,6 +226,9 @@ class Step:
             if n_keep >= 0:
                 self.keep = r.take(n_keep)
             self.admits = [Admit.read(r) for _ in range(r.one())]
+            for _ in range(r.one()):
+                row = r.one()
+                self.answers[row] = r.take(r.one())
         elif self.op == FREE:
             self.freed = payload
         elif self.op == LOOKUP:

@@ -35,6 +35,13 @@ def server(model, tmp_path_factory):
         yield s
 
 
+@pytest.fixture(scope="module")
+def pipeline_server(model, tmp_path_factory):
+    with start_server(model, "--cache-block-size", str(BLOCK), "--api-key", "k", "--nodes", "2",
+                      home=tmp_path_factory.mktemp("home"), keepalive=None) as s:
+        yield s
+
+
 def greedy(model_path: Path, ids: list[int], n: int = ANSWER) -> list[int]:
     """mlx-lm's greedy continuation of `ids`: what the node must answer too."""
     ref, _ = load(str(model_path))
@@ -59,9 +66,12 @@ def common(a: list[int], b: list[int]) -> int:
 
 
 @slow
-def test_a_turns_answer_is_reused_by_the_next_turn(server, model) -> None:
+@pytest.mark.parametrize("serving", ["server", "pipeline_server"])
+def test_a_turns_answer_is_reused_by_the_next_turn(serving, model, request) -> None:
     """Token ids: turn 2 re-sends turn 1's prompt and answer token for token; every whole block
-    of them is reused, the answer's included, and the outputs stay mlx-lm's."""
+    of them is reused, the answer's included (in a pipeline, by every stage), and the outputs
+    stay mlx-lm's."""
+    server = request.getfixturevalue(serving)
     _, tok = load(str(model))
     p1 = tok.encode("Read the file and tell me what it does. " * 5)
     g1 = greedy(model, p1)
