@@ -374,9 +374,11 @@ def markdown(result: dict) -> str:
              f"- commit {m['git_commit']}, python {m['python']}, {result['date']}",
              f"- model: {result['model']}",
              f"- settings: {json.dumps(a)}",
-             f"- plain decode rate (mlx-lm generate_step, one stream alone): {fmt(plain, '.1f')} tok/s",
+             (f"- plain decode rate (mlx-lm generate_step, one stream alone): "
+              f"{fmt(plain, '.1f')} tok/s"),
              "", ("| side | sessions median s | turn s median / max | later-turn TTFT s | "
-                  "reused min / median | decode tok/s median / min | decode vs plain median / min |"),
+                  "reused min / median | decode tok/s median / min "
+                  "| decode vs plain median / min |"),
              "| --- |" + " ---: |" * 6]
     for name, s in result["summary"].items():
         lines.append(f"| {name} | {fmt(s['session_s_median'])} | {fmt(s['turn_s_median'])} / "
