@@ -157,7 +157,8 @@ def test_a_queued_burst_on_a_cached_prompt_holds_few_restored_copies(model, tmp_
     refs = [tok.decode([int(t) for t, _ in generate_step(mx.array(p), ref_model,
                                                            max_tokens=12)]) for p in burst]
     mx.synchronize()
-    flags = (*FLAGS, "--nodes", "2", "--split", "1,3", "--max-batch", "1")
+    flags = (*FLAGS, "--nodes", "2", "--split", "1,3", "--max-batch", "1",
+             "--max-queue", "16")  # all 12 queue: the test is about what they hold
     with start_server(model, *flags, home=tmp_path / "home", keepalive=None,
                       node_metrics=True) as server:
         used = 'omlx_node_kv_cache_used_bytes'
