@@ -52,7 +52,7 @@ KEY_ENV = "OMLX_API_KEY"
 
 
 def codex_config(base_url: str, model: str) -> str:
-    """The config.toml that points Codex at this server (README: Codex CLI)."""
+    """The config.toml that points Codex at this server (docs/agents.md: Codex CLI)."""
     return f'''model = "{model}"
 model_provider = "omlx"
 model_context_window = {CONTEXT}

@@ -4,7 +4,7 @@ node and through a 2-stage pipeline, with no network but the server.
 OpenCode is the newest release npm serves (`opencode-ai`, a launcher and a native binary),
 installed into the test cache on first use (`python -m tests.test_opencode` does it by hand);
 its version is printed with the test's output. Its provider is ours, from an opencode.json in its
-config folder (README: OpenCode): `npm: "@ai-sdk/openai-compatible"` (built into the binary,
+config folder (docs/agents.md: OpenCode): `npm: "@ai-sdk/openai-compatible"` (built into the binary,
 nothing to install), `baseURL` http://127.0.0.1:PORT/v1, the key from an environment variable
 (`{env:...}`), the model with its `limit` (`limit.output` is the max_tokens it sends, 32000
 otherwise), `autoupdate` false and `share` disabled. HOME and the XDG folders are temporary.
@@ -61,7 +61,7 @@ CONTEXT_LIMIT, OUTPUT_LIMIT = 65536, 4096
 
 
 def opencode_config(base_url: str, model: str) -> dict:
-    """The opencode.json that points OpenCode at this server (README: OpenCode)."""
+    """The opencode.json that points OpenCode at this server (docs/agents.md: OpenCode)."""
     return {"$schema": "https://opencode.ai/config.json",
             "autoupdate": False, "share": "disabled",
             "provider": {"omlx": {"npm": "@ai-sdk/openai-compatible", "name": "omlx-cluster",
