@@ -248,7 +248,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                 and all(any(d.ready for d in manager.replicas[m.name])
                         for m in manager.models if m.state == "loaded"))
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> dict:
         """What clients probe to see that the endpoint is up (Claude Code sends `HEAD /`)."""
         return {"name": "omlx-cluster", "api": "/v1", "health": "/health", "docs": "/docs"}

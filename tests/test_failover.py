@@ -96,7 +96,10 @@ def test_killed_shard_worker_mid_stream(model, tmp_path):
         assert outs == refs
         assert status["epoch"] == 2 and status["last_recovery"]["seconds"] < 30
         assert all(n["healthy"] for n in status["nodes"])  # restarted by their agents
-        assert [n["layers"] for n in status["nodes"]] == [[0, 2], [2, 4]]
+        # Both nodes serve again; the split follows the speeds measured so far, which a loaded
+        # machine can tilt (CI saw [[0, 3], [3, 4]]), so it is not pinned.
+        layers = [n["layers"] for n in status["nodes"]]
+        assert 0 == layers[0][0] < layers[0][1] == layers[1][0] < layers[1][1] == 4, layers
 
 
 def test_killed_head_worker_mid_stream_resumes_every_stream_of_its_session(model, tmp_path):

@@ -45,10 +45,11 @@ def references(model, prompts) -> list[list[int]]:
     return out
 
 
-def complete(url: str, model_id: str, ids: list[int]) -> tuple[list[int], int]:
+def complete(url: str, model_id: str, ids: list[int], max_tokens: int = 12
+             ) -> tuple[list[int], int]:
     """Greedy completion of token ids: (completion token ids via the text, cached tokens)."""
     r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": model_id, "prompt": ids, "max_tokens": 12, "temperature": 0,
+        "model": model_id, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})
     r.raise_for_status()
     body = r.json()
@@ -172,8 +173,10 @@ def test_a_queued_burst_on_a_cached_prompt_holds_few_restored_copies(model, tmp_
         assert complete(server.url, server.model_id, burst[0])[0] == refs[0]
         watcher = threading.Thread(target=watch)
         watcher.start()
-        assert complete(server.url, server.model_id, burst[0])[1] > len(system) // 2
-        alone = highest[0]  # one request on the cached prompt, restored and decoding
+        # One request on the cached prompt, restored and decoding: long enough for the watcher
+        # to see it (a 12-token one, its whole prompt cached, can end between two samples).
+        assert complete(server.url, server.model_id, burst[0], 48)[1] > len(system) // 2
+        alone = highest[0]
         results: list = [None] * len(burst)
 
         def one(i: int) -> None:
