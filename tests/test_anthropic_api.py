@@ -741,7 +741,9 @@ def test_a_long_tool_call_streams(tmp_path: Path) -> None:
         opened = names.index("content_block_start")
         deltas = names[opened + 1:-3]
         assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-        assert len(deltas) > 100 and set(deltas) <= {"content_block_delta", "ping"}
+        # Many deltas, not one at the end: how many depends on how the server's stream interval
+        # gathered the ~2,500 tokens (fewer, larger ones on a loaded machine).
+        assert len(deltas) > 20 and set(deltas) <= {"content_block_delta", "ping"}
         pieces = [json.loads(line[6:])["delta"]["partial_json"] for _, line in anth
                   if '"input_json_delta"' in line]
         assert len(json.loads("".join(pieces))["content"]) == 2500
@@ -755,6 +757,6 @@ def test_a_long_tool_call_streams(tmp_path: Path) -> None:
             "tools": [tool], "tool_choice": {"type": "function",
                                              "function": {"name": "write_file"}}})
         calls = [line for _, line in oai if '"tool_calls"' in line]
-        assert len(calls) > 100
+        assert len(calls) > 20
         gaps = [b[0] - a[0] for a, b in zip(oai, oai[1:])]
         assert max(gaps) < 3 * every, max(gaps)
