@@ -505,6 +505,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="measure the speed again instead of using the saved measurement")
     join.add_argument("--ready-file", type=Path,
                       help="write {port, pid} as JSON here once listening")
+    join.add_argument("--orphan-grace", type=_seconds, default=600.0, metavar="SECONDS",
+                      help="unload this Mac's models once no coordinator has called for this "
+                           "long (0: never), so a cluster that is gone holds no memory here; "
+                           "the node keeps running and loads again when a coordinator returns "
+                           "(default: 600)")
     _add_engine_flags(join)
 
     plan = sub.add_parser(
@@ -956,7 +961,8 @@ def _join(args: argparse.Namespace) -> int:
         announced = announce_address(args.host)
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
                           _engine_args(args), secret=secret, node_id=args.name, speed=speed,
-                          worker_cache_bytes=args.hot_cache_max_size)
+                          worker_cache_bytes=args.hot_cache_max_size,
+                          orphan_grace=args.orphan_grace)
     except (OSError, ValueError) as e:
         print(f"error: --host {args.host}: {e}" if isinstance(e, ValueError) else f"error: {e}",
               file=sys.stderr)

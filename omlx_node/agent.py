@@ -49,6 +49,7 @@ PROBE_TIMEOUT_SECONDS = 0.5  # a worker whose /metrics is slower keeps its last 
 # The gauge the worker exports MLX's active memory as (omlx_node/metrics.py: importing that
 # module would load MLX into the agent).
 MLX_ACTIVE_METRIC = "omlx_node_mlx_active_bytes"
+ORPHAN_CHECK_SECONDS = 1.0  # how often a node looks whether its coordinator is still there
 
 
 def free_port(host: str) -> int:
@@ -142,8 +143,13 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
                  metrics_port: int = 0, engine_args: list[str] | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
-                 speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0):
+                 speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0,
+                 orphan_grace: float = 0.0):
         self.secret = secret
+        # A coordinator calls Health every heartbeat: silent this long (0: never checked), it
+        # is gone for good, and the workers' memory goes back to the Mac's owner.
+        self.orphan_grace = orphan_grace
+        self._heard = time.monotonic()  # the last authorized call from a coordinator
         self.node_id = node_id or default_node_id()
         self.chip = chip or hardware.chip()
         self.speed = speed
@@ -268,12 +274,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         return True
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
-        if self.secret is None:
-            return
-        if self.session is None or not auth.check(self.session.encode(),
-                                                  auth.presented(context).encode()):
+        if self.secret is not None and (
+                self.session is None
+                or not auth.check(self.session.encode(), auth.presented(context).encode())):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "not admitted: the coordinator must handshake with the cluster secret")
+        self._heard = time.monotonic()
 
     def LoadShard(self, request: pb.LoadShardRequest, context: grpc.ServicerContext):
         self._authorize(context)
@@ -482,6 +488,25 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             for w in workers:
                 w.probe(self.host)
 
+    def _unload_orphans(self) -> None:
+        """Stops every worker once no coordinator has called for `orphan_grace` seconds: one
+        that never comes back must not leave this Mac holding a model's memory. The agent
+        stays, so a coordinator that does come back finds the node and loads it again."""
+        while not self._shutdown.wait(ORPHAN_CHECK_SECONDS):
+            silent = time.monotonic() - self._heard
+            if silent < self.orphan_grace or not self.workers:
+                continue
+            if not self._lock.acquire(blocking=False):  # a load in flight: a coordinator is here
+                continue
+            try:
+                log.warning("no coordinator has called for %.0f s (--orphan-grace): unloading "
+                            "%s to free this Mac's memory", silent, ", ".join(self.workers))
+                self._stop_workers()
+                with self._workers_lock:
+                    self._keep_awake()
+            finally:
+                self._lock.release()
+
     def shutdown(self) -> None:
         self._shutdown.set()
 
@@ -495,6 +520,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         with self._lock:
             self._spawn_standby()
         threading.Thread(target=self._probe_workers, name="probe-workers", daemon=True).start()
+        if self.orphan_grace > 0:
+            threading.Thread(target=self._unload_orphans, name="orphans", daemon=True).start()
         freeze_startup_heap()
         log.info("node agent listening on %s:%d (%s; data plane port %d)", self.host, self.port,
                  "mutual TLS under the cluster secret" if self.tls else "no TLS", self.data_port)
