@@ -20,6 +20,7 @@ from typing import Protocol
 
 import grpc
 
+from omlx_coordinator.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
 from omlx_coordinator.membership import DiscoveryBridge
 from omlx_coordinator.node_client import AdmissionError, AgentClient
 from omlx_coordinator.status_log import LoggedStatus
@@ -27,6 +28,7 @@ from omlx_coordinator.weight_transfer import WeightCounters
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
 from omlx_shared.hardware import machine_memory
+from omlx_shared.model_store import data_home
 from omlx_shared.outsider_logs import Refusals, cut
 from proto import omlx_pb2 as pb
 
@@ -127,6 +129,11 @@ class Cluster:
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
         self.weight_counters = WeightCounters()
+        # A coordinator (no local nodes) remembers its members; after a restart the first plan
+        # waits for them (gathered).
+        self.known = KnownNodes(data_home() / FILE_NAME) if self.options.nodes == 0 else None
+        self.expected: set[str] = set()  # members before the restart, not back yet
+        self._started_at = time.monotonic()
 
     def local_budget(self) -> int:
         """Local nodes share this machine's memory (less --os-reserve for everything else),
@@ -197,7 +204,9 @@ class Cluster:
     async def start(self) -> None:
         """Starts the local node agents and admits them (a coordinator alone: waits for nodes
         to join); the models load afterwards."""
-        if self.options.nodes == 0:  # a coordinator alone: nodes join over the network
+        self._started_at = time.monotonic()
+        if self.known is not None:  # a coordinator alone: nodes join over the network
+            self.expected = self.known.load()
             self.status = ("waiting for nodes: run `omlx-cluster join` on a Mac with this "
                            "cluster's secret")
             log.info("waiting for nodes to join (Bonjour discovery %s)",
@@ -285,9 +294,25 @@ class Cluster:
             log.warning("node %s: no health after admission: %s", node_id, e.details())
         log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
                  budget / 2**30)
+        self._remember_members()
         if self.on_joined is not None:
             await self.on_joined(member)
         return member
+
+    def _remember_members(self) -> None:
+        if self.known is not None:
+            self.expected -= {m.name for m in self.members if m.alive}
+            self.known.save({m.name for m in self.members if m.alive})
+
+    async def gathered(self) -> None:
+        """Returns once the members this coordinator had before its restart are back, or
+        REJOIN_SECONDS after its start without the missing ones."""
+        while self.expected and time.monotonic() - self._started_at < REJOIN_SECONDS:
+            await asyncio.sleep(HEARTBEAT_SECONDS / 2)
+        if self.expected:
+            log.warning("planning without node(s) %s: members before the restart, not back "
+                        "within %.0f s", ", ".join(sorted(self.expected)), REJOIN_SECONDS)
+            self.expected = set()
 
     async def _live_holder(self, address: str, node_id: str) -> Member | None:
         """The live member with this id or at this address, if it still answers on its own
@@ -325,6 +350,7 @@ class Cluster:
         weights), and the next failure, of another model's nodes too, must still be noticed
         meanwhile."""
         lost: set[str] = set()
+        back: set[str] = set()
         now = time.monotonic()
 
         async def beat(m: Member) -> None:
@@ -339,6 +365,7 @@ class Cluster:
                     if now - m.answering_since >= NODE_BACK_SECONDS:
                         log.warning("node %s (%s) answers again", m.name, m.agent.address)
                         m.alive, m.last_seen, m.answering_since = True, now, None
+                        back.add(m.name)
                         if self.on_joined is not None:
                             self._react(self.on_joined(m))
                 return
@@ -355,6 +382,8 @@ class Cluster:
                     lost.add(m.name)
 
         await asyncio.gather(*(beat(m) for m in self.members))
+        if lost or back:
+            self._remember_members()
         return lost
 
     async def stop(self) -> None:

@@ -193,6 +193,10 @@ class ModelManager:
         t0 = time.monotonic()
         model.state, model.error = LOADING, ""
         ds = self.replicas[model.name]
+        if self.cluster.expected:  # restarted: plan once over the nodes it had, not one by one
+            ds[0].status = ("waiting for the nodes of the cluster before its restart: "
+                            + ", ".join(sorted(self.cluster.expected)))
+            await self.cluster.gathered()
         ds[0].status = "waiting for memory"
         for d in ds:  # an earlier load's failure says nothing of this one
             d.capacity_error = ""
