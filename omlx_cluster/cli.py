@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
 from omlx_shared import __version__
@@ -18,6 +19,9 @@ from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
 REGISTER_BACKOFF_SECONDS = 120.0  # refused, it asks again ever less often, at most this far apart
 log = logging.getLogger("omlx_cluster")
+
+if TYPE_CHECKING:
+    from omlx_coordinator.keys import KeyRing
 
 
 def _positive(value: str) -> int:
@@ -86,7 +90,12 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_port, default=8000, help="gateway port (default: 8000)")
     add_api_key_flags(p, "a key clients must send as 'Authorization: Bearer KEY' or "
                          "'x-api-key: KEY' (repeatable; none: open, only allowed on a "
-                         "loopback address)")
+                         "loopback address); these are admin keys")
+    p.add_argument("--keys-file", type=Path, metavar="FILE",
+                   help="named keys with roles (user: generate only; admin: also load, unload, "
+                        "pin, rebalance, /cluster/*), allowed models, priority and quotas, as "
+                        "TOML [[key]] tables (docs/security.md); read again when it changes, "
+                        "no restart; usage per key is at /cluster/usage")
     p.add_argument("--max-queue", type=_positive, default=None, metavar="N",
                    help="the most requests of one model the gateway holds at once, decoding "
                         "or waiting (a request with n choices counts n); past it a request is "
@@ -717,22 +726,27 @@ def _add_office_commands(sub, common: argparse.ArgumentParser) -> None:
     probe.add_argument("--json", action="store_true", help="print the measurement as JSON")
 
 
-def _api_keys(args: argparse.Namespace) -> frozenset[str] | None:
+def _api_keys(args: argparse.Namespace) -> KeyRing | None:
     """The gateway's API keys; None (after printing why) when the address needs one."""
+    from omlx_coordinator.keys import KeyRing, KeysFileError
+
     try:
-        keys = api_keys(args)
-    except ApiKeyError as e:
+        keys = KeyRing(api_keys(args), args.keys_file)
+    except (ApiKeyError, KeysFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    if not keys and not _is_loopback(args.host):
+    except OSError as e:
+        print(f"error: --keys-file {args.keys_file}: {e.strerror or e}", file=sys.stderr)
+        return None
+    if keys.open and not _is_loopback(args.host):
         print(f"error: the gateway would listen on {args.host}, reachable from the network, "
               "without an API key: pass --api-key-file FILE (or --api-key KEY, or set "
               "OMLX_CLUSTER_API_KEY), or listen on 127.0.0.1", file=sys.stderr)
         return None
-    return frozenset(keys)
+    return keys
 
 
-def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int:
+def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
     """Serves the gateway in front of `manager`'s models until stopped; 1 if it could not
     start."""
     import uvicorn
@@ -743,7 +757,7 @@ def _run_gateway(args: argparse.Namespace, manager, keys: frozenset[str]) -> int
 
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
-                               default_max_tokens=args.default_max_tokens, api_keys=keys)
+                               default_max_tokens=args.default_max_tokens, keys=keys)
     failures: list[str] = []
 
     def give_up(reason: str) -> None:  # nothing can be served: exit rather than idle at 503

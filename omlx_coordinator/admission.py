@@ -24,7 +24,8 @@ from omlx_coordinator.errors import APIError
 # why), of a node's default --max-batch where the gateway does not know the nodes' own.
 QUEUE_BATCHES, NODE_DEFAULT_BATCH = 4, 64
 DEFAULT_MAX_QUEUE = QUEUE_BATCHES * NODE_DEFAULT_BATCH
-# The error code of a refusal (OpenAI's); Anthropic's routes render it as their 529.
+# The error code of a refusal (OpenAI's, as for a quota: access.py); Anthropic's routes render
+# an Overloaded as their 529.
 OVERLOADED = "rate_limit_exceeded"
 # Where a request's held places are noted in its ASGI scope, for `ReleaseWhenDone`.
 _SCOPE_KEY = "omlx.admitted"
@@ -121,10 +122,14 @@ def hold(scope: MutableMapping, admission: Admission, n: int = 1) -> None:
     scope[_SCOPE_KEY].append((admission, n))
 
 
-def overloaded(refusal: Refusal, headers: dict[str, str] | None = None) -> APIError:
+class Overloaded(APIError):
+    """A refusal past a queue bound: the server's state, not the client's quota."""
+
+
+def overloaded(refusal: Refusal, headers: dict[str, str] | None = None) -> Overloaded:
     """The 429 of `refusal` (Anthropic's routes render it as their 529), with its Retry-After
     and any other `headers`."""
-    return APIError(429, f"the server is at its queue bound for this model ({refusal.held} of "
+    return Overloaded(429, f"the server is at its queue bound for this model ({refusal.held} of "
                          f"{refusal.limit} requests held): retry after {refusal.retry_after} s",
                     type="requests", code=OVERLOADED,
                     headers={"Retry-After": str(refusal.retry_after), **(headers or {})})

@@ -16,7 +16,8 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.admission import OVERLOADED, ReleaseWhenDone, overloaded, refuse_all_full
+from omlx_coordinator.access import account_of, identify, require_admin
+from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.docs import add_docs_routes
@@ -27,12 +28,16 @@ from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.metrics import (
     GatewayMetrics,
     ModelsCollector,
+    UsageCollector,
     exposition,
     prometheus_targets,
 )
 from omlx_coordinator.rebalancer import Rebalancer, RebalanceSettings
 from omlx_coordinator.request_body import BodyRefused, JSONBodyRequest
+from omlx_coordinator.usage import FILE_NAME as USAGE_FILE
+from omlx_coordinator.usage import Usage, parse_since
 from omlx_shared import auth
+from omlx_shared.model_store import data_home
 from omlx_shared.outsider_logs import Refusals, cut
 
 log = logging.getLogger(__name__)
@@ -106,15 +111,18 @@ class _Route(APIRoute):
 def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                start_cluster: bool = True,
                on_start_failure: Callable[[str], None] | None = None,
-               rebalance: RebalanceSettings | None = None) -> FastAPI:
+               rebalance: RebalanceSettings | None = None,
+               usage: Usage | None = None) -> FastAPI:
     """The gateway app; its lifespan starts `manager`'s cluster and models (and the
     rebalancer, `rebalance`: off by default) and calls `on_start_failure(reason)` if the main
-    model cannot be served at all."""
+    model cannot be served at all. `usage`: the ledger (default: $OMLX_CLUSTER_HOME's)."""
     settings = settings or GatewaySettings()
+    usage = usage if usage is not None else Usage(data_home() / USAGE_FILE)
     cluster, main = manager.cluster, manager.main
     # Each model's series carry its name; the main model's also the cluster's own.
     metrics = GatewayMetrics(cluster.weight_counters, main.model.name)
     metrics.register(ModelsCollector(manager))
+    metrics.register(UsageCollector(usage))
     metrics_of = {m.name: metrics if m is main.model else GatewayMetrics(model=m.name)
                   for m in manager.models}
     rebalancer = Rebalancer(manager, metrics, rebalance or RebalanceSettings(mode="off"))
@@ -131,11 +139,13 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             task = asyncio.create_task(manager.start())
             task.add_done_callback(started)
         rebalancer.start()
+        saving = asyncio.create_task(usage.keep_saved())
         try:
             yield
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            saving.cancel()
             await rebalancer.stop()
             await manager.stop()
 
@@ -145,22 +155,16 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.router.route_class = _Route
     app.add_middleware(ReleaseWhenDone)  # pure ASGI: a client's disconnect still reaches routes
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
-    app.state.manager = manager
+    app.state.manager, app.state.usage = manager, usage
     app.state.register_tasks = set()
     refusals = Refusals(log)  # anyone on the LAN may send registrations: a line a minute each
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
     # disconnects from the endpoint, and a client that goes away must cancel its generation.
     # /health (ready or not, details only with a key) and /metrics stay open (load balancers,
-    # Prometheus); /cluster/register is signed with the cluster secret instead. Anthropic's
-    # clients send the key as x-api-key.
+    # Prometheus); /cluster/register is signed with the cluster secret instead.
     def has_key(request: Request) -> bool:
-        if not settings.api_keys:
-            return True
-        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-        keys = {request.headers.get("x-api-key", "").strip(),
-                bearer.strip() if scheme.lower() == "bearer" else ""}
-        return bool(keys & settings.api_keys)
+        return identify(request, settings.keys, usage) is not None
 
     async def require_api_key(request: Request) -> None:
         if not has_key(request):
@@ -183,6 +187,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         return error(request, overloaded(refusal, {"connection": "close"}))
 
     keyed = [Depends(require_api_key)]
+    admin = [*keyed, Depends(require_admin)]  # a user key there: a 403 naming the role
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
     app.state.refuse_overloaded = refuse_overloaded
     add_docs_routes(app, keyed)
@@ -197,7 +202,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if (endpoint := endpoints.get(request.url.path)) is not None:
             # A model name no one serves is not a reject of the model that is.
             outcome = ("unknown_model" if exc.code == "model_not_found"
-                       else "overloaded" if exc.code == OVERLOADED
+                       else "overloaded" if isinstance(exc, Overloaded)
                        else "rejected" if exc.status < 500 else "error")
             metrics.requests.labels(endpoint, outcome).inc()
         status, body = exc.status, exc.body()
@@ -259,7 +264,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         with a key."""
         ok = serving()
         body: dict = {"status": "ok" if ok else "not ready"}
-        if has_key(request):
+        if has_key(request) and account_of(request.scope).admin:
             body = {"status": "ok" if ok else (main.status if cluster.ready
                                                else cluster.status),
                     "model": main.model.name,
@@ -297,7 +302,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         task.add_done_callback(app.state.register_tasks.discard)
         return JSONResponse({"status": "admitting"}, status_code=202)
 
-    @app.get("/cluster/status", dependencies=keyed)
+    @app.get("/cluster/status", dependencies=admin)
     async def status() -> dict:
         """The main model's plan at the top (what one-model tools read), every model's
         state, replicas, stages and footprints, and the nodes."""
@@ -319,12 +324,12 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         return {"layers": main.stages_on().get(node["id"]),
                 "worker_pid": w["pid"] if w else None, "metrics": w["metrics"] if w else None}
 
-    @app.get("/cluster/rebalance", dependencies=keyed)
+    @app.get("/cluster/rebalance", dependencies=admin)
     async def rebalance_advice() -> dict:
         """The measured speeds, the current and the best split, the predicted gain."""
         return await rebalancer.rebalance_now(dry_run=True)
 
-    @app.post("/cluster/rebalance", dependencies=keyed)
+    @app.post("/cluster/rebalance", dependencies=admin)
     async def rebalance_now() -> dict:
         """Moves to the best split for the measured speeds now (past the threshold, the window
         and the cooldown); the answer says whether it moved."""
@@ -332,11 +337,33 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             raise APIError(409, "rebalancing is off (--rebalance off)")
         return await rebalancer.rebalance_now(dry_run=False)
 
+    @app.get("/cluster/usage", dependencies=keyed)
+    async def usage_report(request: Request, since: str = "", key: str | None = None) -> dict:
+        """Usage per key and model, summed over whole UTC days from `since` (YYYY-MM-DD or an
+        ISO date-time; default: all kept). A user key sees its own; an admin everyone's, or
+        one key's with `key`."""
+        try:
+            day = parse_since(since) if since else ""
+        except ValueError:
+            raise APIError(400, f"since={since!r}: give a day (2026-12-01) or an ISO date-time "
+                                "(2026-12-01T09:00:00Z)", param="since") from None
+        account = account_of(request.scope)
+        if not account.admin:
+            if key not in (None, account.name):
+                raise APIError(403, f"the key {account.name!r} (role 'user') may read only its "
+                                    "own usage; an admin key reads others'",
+                               type="permission_error", code="admin_required")
+            key = account.name
+        totals = usage.totals(day, key)
+        return {"since": day or None, "keys": [
+            {"key": name, "models": [{"model": model, **vars(c)} for model, c in ms.items()]}
+            for name, ms in sorted(totals.items())]}
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(exposition(list(metrics_of.values())), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/cluster/prometheus-targets", dependencies=keyed)
+    @app.get("/cluster/prometheus-targets", dependencies=admin)
     async def prometheus_sd() -> list[dict]:
         """Prometheus's HTTP service discovery (`http_sd_configs`, deploy/prometheus): every
         stage's metrics endpoint, so a Mac that joins is scraped without editing prometheus.yml.
@@ -347,7 +374,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     openai.add_routes(app, manager, metrics_of, settings, keyed)
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
-    models.add_routes(app, manager, keyed)
+    models.add_routes(app, manager, admin)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 

@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from omlx_coordinator.access import Account, check
 from omlx_coordinator.cluster import NoCapacity
 from omlx_coordinator.deployment import Deployment
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.internal_error import internal_error
+from omlx_coordinator.keys import KeyRing
 from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
@@ -46,7 +48,7 @@ class GatewaySettings:
     request_timeout: float = 900.0  # seconds a request may run in all
     keepalive_seconds: float = 5.0  # SSE comment interval while a stream waits
     default_max_tokens: int = 4096  # when the client sets no limit (capped by the context)
-    api_keys: frozenset[str] = frozenset()  # Bearer keys /v1 and /cluster require (none: open)
+    keys: KeyRing = field(default_factory=KeyRing)  # what /v1 and /cluster take (none: open)
 
 
 @dataclass
@@ -89,17 +91,21 @@ class GenerationRequest:
     grammar: str = ""  # an llguidance grammar (constraints.py) the output must follow
     logprobs: bool = False
     top_logprobs: int = 0
+    account: Account | None = None  # whose usage it counts as (access.py)
 
 
-async def check_servable(manager: ModelManager, name: str) -> ServedModel:
+async def check_servable(manager: ModelManager, name: str,
+                         account: Account | None = None) -> ServedModel:
     """The model a request names; a 404 for one not served here (listing those that are), a
-    503 while it cannot be served (and, for an unloaded one, when it fits nowhere even with
-    every unpinned model unloaded, naming the shortfall)."""
+    403 or 429 for one the `account` may not use now (access.py), a 503 while it cannot be
+    served (and, for an unloaded one, when it fits nowhere even with every unpinned model
+    unloaded, naming the shortfall)."""
     model = manager.resolve(name)
     if model is None:
         names = ", ".join(repr(m.name) for m in manager.models)
         raise APIError(404, f"model {name!r} is not served here; available: {names} "
                             "(GET /v1/models)", param="model", code="model_not_found")
+    check(account, model)
     main = manager.replicas[model.name][0]
     if not manager.started:  # the first loads; afterwards a load or recovery only pauses
         status = main.status if manager.cluster.ready else manager.cluster.status
@@ -258,7 +264,7 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
     attempt: _Attempt | None = None
     lost_plan: tuple[Deployment, int] | None = None  # the plan (replica, epoch) an attempt lost
     broke: tuple[Deployment, int] | None = None  # the plan an attempt of it broke, first time
-    leased = False
+    leased, failed = False, False
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
@@ -355,7 +361,12 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             if item.finish_reason:
                 yield Done(item.finish_reason, len(prompt), len(generated), cached)
                 return
+    except Exception:
+        failed = True
+        raise
     finally:
+        if req.account is not None:
+            req.account.finished(model.name, len(prompt), cached, len(generated), failed)
         (metrics.waiting if first else metrics.running).dec()
         metrics.e2e.observe(time.perf_counter() - started)
         if attempt is not None:

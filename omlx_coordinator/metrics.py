@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omlx_coordinator.planner import Plan
+from omlx_coordinator.usage import Usage
 from omlx_coordinator.weight_transfer import WeightCounters
 from omlx_shared.prometheus import LATENCY_BUCKETS, labelled, merged
 
@@ -84,6 +85,29 @@ class GatewayMetrics:
 def exposition(models: Sequence[GatewayMetrics]) -> bytes:
     """/metrics of every model's series in Prometheus's text format."""
     return generate_latest(merged([m._exported for m in models]))
+
+
+class UsageCollector:
+    """Each key's usage of each model (usage.py, kept across restarts), labelled by the key's
+    name, never the key."""
+
+    def __init__(self, usage: Usage):
+        self.usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["key", "model"]
+        families = {f: CounterMetricFamily(f"omlx_key_{f}", f"{what} of the key's requests",
+                                           labels=labels)
+                    for f, what in (("requests", "Admitted requests"),
+                                    ("prompt_tokens", "Prompt tokens"),
+                                    ("cached_tokens", "Prompt tokens the prefix cache served"),
+                                    ("completion_tokens", "Generated tokens"),
+                                    ("errors", "Failed generations"))}
+        for key, models in self.usage.totals().items():
+            for model, counts in models.items():
+                for f, family in families.items():
+                    family.add_metric([key, model], getattr(counts, f))
+        yield from families.values()
 
 
 class ModelsCollector:

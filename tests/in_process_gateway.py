@@ -10,6 +10,7 @@ import httpx
 from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.gateway import create_app
 from omlx_coordinator.generation import GatewaySettings
+from omlx_coordinator.keys import KeyRing
 from tests.tiny_models import serving
 
 
@@ -21,6 +22,8 @@ def ask(app, method: str, path: str, **kw) -> httpx.Response:
     return asyncio.run(run())
 
 
-def app_for(tiny: Path, keys: frozenset[str] = frozenset()):
+def app_for(tiny: Path, keys: frozenset[str] = frozenset(), keys_file: Path | None = None,
+            usage=None):
     manager = serving(tiny, "m", ClusterOptions(nodes=0, os_reserve_bytes=0))
-    return create_app(manager, GatewaySettings(api_keys=keys), start_cluster=False)
+    return create_app(manager, GatewaySettings(keys=KeyRing(keys, keys_file)),
+                      start_cluster=False, usage=usage)

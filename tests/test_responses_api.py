@@ -59,7 +59,7 @@ class Scripted:
         self.scripts: list[list] = []
         self.requests: list[GenerationRequest] = []
 
-        async def servable(manager, name: str):
+        async def servable(manager, name: str, account=None):
             return self.served
 
         async def generate(manager, model, metrics, settings, req: GenerationRequest):

@@ -297,7 +297,7 @@ class Scripted:
         served = manager.models[0]
         self.log: list[tuple[str, str]] = []
 
-        async def servable(manager, name: str):
+        async def servable(manager, name: str, account=None):
             return served
 
         async def generate(manager, model, metrics, settings, req):

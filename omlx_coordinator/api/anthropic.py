@@ -48,7 +48,8 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.admission import OVERLOADED, hold
+from omlx_coordinator.access import account_of, admit
+from omlx_coordinator.admission import Overloaded
 from omlx_coordinator.api.anthropic_schema import (
     Block,
     MessagesRequest,
@@ -127,7 +128,7 @@ def owns(path: str) -> bool:
 def error_status(exc: APIError) -> int:
     """The status Anthropic's API would answer with: a full queue is its 529 overloaded_error
     (429 there is a client's own rate limit), which its SDK retries after the Retry-After."""
-    return OVERLOADED_STATUS if exc.code == OVERLOADED else exc.status
+    return OVERLOADED_STATUS if isinstance(exc, Overloaded) else exc.status
 
 
 def error_body(status: int, message: str) -> dict:
@@ -561,8 +562,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
     """`metrics_of`: each model's, by name."""
     @app.post(PATH, dependencies=keyed)
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        served = await check_servable(manager, body.model)
-        hold(request.scope, served.admission)
+        served = await check_servable(manager, body.model, account_of(request.scope))
+        admit(request.scope, served)
         metrics, tok = metrics_of[served.name], served.tokenizer
         prompt, tools = await asyncio.to_thread(encode_prompt, tok, body)
         try:
@@ -583,7 +584,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                                 temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k,
                                 stop=body.stop_sequences + ([call_end] if call_end else []),
-                                grammar=grammar)
+                                grammar=grammar, account=account_of(request.scope))
         reply = _Reply(served.name, len(prompt),
                        ToolCallStream(fmt, tools.callable(), body.stream)
                        if fmt and tools else None,

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.admission import hold
+from omlx_coordinator.access import account_of, admit
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -335,7 +335,8 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
         top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
         ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        grammar=grammar, logprobs=output.logprobs, top_logprobs=output.top_logprobs)
+        grammar=grammar, logprobs=output.logprobs, top_logprobs=output.top_logprobs,
+        account=account_of(request.scope))
 
     def start(i: int) -> AsyncIterator:
         # Seeded choices differ from one another yet are each reproducible.
@@ -440,8 +441,12 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
                 "replicas": len(d["replicas"]), "context_length": model.max_context or None}
 
     @app.get("/v1/models", dependencies=keyed)
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card(m) for m in manager.models]}
+    async def models(request: Request) -> dict:
+        """The models served, those the key may use."""
+        account = account_of(request.scope)
+        key = account.key if account is not None else None
+        return {"object": "list", "data": [model_card(m) for m in manager.models
+                                           if key is None or key.may_use(m.names)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=keyed)
     async def model(model_id: str) -> dict:
@@ -454,8 +459,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        served = await check_servable(manager, body.model)
-        hold(request.scope, served.admission, body.n)
+        served = await check_servable(manager, body.model, account_of(request.scope))
+        admit(request.scope, served, body.n)
         messages = body.template_messages()
         tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
         prompt = await asyncio.to_thread(encode_chat, served.tokenizer, messages, tools)
@@ -464,8 +469,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served = await check_servable(manager, body.model)
-        hold(request.scope, served.admission, body.n)
+        served = await check_servable(manager, body.model, account_of(request.scope))
+        admit(request.scope, served, body.n)
         if isinstance(body.prompt, str):
             prompt = await asyncio.to_thread(served.tokenizer.encode, body.prompt)
         else:

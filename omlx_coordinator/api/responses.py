@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.admission import hold
+from omlx_coordinator.access import account_of, admit
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -439,8 +439,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
 
     @app.post(PATH, dependencies=keyed)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        served = await check_servable(manager, body.model)
-        hold(request.scope, served.admission)
+        served = await check_servable(manager, body.model, account_of(request.scope))
+        admit(request.scope, served)
         metrics, tok = metrics_of[served.name], served.tokenizer
         previous = None
         if body.previous_response_id is not None:
@@ -460,7 +460,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         req = GenerationRequest(
             prompt=prompt, max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, stop=stop, grammar=setup.grammar)
+            top_p=1.0 if body.top_p is None else body.top_p, stop=stop, grammar=setup.grammar,
+            account=account_of(request.scope))
         reply = _Reply(body, served.name, setup, tools)
         events = generate(manager, served, metrics, settings, req)
 

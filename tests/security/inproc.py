@@ -37,9 +37,9 @@ async def _answer(manager, model, metrics, settings, req: GenerationRequest) -> 
 def app_for(model: Path) -> Iterator[FastAPI]:
     manager = serving(model, MODEL, ClusterOptions(nodes=0))
 
-    async def servable(_manager, name: str):
+    async def servable(_manager, name: str, account=None):
         # Any other name meets the real check (a 404 that lists the served model).
-        return manager.main.model if name == MODEL else await check_servable(manager, name)
+        return manager.main.model if name == MODEL else await check_servable(manager, name, account)
 
     with mock.patch.multiple(openai, check_servable=servable, generate=_answer), \
             mock.patch.multiple(anthropic, check_servable=servable, generate=_answer):
