@@ -91,6 +91,23 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_api_key_flags(p, "a key clients must send as 'Authorization: Bearer KEY' or "
                          "'x-api-key: KEY' (repeatable; none: open, only allowed on a "
                          "loopback address); these are admin keys")
+    p.add_argument("--tls", choices=["self-signed"], default=None,
+                   help="serve HTTPS with a certificate made here once and kept in "
+                        "$OMLX_CLUSTER_HOME/gateway-tls/ (its SHA-256 fingerprint is printed at "
+                        "start, for clients to pin); or give your own with --tls-cert/--tls-key")
+    p.add_argument("--tls-cert", type=Path, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate (chain), with --tls-key")
+    p.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM key of --tls-cert")
+    p.add_argument("--header-timeout", type=_positive_seconds, default=20.0, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request header this long "
+                        "after it opened or its request began (slow or idle sockets; "
+                        "default: 20)")
+    p.add_argument("--max-connections", type=_positive, default=2048, metavar="N",
+                   help="open connections at most; past it a new one closes the one idle "
+                        "longest, so idle sockets cannot lock clients out (default: 2048)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs an admin key too (Prometheus: the bearer credentials "
+                        "in deploy/prometheus/prometheus.yml)")
     p.add_argument("--keys-file", type=Path, metavar="FILE",
                    help="named keys with roles (user: generate only; admin: also load, unload, "
                         "pin, rebalance, /cluster/*), allowed models, priority and quotas, as "
@@ -752,12 +769,14 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
     import uvicorn
 
     from omlx_coordinator.access_log import redact_access_log
+    from omlx_coordinator.connections import guarded, raise_open_files
     from omlx_coordinator.gateway import create_app
     from omlx_coordinator.generation import GatewaySettings
 
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
-                               default_max_tokens=args.default_max_tokens, keys=keys)
+                               default_max_tokens=args.default_max_tokens, keys=keys,
+                               protect_metrics=args.protect_metrics)
     failures: list[str] = []
 
     def give_up(reason: str) -> None:  # nothing can be served: exit rather than idle at 503
@@ -775,6 +794,10 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror} (another "
               "server may hold the port: pass --port)", file=sys.stderr)
         return 2
+    tls = _gateway_tls(args)
+    if tls is False:
+        sock.close()
+        return 2
     app = create_app(manager, settings, on_start_failure=give_up,
                      rebalance=_rebalance_settings(args))
     # uvloop and httptools, named rather than "auto" (which quietly falls back to asyncio's
@@ -783,9 +806,12 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
     # (httpx and the OpenAI SDK: 5 s). With uvicorn's 5 s, an agent's next turn ~5 s after its
     # last raced the server closing that connection: "Server disconnected without sending a
     # response". The client must be the one that lets it go.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5, timeout_keep_alive=75,
-                                           loop="uvloop", http="httptools"))
+    # The protocol is httptools', with deadlines for headers and a bound on connections.
+    raise_open_files(args.max_connections)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75,
+        loop="uvloop", http=guarded(args.header_timeout, args.max_connections),
+        ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None))
     redact_access_log()  # a key sent as ?api_key=... never reaches the log
     if args.log_file:
         try:
@@ -794,15 +820,39 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
             sock.close()
             print(f"error: --log-file {args.log_file}: {e.strerror}", file=sys.stderr)
             return 2
-    log.info("listening on http://%s:%d/v1; loading %s (GET /health answers 200 once it "
-             "is ready)", args.host, sock.getsockname()[1],
+    log.info("listening on %s://%s:%d/v1; loading %s (GET /health answers 200 once it "
+             "is ready)", "https" if tls else "http", args.host, sock.getsockname()[1],
              ", ".join(m.name for m in manager.models))
+    if tls:
+        log.info("HTTPS certificate %s, SHA-256 fingerprint %s", tls.cert, tls.fingerprint)
     server.run(sockets=[sock])
     if failures:
         print(f"error: could not serve {manager.models[0].path}: {failures[0]}",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _gateway_tls(args: argparse.Namespace):
+    """The certificate to serve HTTPS with, None for plain HTTP, False after saying why not."""
+    from omlx_coordinator.gateway_tls import GatewayTLSError, checked, self_signed
+    from omlx_shared.model_store import data_home
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together: the certificate and its key",
+              file=sys.stderr)
+        return False
+    if args.tls and args.tls_cert:
+        print("error: --tls self-signed makes its own certificate: drop it or --tls-cert",
+              file=sys.stderr)
+        return False
+    try:
+        if args.tls_cert:
+            return checked(args.tls_cert, args.tls_key)
+        return self_signed(data_home(), args.host) if args.tls else None
+    except (GatewayTLSError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return False
 
 
 def _log_to_file(path: Path) -> None:

@@ -359,7 +359,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             {"key": name, "models": [{"model": model, **vars(c)} for model, c in ms.items()]}
             for name, ms in sorted(totals.items())]}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse,
+             dependencies=admin if settings.protect_metrics else [])
     async def prometheus() -> Response:
         return Response(exposition(list(metrics_of.values())), media_type=CONTENT_TYPE_LATEST)
 

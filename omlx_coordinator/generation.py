@@ -49,6 +49,7 @@ class GatewaySettings:
     keepalive_seconds: float = 5.0  # SSE comment interval while a stream waits
     default_max_tokens: int = 4096  # when the client sets no limit (capped by the context)
     keys: KeyRing = field(default_factory=KeyRing)  # what /v1 and /cluster take (none: open)
+    protect_metrics: bool = False  # /metrics needs an admin key too
 
 
 @dataclass

@@ -49,6 +49,7 @@ def prometheus_config(gateway: str, key_file: Path) -> dict:
     assert sd["url"].endswith("/cluster/prometheus-targets")
     sd.update(url=f"http://{gateway}/cluster/prometheus-targets", refresh_interval="1s")
     sd["authorization"]["credentials_file"] = str(key_file)
+    jobs["omlx-gateway"]["authorization"]["credentials_file"] = str(key_file)
     return config
 
 
@@ -110,7 +111,7 @@ def test_real_prometheus_scrapes_every_stage_and_the_dashboard_has_data(tiny_mod
     key_file = tmp_path / "omlx-api-key"
     key_file.write_text(KEY)
     auth = {"authorization": f"Bearer {KEY}"}
-    with start_server(tiny_model_path, "--nodes", "2", "--api-key", KEY,
+    with start_server(tiny_model_path, "--nodes", "2", "--api-key", KEY, "--protect-metrics",
                       "--cache-block-size", "16", home=tmp_path / "home") as server:
         gateway = server.url.removeprefix("http://")
         # The discovery is keyed like /cluster/status, and names both stages.
@@ -122,9 +123,11 @@ def test_real_prometheus_scrapes_every_stage_and_the_dashboard_has_data(tiny_mod
         assert sorted(g["labels"]["stage"] for g in groups) == ["0", "1"]
         assert ({g["targets"][0] for g in groups}
                 == {n["metrics"] for n in status["nodes"]})
+        # --protect-metrics: the gateway's /metrics wants the admin key (Prometheus sends it).
+        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
         # Every endpoint passes Prometheus's own lint (names, types, help).
         for endpoint in [gateway, *(g["targets"][0] for g in groups)]:
-            text = httpx.get(f"http://{endpoint}/metrics", timeout=10).text
+            text = httpx.get(f"http://{endpoint}/metrics", headers=auth, timeout=10).text
             lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
                                   capture_output=True, text=True, timeout=30)
             assert lint.returncode == 0 and not lint.stdout + lint.stderr.strip(), (
