@@ -91,6 +91,11 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_api_key_flags(p, "a key clients must send as 'Authorization: Bearer KEY' or "
                          "'x-api-key: KEY' (repeatable; none: open, only allowed on a "
                          "loopback address); these are admin keys")
+    p.add_argument("--batch-share", type=_share_or_all, default=0.5, metavar="SHARE",
+                   help="of a model's running slots (--max-batch a replica), the share requests "
+                        "of keys with priority = \"batch\" (--keys-file) may run in; the rest "
+                        "stay free for interactive ones, which never wait behind them; a batch "
+                        "request waits 30 s at most (default: 0.5)")
     p.add_argument("--tls", choices=["self-signed"], default=None,
                    help="serve HTTPS with a certificate made here once and kept in "
                         "$OMLX_CLUSTER_HOME/gateway-tls/ (its SHA-256 fingerprint is printed at "
@@ -252,6 +257,14 @@ def _share(value: str) -> float:
     x = float(value)
     if not 0 < x < 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1 (0.15 is 15%), got {x}")
+    return x
+
+
+def _share_or_all(value: str) -> float:
+    x = float(value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1 (0.5 is half), "
+                                         f"got {x}")
     return x
 
 
@@ -907,6 +920,9 @@ def _keys_and_models(args: argparse.Namespace):
         configs = mc.with_split(configs, getattr(args, "split", None))
         queue = args.max_queue or default_bound(getattr(args, "max_batch", None))
         configs = [c if c.max_queue else replace(c, max_queue=queue) for c in configs]
+        batch = getattr(args, "max_batch", None)  # a coordinator's nodes: their default
+        configs = [replace(c, batch_share=args.batch_share, slots=batch and batch * (
+            c.replicas if isinstance(c.replicas, int) else 1)) for c in configs]
         return keys, [ServedModel(c, path) for c, path in zip(configs, resolved)]
     except (ModelError, mc.ModelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

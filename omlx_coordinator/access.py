@@ -13,6 +13,7 @@ from fastapi import Request
 from omlx_coordinator.admission import hold
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.keys import Key, KeyRing
+from omlx_coordinator.priority import INTERACTIVE
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.usage import ANONYMOUS, Usage
 
@@ -30,6 +31,10 @@ class Account:
     @property
     def name(self) -> str:
         return self.key.name if self.key is not None else ANONYMOUS
+
+    @property
+    def priority(self) -> str:
+        return self.key.priority if self.key is not None else INTERACTIVE
 
     @property
     def admin(self) -> bool:

@@ -36,6 +36,7 @@ from omlx_coordinator.errors import APIError
 from omlx_coordinator.internal_error import internal_error
 from omlx_coordinator.keys import KeyRing
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.priority import INTERACTIVE, PriorityGate
 from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
 from proto import omlx_pb2 as pb
@@ -185,6 +186,29 @@ def _lost(item) -> _Lost | None:
     return None
 
 
+async def _slot(gate: PriorityGate, priority: str, deadline: float,
+                settings: GatewaySettings) -> AsyncIterator[KeepAlive]:
+    """Yields KeepAlive until the request holds one of its model's running slots
+    (priority.py); a request that goes away or fails meanwhile holds none."""
+    task = asyncio.ensure_future(gate.enter(priority))
+    try:
+        while not task.done():
+            if time.monotonic() > deadline:
+                raise APIError(504, f"the request ran past the server's time limit waiting for "
+                                    f"one of the model's {gate.slots} running slots (its class: "
+                                    f"{priority})", type="server_error", code="timeout")
+            done, _ = await asyncio.wait({task}, timeout=min(settings.keepalive_seconds, 0.5))
+            if not done:
+                yield KeepAlive()
+        task.result()
+    except BaseException:
+        if not task.done():
+            task.cancel()  # enter() gives the slot on if it was granted as it was cancelled
+        elif not task.cancelled() and task.exception() is None:
+            gate.leave(priority)
+        raise
+
+
 async def _replica(manager: ModelManager, model: ServedModel, tokens: list[int],
                    lost: tuple[Deployment, int] | None, deadline: float,
                    settings: GatewaySettings, leased: bool = False
@@ -265,11 +289,15 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
     attempt: _Attempt | None = None
     lost_plan: tuple[Deployment, int] | None = None  # the plan (replica, epoch) an attempt lost
     broke: tuple[Deployment, int] | None = None  # the plan an attempt of it broke, first time
-    leased, failed = False, False
+    leased, failed, slotted = False, False, False
+    priority = req.account.priority if req.account is not None else INTERACTIVE
     metrics.waiting.inc()
     metrics.prompt_tokens.inc(len(prompt))
     getter: asyncio.Future | None = None
     try:
+        async for ev in _slot(model.gate, priority, deadline, settings):
+            yield ev
+        slotted = True
         while True:
             if attempt is None:
                 deployment = None
@@ -366,6 +394,8 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
         failed = True
         raise
     finally:
+        if slotted:
+            model.gate.leave(priority)
         if req.account is not None:
             req.account.finished(model.name, len(prompt), cached, len(generated), failed)
         (metrics.waiting if first else metrics.running).dec()

@@ -32,10 +32,12 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from omlx_coordinator.priority import BATCH, INTERACTIVE
+
 log = logging.getLogger(__name__)
 
 ROLES = ("user", "admin")
-PRIORITIES = ("interactive", "batch")
+PRIORITIES = (INTERACTIVE, BATCH)
 RELOAD_CHECK_SECONDS = 1.0  # how often a request may stat the keys file
 _FIELDS = {"name", "key", "key_sha256", "role", "models", "priority", "requests_per_minute",
            "tokens_per_day"}
@@ -52,7 +54,7 @@ class Key:
     digest: bytes  # SHA-256 of the key
     role: str = "admin"
     models: frozenset[str] | None = None  # None: every model
-    priority: str = "interactive"
+    priority: str = INTERACTIVE
     requests_per_minute: int | None = None
     tokens_per_day: int | None = None
 
@@ -121,7 +123,7 @@ def _entry(e: object, i: int, source: str) -> Key:
             raise KeysFileError(f"{where}: 'key_sha256' must be 64 hex digits (`printf %s KEY "
                                 "| sha256sum`)")
         key_digest = bytes.fromhex(e["key_sha256"])
-    role, priority = e.get("role", "user"), e.get("priority", "interactive")
+    role, priority = e.get("role", "user"), e.get("priority", INTERACTIVE)
     if role not in ROLES:
         raise KeysFileError(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {role!r}")
     if priority not in PRIORITIES:

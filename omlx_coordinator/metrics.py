@@ -145,7 +145,16 @@ class ModelsCollector:
         unread = GaugeMetricFamily("omlx_model_unread_chunks_max", "The most token chunks a "
                                    "running sequence has waiting for its client to read",
                                    labels=["model"])
+        running = GaugeMetricFamily("omlx_model_slots_running", "Requests holding one of the "
+                                    "model's running slots, by priority class",
+                                    labels=["model", "class"])
+        waiting = GaugeMetricFamily("omlx_model_slots_waiting", "Requests waiting for one, by "
+                                    "priority class", labels=["model", "class"])
         for model in m.models:
+            waits = model.gate.waiting
+            for cls, n in model.gate.running.items():
+                running.add_metric([model.name, cls], n)
+                waiting.add_metric([model.name, cls], waits[cls])
             loaded.add_metric([model.name], float(model.state == "loaded"))
             held.add_metric([model.name], model.admission.held)
             bound.add_metric([model.name], model.admission.limit)
@@ -178,7 +187,7 @@ class ModelsCollector:
                 total.add_metric([node.name], h.memory_total_bytes)
                 pressure.add_metric([node.name], PRESSURE_LEVELS.get(h.memory_pressure, 0))
         yield from (loaded, state, leases, pinned, loads, unloads, load_s, footprint, active,
-                    available, total, pressure, held, bound, unread)
+                    available, total, pressure, held, bound, unread, running, waiting)
 
 
 def prometheus_targets(nodes: list[dict], plans: list[tuple[str, Plan]]) -> list[dict]:

@@ -38,6 +38,8 @@ class ModelConfig:
     replicas: Replicas = 1
     split: list[int] | None = field(default=None, compare=False)
     max_queue: int | None = None  # requests held at once (admission.py); None: the gateway's
+    slots: int | None = None  # sequences its replicas decode at once (priority.py); None: default
+    batch_share: float = 0.5  # of the slots, what batch-class requests may run in
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):

@@ -13,7 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from omlx_coordinator.admission import DEFAULT_MAX_QUEUE, Admission
+from omlx_coordinator.admission import DEFAULT_MAX_QUEUE, NODE_DEFAULT_BATCH, Admission
+from omlx_coordinator.priority import PriorityGate
 from omlx_coordinator.model_config import ModelConfig
 from omlx_coordinator.model_layout import ModelLayout, read_layout
 from omlx_coordinator.tokenizer import ChatTokenizer
@@ -44,6 +45,7 @@ class ServedModel:
         self.pinned = config.pinned
         self.leases = 0  # requests admitted and not yet finished
         self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE)  # the queue bound
+        self.gate = PriorityGate(config.slots or NODE_DEFAULT_BATCH, config.batch_share)
         self.last_used = time.monotonic()
         self.error = ""  # why its last load failed ("" when it did not)
         self.load_seconds = 0.0  # of its last load, eviction included
