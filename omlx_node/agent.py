@@ -391,7 +391,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         process = self._take_standby()
         what = f"the shard worker of {model_id} (rank {request.rank})"
         if process is not None:
-            process.what = what
+            process.rename(what)
             process.send_line(json.dumps({"argv": argv, "env": env}))
         else:
             process = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,

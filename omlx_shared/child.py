@@ -53,6 +53,17 @@ class ChildProcess:
                                          stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.PIPE if stdin_pipe else None)
 
+    def rename(self, what: str) -> None:
+        """Names the child (and its log file) for what it does now: a standby worker becomes
+        a model's shard worker. The child keeps writing to the renamed file."""
+        path = _log_name(self.log_path.parent, what)
+        try:
+            os.rename(self.log_path, path)
+            self.log_path = path
+        except OSError:  # pruned meanwhile: the child writes on to an unlinked file
+            pass
+        self.what = what
+
     def send_line(self, line: str) -> None:
         """Writes one line to the child's stdin and closes it (the child reads it once)."""
         self.proc.stdin.write(line.encode() + b"\n")
@@ -112,10 +123,14 @@ def _new_log(what: str) -> Path:
             pass
     for _, p in sorted(logs)[:max(0, len(logs) + 1 - LOGS_KEPT)]:
         p.unlink(missing_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")
-    path = folder / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.log"
+    path = _log_name(folder, what)
     path.touch()
     return path
+
+
+def _log_name(folder: Path, what: str) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")[:80]
+    return folder / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.log"
 
 
 def watch_parent(on_exit: Callable[[], None], interval: float = 1.0) -> None:

@@ -57,6 +57,10 @@ def test_serve_logs_its_stages_and_to_its_log_file(tiny_model_path: Path, tmp_pa
     assert '"GET /v1/models HTTP/1.1" 200' in written and '"GET /health' not in written
     assert "tiny-llama: ready" in written
     assert log_file.stat().st_mode & 0o777 == 0o600
+    # The worker's own log is named for the model and rank it serves, not as the standby it
+    # started as.
+    worker_logs = list((tmp_path / "h" / "logs").glob("the-shard-worker-of-tiny-llama-rank-0-*"))
+    assert len(worker_logs) == 1 and worker_logs[0].stat().st_size > 0
 
 
 class _WrongSecret(QuietHandler):
