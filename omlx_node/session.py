@@ -112,6 +112,7 @@ class Session:
         self._live: dict[str, Sequence | None] = {}  # None: submitting (a grammar compiles)
         self._cancelled: set[str] = set()  # cancelled while submitting
         self._started: set[str] = set()  # sent their first chunk
+        self._failed: set[str] = set()  # ended by a fault of their own, still in the engine
         self._closed = ""  # why the session takes no more requests ("": it takes them)
 
     def read(self, requests: Iterator[pb.SessionRequest]) -> None:
@@ -249,9 +250,23 @@ class Session:
                 else:
                     tokens.append(event)
         for rid, (seq, tokens, finish) in news.items():
+            if rid in self._failed:  # what its sequence did after its event failed
+                if finish:
+                    self._failed.discard(rid)
+                continue
             end = finish[0] if finish else None
             event = message.events.add(request_id=rid)
-            fill_chunk(event.chunk, seq, tokens, end, rid not in self._started)
+            try:
+                fill_chunk(event.chunk, seq, tokens, end, rid not in self._started)
+            except Exception as e:  # one sequence's fault must not end every other's call
+                log.exception("session: the event of request %s failed; ending it alone", rid)
+                event.Clear()
+                event.request_id = rid
+                event.chunk.finish_reason, event.chunk.error = "error", f"its event failed: {e!r}"
+                if end is None:  # still running: its later events are dropped
+                    self._failed.add(rid)
+                    self.engine.cancel(rid)
+                end = Finish("error", str(e))
             self._started.add(rid)
             if end is not None:
                 if end.reason == "lost":

@@ -318,3 +318,50 @@ def test_a_session_holds_steps_for_its_interval_but_never_a_first_token_or_an_en
     # a: its first message, the held steps with b's first, b's end, a's end (with what was
     # held since): no message a step.
     assert len(messages) <= 4
+
+
+def test_a_fault_building_one_sequences_event_ends_that_request_alone(worker, reference,
+                                                                      monkeypatch):
+    """A bug that raises while one sequence's event is built (here injected for request "a")
+    ends that request with an error chunk; the session call and its other sequences go on."""
+    from omlx_node import session as session_module
+    from omlx_node.batcher import Batcher
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.session import Session
+    from omlx_node.stage import StageRunner
+
+    real = session_module.fill_chunk
+
+    def faulty(chunk, seq, tokens, finish, first):
+        if seq.request_id == "a" and not first:
+            raise IndexError("injected")
+        return real(chunk, seq, tokens, finish, first)
+
+    monkeypatch.setattr(session_module, "fill_chunk", faulty)
+    engine = Batcher(StageRunner(worker[1]), NodeMetrics())
+    session = Session(engine, 8, concurrent.futures.ThreadPoolExecutor(1))
+    out: queue.Queue = queue.Queue()
+    handler = threading.Thread(target=lambda: [out.put(m) for m in session.messages(_LiveCall())],
+                               daemon=True)
+    handler.start()
+    (a_ids, _), (b_ids, b_ref) = reference[0], reference[1]
+    session._take(_request("a", a_ids, 12))
+    session._take(_request("b", b_ids, 12))
+    events: dict[str, list] = {"a": [], "b": []}
+    for _ in range(200):
+        engine.step()
+        try:
+            while True:
+                for e in out.get(timeout=0.2).events:
+                    events[e.request_id].append(e.chunk)
+        except queue.Empty:
+            pass
+        if any(c.finish_reason for c in events["b"]):
+            break
+    session.close("done")
+    handler.join(10)
+    assert not handler.is_alive()
+    a_end = [c for c in events["a"] if c.finish_reason]
+    assert [c.finish_reason for c in a_end] == ["error"] and "injected" in a_end[0].error
+    assert [t for c in events["b"] for t in c.tokens] == b_ref[:12]
+    assert events["b"][-1].finish_reason == "length"
