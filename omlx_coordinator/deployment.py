@@ -17,7 +17,7 @@ import time
 import grpc
 
 from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
-from omlx_coordinator.cluster import Cluster, Member, NoCapacity
+from omlx_coordinator.cluster import HEARTBEAT_SECONDS, Cluster, Member, NoCapacity
 from omlx_coordinator.node_client import WorkerClient
 from omlx_coordinator.placement import plan_bytes
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
 RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most this far apart
+ABANDONED_LOAD_SECONDS = 10.0  # the most a re-plan waits for agents to drop an abandoned load
 
 
 class Deployment:
@@ -221,12 +222,36 @@ class Deployment:
                 failures.append(e)
                 raise
 
-        replies = await asyncio.gather(*(load(rank, m, stage) for rank, (m, stage)
-                                         in enumerate(zip(members, plan.stages))),
-                                       return_exceptions=True)
+        calls = [asyncio.ensure_future(load(rank, m, stage))
+                 for rank, (m, stage) in enumerate(zip(members, plan.stages))]
+        pending = set(calls)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=HEARTBEAT_SECONDS)
+            if pending and (lost := [m.name for m in members if not m.alive]):
+                # The group can never form: every rank's agent stops its worker as its call
+                # ends, instead of holding the cluster's plan lock until its group times out.
+                for c in pending:
+                    c.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                await self._agents_idle(members)
+                raise NoCapacity(f"node(s) {', '.join(lost)} of plan {plan.plan_hash} were "
+                                 "lost while it loaded")
         if failures:
             raise failures[0]
-        return replies
+        return [c.result() for c in calls]
+
+    async def _agents_idle(self, members: list[Member]) -> None:
+        """Waits (bounded) until the live agents of an abandoned load have dropped it, so that
+        the next plan reads the data ports they will use."""
+        deadline = time.monotonic() + ABANDONED_LOAD_SECONDS
+        for m in members:
+            while m.alive and time.monotonic() < deadline:
+                try:
+                    if not (await m.agent.health()).loading:
+                        break
+                except grpc.aio.AioRpcError:
+                    break
+                await asyncio.sleep(0.2)
 
     async def _transfer_weights(self, members: list[Member], plan: Plan) -> dict[str, str]:
         """Sends every remote stage the tensors of its range it lacks, all nodes at once;

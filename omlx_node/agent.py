@@ -50,6 +50,7 @@ PROBE_TIMEOUT_SECONDS = 0.5  # a worker whose /metrics is slower keeps its last 
 # module would load MLX into the agent).
 MLX_ACTIVE_METRIC = "omlx_node_mlx_active_bytes"
 ORPHAN_CHECK_SECONDS = 1.0  # how often a node looks whether its coordinator is still there
+ABANDON_CHECK_SECONDS = 0.5  # how often a load waiting for another looks whether it was dropped
 
 
 def free_port(host: str) -> int:
@@ -283,8 +284,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     def LoadShard(self, request: pb.LoadShardRequest, context: grpc.ServicerContext):
         self._authorize(context)
+        # Called when the call ends, however: a coordinator that gave up (a peer of the plan
+        # was lost meanwhile) must not leave this node loading for a group that never forms.
+        abandoned = threading.Event()
+        context.add_callback(abandoned.set)
         try:
-            return self.load(request)
+            return self.load(request, abandoned)
         except (ChildError, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
@@ -317,7 +322,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             workers = [w.status() for w in self.workers.values()]
         reply = pb.HealthReply(status=self.status, version=__version__, pid=os.getpid(),
                                data_port=self.data_port, checks=self.checks, workers=workers,
-                               **machine_memory_fields())
+                               loading=self._loading, **machine_memory_fields())
         if workers:  # the top-level fields: the worker loaded last, for single-model readers
             last = workers[-1]
             reply.ready, reply.status, reply.model_id = last.ready, last.status, last.model_id
@@ -343,9 +348,10 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     # ---- plans -----------------------------------------------------------------------------
 
-    def load(self, request: pb.LoadShardRequest) -> pb.LoadShardReply:
+    def load(self, request: pb.LoadShardRequest,
+             abandoned: threading.Event | None = None) -> pb.LoadShardReply:
         """Replaces the worker of `request`'s model with one for its plan; returns once it can
-        serve."""
+        serve. Raises ChildError once `abandoned` is set (the caller gave up)."""
         world = max(1, request.world_size)
         if world > 1 and len(request.peers) != world:
             raise ValueError(f"a plan of {world} stages needs {world} peers, got "
@@ -358,14 +364,18 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                              "resolved by the coordinator")
         if world > 1 and backend == "jaccl" and not request.rdma_devices_json:
             raise ValueError("a jaccl plan needs its RDMA device matrix (rdma_devices_json)")
-        with self._lock:
+        while not self._lock.acquire(timeout=ABANDON_CHECK_SECONDS):  # another load runs
+            if abandoned is not None and abandoned.is_set():
+                raise ChildError("the coordinator gave up on this load while another ran")
+        try:
             self._set_loading(True)
-            try:
-                return self._replace(model_key(request), request)
-            finally:
-                self._set_loading(False)
+            return self._replace(model_key(request), request, abandoned)
+        finally:
+            self._set_loading(False)
+            self._lock.release()
 
-    def _replace(self, model_id: str, request: pb.LoadShardRequest) -> pb.LoadShardReply:
+    def _replace(self, model_id: str, request: pb.LoadShardRequest,
+                 abandoned: threading.Event | None) -> pb.LoadShardReply:
         """Stops `model_id`'s worker, if any, and starts one for `request`; the other models'
         workers run on, whether this load succeeds or not."""
         with self._workers_lock:
@@ -397,7 +407,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             process = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,
                                    env=blas_env({**os.environ, **env}))
         try:
-            info = process.wait_ready(WORKER_READY_TIMEOUT_SECONDS)
+            info = process.wait_ready(WORKER_READY_TIMEOUT_SECONDS, abandoned)
         except ChildError as e:
             self.status = f"load failed: {e}"
             raise

@@ -82,11 +82,14 @@ class ChildProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float) -> dict:
-        """Blocks until the child wrote its ready file; raises ChildError if it exits first or
-        the deadline passes (and then stops it)."""
+    def wait_ready(self, timeout: float, abandoned: threading.Event | None = None) -> dict:
+        """Blocks until the child wrote its ready file; raises ChildError if it exits first,
+        the deadline passes or `abandoned` is set (and then stops it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if abandoned is not None and abandoned.is_set():
+                self.stop(timeout=1.0)
+                raise ChildError(f"{self.what}: its start was abandoned by whoever asked for it")
             if self.proc.poll() is not None:
                 raise ChildError(f"{self.what} exited with code {self.proc.returncode}:\n"
                                  f"{self.log_tail()}")

@@ -217,7 +217,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid", "data_port", "worker_pid", "rank", "world_size", "checks", "workers", "memory_total_bytes", "memory_available_bytes", "memory_pressure")
+    __slots__ = ("ready", "model_id", "status", "version", "layer_start", "layer_end", "num_layers", "metrics_port", "pid", "data_port", "worker_pid", "rank", "world_size", "checks", "workers", "memory_total_bytes", "memory_available_bytes", "memory_pressure", "loading")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class HealthReply(_message.Message):
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model_id: str
     status: str
@@ -254,7 +255,8 @@ class HealthReply(_message.Message):
     memory_total_bytes: int
     memory_available_bytes: int
     memory_pressure: str
-    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., checks: _Optional[_Iterable[_Union[NodeCheck, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., memory_pressure: _Optional[str] = ...) -> None: ...
+    loading: bool
+    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., checks: _Optional[_Iterable[_Union[NodeCheck, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., memory_pressure: _Optional[str] = ..., loading: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("model_id", "ready", "status", "pid", "metrics_port", "worker_address", "layer_start", "layer_end", "num_layers", "rank", "world_size", "plan_hash", "footprint_bytes", "mlx_active_bytes")

@@ -8,6 +8,7 @@ when the last one ends (or the 409 comes after the wait).
 
 from __future__ import annotations
 
+import grpc
 from fastapi import Depends, FastAPI, Query
 
 from omlx_coordinator.cluster import NoCapacity
@@ -35,6 +36,10 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
         except NoCapacity as e:
             raise APIError(503, f"the model {model.name} cannot be loaded: {e}",
                            type="server_error", code="no_capacity") from None
+        except grpc.aio.AioRpcError as e:  # a node failed under the load: it may be retried
+            raise APIError(503, f"loading the model {model.name} failed: {e.details()}; "
+                                "retry (a lost node is planned out within seconds)",
+                           type="server_error", code="load_failed") from None
         return manager.describe(model)
 
     @app.post("/cluster/models/{name:path}/unload", dependencies=keyed)
