@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
-from omlx_coordinator.api import anthropic, models, openai, responses
+from omlx_coordinator.api import anthropic, console, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.docs import add_docs_routes
 from omlx_coordinator.errors import APIError
@@ -375,6 +375,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
+    console.add_routes(app)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 
