@@ -19,8 +19,9 @@ from tests.conftest import start_server
 from tests.in_process_gateway import app_for, ask
 
 CHROMIUM = Path("/usr/bin/chromium")
-ADMIN, USER = "console-admin-key-1", "console-user-key-1"
+ADMIN, USER, OPS = "console-admin-key-1", "console-user-key-1", "console-ops-key-1"
 KEYS = f'[[key]]\nname = "reader"\nkey = "{USER}"\n'
+OPS_KEY = '[[key]]\nname = "ops"\nkey = "{key}"\nrole = "{role}"\n'
 MODEL_ID = "tiny-llama"  # tests/conftest.py's tiny_model_path folder name
 
 
@@ -61,12 +62,16 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def console_server(tiny_model_path: Path, tmp_path_factory):
-    home = tmp_path_factory.mktemp("console")
-    keys = home / "keys.toml"
-    keys.write_text(KEYS)
-    with start_server(tiny_model_path, "--api-key", ADMIN, "--keys-file", str(keys),
-                      home=home / "h", keepalive=None) as server:
+def keys_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("console-keys") / "keys.toml"
+    path.write_text(KEYS + OPS_KEY.format(key=OPS, role="admin"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def console_server(tiny_model_path: Path, keys_file: Path, tmp_path_factory):
+    with start_server(tiny_model_path, "--api-key", ADMIN, "--keys-file", str(keys_file),
+                      home=tmp_path_factory.mktemp("console-home"), keepalive=None) as server:
         yield server
 
 
@@ -172,3 +177,18 @@ def test_an_admin_sees_the_cluster_chats_and_unloads(page, console_server, shots
     assert httpx.get(console_server.url + "/v1/models", timeout=10,
                      headers={"authorization": f"Bearer {ADMIN}"}).json()["data"][0][
         "state"] == "unloaded"
+
+
+@pytest.mark.slow
+def test_an_admin_key_made_a_user_key_gets_the_user_view(page, keys_file: Path) -> None:
+    """The keys file is read again without a restart: the open page follows the new role."""
+    from playwright.sync_api import expect
+
+    log_in(page, OPS)
+    expect(page.locator("#who")).to_have_text("admin")
+    expect(page.locator('[data-node="local0"]')).to_be_visible()
+    keys_file.write_text(KEYS + OPS_KEY.format(key=OPS, role="user"))
+    expect(page.locator("#who")).to_have_text("user", timeout=15_000)
+    expect(page.locator("#nodes-part")).to_be_hidden()
+    expect(page.locator(f'[data-model="{MODEL_ID}"]')).to_contain_text("context 2,048 tokens")
+    expect(page.locator("#notice")).to_be_hidden()

@@ -23,18 +23,16 @@ async function open(value) {
     key.clear();
     throw e;
   }
+  let admin = true;
   try {
     await call("/cluster/status");
-    state.admin = true;
   } catch (e) {
     if (e.status !== 403) throw e;
-    state.admin = false;
+    admin = false;
   }
   $("login").hidden = true;
   $("app").hidden = false;
-  $("who").textContent = state.admin ? "admin" : "user";
-  $("nodes-part").hidden = !state.admin;
-  state.shown = {};
+  showRole(admin);
   poll();
 }
 
@@ -108,9 +106,25 @@ function show(id, data, render) {
   $(id).replaceChildren(...render(data).filter(Boolean));
 }
 
+// The role shown: an admin key the keys file turns into a user key (read again without a
+// restart) gets the user's view at the next poll, not a page of 403s.
+function showRole(admin) {
+  state.admin = admin;
+  $("who").textContent = admin ? "admin" : "user";
+  $("nodes-part").hidden = !admin;
+  state.shown = {};
+}
+
 async function refreshModels() {
   if (state.admin) {
-    const status = await call("/cluster/status");
+    let status;
+    try {
+      status = await call("/cluster/status");
+    } catch (e) {
+      if (e.status !== 403) throw e;
+      showRole(false);
+      return refreshModels();
+    }
     const models = status.models.map(({ idle_seconds, ...m }) => m);  // idle time: every poll
     show("summary", summaryOf(status), renderSummary);
     show("nodes", status.nodes.map(nodeOf), (nodes) => nodes.map(renderNode));
