@@ -120,6 +120,8 @@ def test_a_user_key_gets_the_reduced_view(page, console_server, shots: Path) -> 
     chat(console_server.url, USER, "hello", 4)  # a row of its own usage to see
     log_in(page, USER)
     expect(page.locator("#who")).to_have_text("user")
+    page.reload()  # the key is kept for the tab: no second login
+    expect(page.locator("#who")).to_have_text("user")
     model = page.locator(f'[data-model="{MODEL_ID}"]')
     expect(model).to_contain_text("context 2,048 tokens")
     expect(model.locator(".state")).to_have_text("loaded")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 PATH = "/console"
@@ -29,7 +29,7 @@ class _Assets(StaticFiles):
     """The page's scripts and styles, with the page's headers (a script served as another
     type is refused: nosniff)."""
 
-    def file_response(self, *args, **kwargs):
+    def file_response(self, *args, **kwargs) -> Response:
         response = super().file_response(*args, **kwargs)
         response.headers.update(HEADERS)
         return response

@@ -10,7 +10,8 @@ import { CHARTS, History } from "./metrics.js";
 
 const POLL_MS = 3000;
 const $ = (id) => document.getElementById(id);
-const state = { admin: false, timer: null, polling: false, again: false, message: "", history: new History(), busy: {}, shown: {} };
+const state = { admin: false, timer: null, polling: false, again: false, message: "",
+                history: new History(), busy: {}, shown: {} };
 const chat = new Chat();
 
 // ---- the key ------------------------------------------------------------------------------
@@ -20,7 +21,7 @@ async function open(value) {
   try {
     await call("/v1/models");
   } catch (e) {
-    key.clear();
+    if (e.status === 401) key.clear();
     throw e;
   }
   let admin = true;
@@ -48,6 +49,7 @@ function logout(reason = "") {
 
 $("login-form").addEventListener("submit", async (e) => {
   e.preventDefault();
+  clearTimeout(state.timer);
   $("login-error").textContent = "";
   try {
     await open($("key").value.trim());
@@ -303,5 +305,18 @@ function renderUsage(keys) {
 
 // ---- start --------------------------------------------------------------------------------
 
-if (key.get() !== null) open(key.get()).catch((e) => logout(e.message));
+// A reload with the tab's key (a wall screen's, say) opens again; while the gateway is down
+// or restarting it keeps the key and tries again.
+async function resume() {
+  try {
+    await open(key.get());
+  } catch (e) {
+    if (e.status === 401) return logout(e.message);
+    $("login").hidden = false;
+    $("login-error").textContent = `${e.message}; trying again`;
+    state.timer = setTimeout(resume, POLL_MS);
+  }
+}
+
+if (key.get() !== null) resume();
 else logout();
