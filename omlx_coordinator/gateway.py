@@ -18,8 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
-from omlx_coordinator.api import anthropic, console, models, openai, responses
+from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
+from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.docs import add_docs_routes
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
@@ -191,6 +192,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
     app.state.refuse_overloaded = refuse_overloaded
     add_docs_routes(app, keyed)
+    add_console_routes(app)  # the page without a key: its data calls carry one
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
@@ -375,7 +377,6 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
-    console.add_routes(app)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 
