@@ -20,6 +20,7 @@ from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
 from omlx_coordinator.api import anthropic, models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
+from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.docs import add_docs_routes
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings
@@ -191,6 +192,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
     app.state.refuse_overloaded = refuse_overloaded
     add_docs_routes(app, keyed)
+    add_console_routes(app)  # the page without a key: its data calls carry one
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
