@@ -365,7 +365,10 @@ class StageState:
             return
         caches = self.caches[mb]
         for r, tokens in rows.items():
-            self._keep(tokens, [_row_view(c, r) for c in caches])
+            kv = [_row_view(c, r) for c in caches]
+            # What the row holds, exactly: the cache keeps a tail past its last whole block
+            # only for tokens it has all of (the last sampled token may not have run).
+            self._keep(tokens[:kv[0].offset], kv)
 
     def flush_admitted(self) -> None:
         """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
