@@ -56,6 +56,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics, StageProfile
+from omlx_node.prefill_order import waits_for_ahead
 from omlx_node.sampling import (
     MAX_TOP_LOGPROBS,
     PENALTY_CONTEXT,
@@ -365,7 +366,10 @@ class StageState:
             return
         caches = self.caches[mb]
         for r, tokens in rows.items():
-            self._keep(tokens, [_row_view(c, r) for c in caches])
+            kv = [_row_view(c, r) for c in caches]
+            # What the row holds, exactly: the cache keeps a tail past its last whole block
+            # only for tokens it has all of (the last sampled token may not have run).
+            self._keep(tokens[:kv[0].offset], kv)
 
     def flush_admitted(self) -> None:
         """The deferred stores of every sequence admitted to a micro-batch: on a later stage of
@@ -642,7 +646,8 @@ class Engine:
         most `room` new sequences."""
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
         for seq in self._waiting:
-            if budget <= 0 or len(plan) >= room or not self._looked_up(seq):
+            if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \
+                    or not self._looked_up(seq):
                 break
             left = len(seq.to_prefill) - seq.prefilled
             n = min(budget, left)
@@ -658,6 +663,13 @@ class Engine:
                 self.metrics.queue_seconds.observe(seq.prefill_started - seq.submitted)
             budget -= max(n, 1)
         return plan
+
+    def _waits_for(self, seq: Sequence, plan: list[tuple[Sequence, int, int]]) -> bool:
+        """Whether `seq`, not looked up yet, is better started after the prompts planned ahead of
+        it are kept (prefill_order.py)."""
+        cache = self.state.prefix_cache
+        return cache is not None and not seq.looked_up and waits_for_ahead(
+            seq.to_prefill, [(p.to_prefill, p.cached) for p, _, _ in plan], cache.block_size)
 
     def _looked_up(self, seq: Sequence) -> bool:
         """Whether `seq`'s cached prefix is known (and restored), so its prefill may start."""

@@ -44,3 +44,18 @@ def block_hashes(model_id: str, tokens: Sequence[int], block_size: int) -> list[
         parent = hashlib.sha256(prefix + parent + ids[i * step : (i + 1) * step]).digest()
         out.append(parent.hex())
     return out
+
+
+_TAIL_DOMAIN = b"omlx-kv-tail-v1\0"
+
+
+def tail_hash(model_id: str, parent: str, tokens: Sequence[int]) -> str:
+    """Hex SHA-256 name of a tail: the tokens (fewer than a block) that follow the full block
+    `parent` ("" for none) at the end of a prompt or an answer. An agent's next turn re-sends
+    them, so the cache keeps them beside the blocks (node only; the coordinator routes by blocks).
+    h = sha256(tail domain, len(model_id), model_id, parent's 32 bytes (zeros for none), the
+    tail's ids as little-endian int64)."""
+    mid = model_id.encode()
+    ids = np.asarray(tokens, dtype="<i8").tobytes()
+    up = bytes.fromhex(parent) if parent else bytes(32)
+    return hashlib.sha256(_TAIL_DOMAIN + struct.pack("<I", len(mid)) + mid + up + ids).hexdigest()

@@ -150,7 +150,8 @@ def test_uneven_two_stage_split_matches_mlx_lm(tiny):
 
 def restore_round(tiny: Tiny, block_size: int, chunk: int, caplog) -> None:
     """A cold prompt, then it and a branch of it after a restore (two rows), then the branch
-    alone (one row): all token-identical to mlx-lm; the restores hold every whole block."""
+    alone (one row): all token-identical to mlx-lm; the restores hold every whole block and
+    the tail after them."""
     stage = StageRunner(tiny.path)
     # The layout a worker gives its cache (from a forward pass) is what its stores cut.
     layout = None if tiny.family in PREFIX_OFF else block_layout(stage, block_size)
@@ -170,9 +171,11 @@ def restore_round(tiny: Tiny, block_size: int, chunk: int, caplog) -> None:
         alone = batcher.submit(SeqRequest("alone", tiny.branch, 8))
         assert drain(batcher, [alone]) == [tiny.branch_ref]
         if tiny.family not in PREFIX_OFF:
-            held = (len(tiny.prompts[4]) - 1) // block_size * block_size
-            assert again.cached == branch.cached == held > 0
-            assert alone.cached == (len(tiny.branch) - 1) // block_size * block_size
+            # Every whole block and the prompt's tail: the branch goes on from all of it.
+            held = len(tiny.prompts[4]) - 1
+            assert tiny.branch[:held] == tiny.prompts[4][:-1]
+            assert again.cached == branch.cached == held
+            assert alone.cached == len(tiny.branch) - 1
         assert "KV layout changed" not in caplog.text
 
 

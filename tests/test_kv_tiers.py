@@ -200,13 +200,41 @@ def test_decoding_on_a_restored_cache_matches(stage, vocab):
         return out
 
     todo = prompt[:-1]
-    kv = pc.restore(todo, pc.lookup(todo))
-    assert kv[0].offset == 64
-    stage(mx.array([todo[64:]]), kv)
-    warm = greedy(kv, stage(mx.array([[prompt[-1]]]), kv)[0, -1])
     ref = stage.make_cache()
     stage(mx.array([todo]), ref)
-    assert warm == greedy(ref, stage(mx.array([[prompt[-1]]]), ref)[0, -1])
+    want = greedy(ref, stage(mx.array([[prompt[-1]]]), ref)[0, -1])
+    assert pc.lookup(todo) == len(todo)  # the whole blocks, then the tail the store kept
+    for n in (64, len(todo)):  # the blocks alone (the rest prefilled), and with the tail
+        kv = pc.restore(todo, n)
+        assert kv[0].offset == n
+        if n < len(todo):
+            stage(mx.array([todo[n:]]), kv)
+        assert greedy(kv, stage(mx.array([[prompt[-1]]]), kv)[0, -1]) == want
+
+
+def test_a_turns_tail_is_reused_whole_or_not_at_all(tmp_path, stage, vocab):
+    """An agent's turn ends mid-block: the next turn re-sends it and reuses it to its last token,
+    from RAM and, after a restart, from SSD; a prompt that agrees with only part of a tail
+    reuses the blocks before it, and of two tails the longest it goes on with."""
+    base = rand_tokens(120, vocab, seed=81)
+    cases = ((base[:60], 44), (base[:40] + [7, 7], 37), (base[:35] + [7] + base[36:60], 32))
+    for i, (prompt, held) in enumerate(cases):
+        for source in ("ram", "ssd"):
+            pc = make_pc(tmp_path / f"{i}{source}")
+            cached_logits(pc, stage, base[:38])  # 2 blocks and a 5-token tail: base[32:37]
+            cached_logits(pc, stage, base[:45])  # and a 12-token tail: base[32:44]
+            if source == "ssd":  # a new process: everything comes from the files
+                assert pc.flush()
+                pc.close()
+                pc = make_pc(tmp_path / f"{i}{source}")
+            hits = metric(pc, "omlx_node_kv_cache_hits_total", tier=source)
+            n, logits = cached_logits(pc, stage, prompt)
+            assert n == held, (source, i)
+            assert mx.array_equal(logits, cold_logits(stage, prompt))
+            # the blocks and the tail, from where they were
+            assert metric(pc, "omlx_node_kv_cache_hits_total", tier=source) - hits == (
+                -(-held // BS))
+            pc.close()
 
 
 def test_bfloat16_blocks_round_trip_bit_exact(tmp_path):
@@ -218,14 +246,15 @@ def test_bfloat16_blocks_round_trip_bit_exact(tmp_path):
     pc.close()
     pc = make_pc(tmp_path, layers=(0, 2), dtype="bfloat16")
     kv = pc.restore(tokens, pc.lookup(tokens))
-    assert kv[0].offset == 32 and kv[0].keys.dtype == mx.bfloat16
+    assert kv[0].offset == 40 and kv[0].keys.dtype == mx.bfloat16  # 2 blocks and the tail
     for a, b in zip(kv, src):
         # Up to the offset: the restored buffers have room to grow.
-        assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., :32, :])
-        assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., :32, :])
+        assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., :40, :])
+        assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., :40, :])
     # The files are plain safetensors: MLX reads them as bfloat16.
-    loaded = mx.load(str(files(pc)[0]))
-    assert loaded["k.0"].dtype == mx.bfloat16 and loaded["k.0"].shape == (2, BS, 8)
+    loaded = [mx.load(str(f))["k.0"] for f in files(pc)]
+    assert {a.dtype for a in loaded} == {mx.bfloat16}
+    assert sorted(a.shape for a in loaded) == [(2, 8, 8), (2, BS, 8), (2, BS, 8)]
     # A float32 stage must not take them.
     pc32 = make_pc(tmp_path, layers=(0, 2), dtype="float32")
     assert pc32.lookup(tokens) == 0 and files(pc32) == []
@@ -242,19 +271,21 @@ def test_blocks_survive_a_restart(tmp_path, stage, vocab):
     cached_logits(first, stage, base[:81] + [3])
     assert first.flush()
     first.close()
-    assert len(files(first)) == 5
+    assert len(files(first)) == 6  # 5 blocks and the 1-token tail
 
     registry = CollectorRegistry()
     again = make_pc(tmp_path, metrics_registry=registry)  # a new process, an empty RAM tier
-    assert again.stats().hot_blocks == 0 and again.stats().ssd_blocks == 5
+    assert again.stats().hot_blocks == 0 and again.stats().ssd_blocks == 6
     prompt = base[:85] + rand_tokens(4, vocab, 12)
     n, logits = cached_logits(again, stage, prompt)
-    assert n == 80
+    assert n == 81
     assert mx.array_equal(logits, cold_logits(stage, prompt))
-    assert metric(again, "omlx_node_kv_cache_hits_total", tier="ssd") == 5
-    # Loaded blocks were promoted: the next restore comes from RAM.
+    assert metric(again, "omlx_node_kv_cache_hits_total", tier="ssd") == 6
+    # Loaded blocks were promoted: the next restore comes from RAM, with the tail the last
+    # store kept (the whole of prompt[:-1]).
     n, _ = cached_logits(again, stage, prompt)
-    assert n == 80 and metric(again, "omlx_node_kv_cache_hits_total", tier="ram") == 5
+    assert n == len(prompt) - 1 and metric(again, "omlx_node_kv_cache_hits_total",
+                                           tier="ram") == 6
     again.close()
 
 
@@ -598,7 +629,8 @@ def test_full_disk_degrades_to_ram_only(tmp_path, stage, vocab, caplog, monkeypa
         assert len(degraded_warnings(caplog)) == 1
         assert "No space left" in degraded_warnings(caplog)[0].getMessage()
         assert list(mnt.rglob("*.tmp")) == []  # the failed write cleaned up after itself
-        assert pc.stats().hot_blocks == 7 and pc.lookup(base[:99]) == 80
+        # 7 blocks and 3 tails; base[:90]'s tail after its 5 blocks is found
+        assert pc.stats().hot_blocks == 10 and pc.lookup(base[:99]) == 90
         assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="error") == 1
         assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="disabled") > 0
         assert metric(pc, "omlx_node_kv_cache_ssd_writable") == 0
@@ -616,7 +648,8 @@ def test_low_space_guard_skips_writes(tmp_path, stage, vocab, caplog):
             assert mx.array_equal(logits, cold_logits(stage, p))
         assert files(pc) == [] and pc.stats().ssd_writable  # skipped, not broken
         assert len([r for r in caplog.records if "skipping SSD writes" in r.getMessage()]) == 1
-        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="low_space") == 6
+        # 3 blocks and a tail of each prompt
+        assert metric(pc, "omlx_node_kv_cache_ssd_writes_total", result="low_space") == 8
         pc.close()
 
 
@@ -646,13 +679,13 @@ def test_read_only_dir_degrades_to_ram_only(tmp_path, stage, vocab, caplog):
         base = rand_tokens(100, vocab, seed=41)
         # The guard's reserve off: this small disk is what the test has, not a full one.
         first = make_pc(mnt, ssd_min_free_bytes=0)
-        cached_logits(first, stage, base[:50])  # 3 blocks on disk
+        cached_logits(first, stage, base[:50])  # 3 blocks and a 1-token tail on disk
         first.close()
         remount_ro(mnt)
         caplog.set_level(logging.WARNING, logger="omlx_node.kv_cache")
 
         pc = make_pc(mnt, ssd_min_free_bytes=0)
-        assert pc.stats().ssd_blocks == 3  # the blocks already there are still read
+        assert pc.stats().ssd_blocks == 4  # the blocks already there are still read
         for p in (base[:90] + [4], base[:95] + [5, 6]):
             n, logits = cached_logits(pc, stage, p)
             assert pc.flush()
@@ -668,7 +701,7 @@ def test_read_only_dir_degrades_to_ram_only(tmp_path, stage, vocab, caplog):
         p = base[:60]
         cached_logits(pc, stage, p)
         n, logits = cached_logits(pc, stage, p)
-        assert n == 48 and mx.array_equal(logits, cold_logits(stage, p))
+        assert n == 59 and mx.array_equal(logits, cold_logits(stage, p))  # 3 blocks, a tail
         assert not pc.stats().ssd_writable and len(degraded_warnings(caplog)) == 1
         pc.close()
 
@@ -748,7 +781,7 @@ def test_middle_stage_caches_only_its_layers(tmp_path, model_path, stage, vocab)
     run(base[:60])
     prompt = base[:70] + [9, 9]
     n, logits = run(prompt)
-    assert n == 48
+    assert n == 59  # 3 blocks, and the first prompt's tail: base[48:59]
     assert mx.array_equal(logits, cold_logits(stage, prompt))
 
     middle = caches[1]
@@ -756,7 +789,7 @@ def test_middle_stage_caches_only_its_layers(tmp_path, model_path, stage, vocab)
     assert len(middle.restore(prompt[:-1], 48)) == 2
     for pc in caches:
         assert pc.flush()
-    f = files(middle)[0]
+    f = next(f for f in files(middle) if mx.load(str(f))["k.1"].shape[1] == BS)  # not a tail
     tensors = mx.load(str(f))
     assert sorted(tensors) == ["k.1", "k.2", "v.1", "v.2"]
     # The reference safetensors reader agrees.
@@ -784,10 +817,11 @@ def layer_caches(layers: tuple[int, int], tokens: int, seed=0, dtype=mx.float32)
 
 
 def write_range(ssd_dir: Path, layers: tuple[int, int], tokens: list[int], blocks=None, **kw):
-    """Stores the first `blocks` blocks (all by default) of `tokens` for `layers`."""
+    """Stores the first `blocks` blocks (all whole ones by default: no tail) of `tokens` for
+    `layers`."""
     pc = make_pc(ssd_dir, layers=layers, **kw)
     kv = layer_caches(layers, len(tokens), dtype=getattr(mx, kw.get("dtype") or "float32"))
-    n = len(tokens) if blocks is None else blocks * BS
+    n = (len(tokens) // BS if blocks is None else blocks) * BS
     pc.store(tokens[:n], kv)
     assert pc.flush()
     pc.close()
@@ -836,7 +870,8 @@ def test_replan_reuses_blocks_of_sibling_ranges(tmp_path, stages, vocab, new_ran
         assert pc.flush()
         pc.close()
     sibling_files = {pc.dir.name: files(pc) for pc in old}
-    assert [len(f) for f in sibling_files.values()] == [5, 5]  # 3 + 2 blocks of the 2nd prompt
+    # 3 + 2 blocks of the 2nd prompt, and a tail of each (siblings do not serve tails)
+    assert [len(f) for f in sibling_files.values()] == [7, 7]
 
     a, b = new_range
     runner = stages(a, b)
@@ -855,20 +890,20 @@ def test_replan_reuses_blocks_of_sibling_ranges(tmp_path, stages, vocab, new_ran
     registry = CollectorRegistry()
     pc = make_pc(tmp_path, layers=new_range, metrics_registry=registry)
     assert pc.stats().ssd_blocks == 0 and pc.stats().ssd_bytes == 0  # siblings are not ours
-    assert pc.stats().sibling_files == 10
+    assert pc.stats().sibling_files == 14
     assert pc.lookup(todo) == 48
     kv = pc.restore(todo, 48)
     assert len(kv) == b - a and kv[0].offset == 48
     runner(x[:, 48:], kv)
     mx.eval([c.state for c in kv])
-    pc.store(todo, kv)  # block 3 is new: an ordinary store
+    pc.store(todo, kv)  # block 3 and the tail are new: an ordinary store
     warm = runner(last, kv)[0, -1]
     assert mx.array_equal(warm, cold)
     assert metric(pc, "omlx_node_kv_cache_hits_total", tier="sibling") == 3
     assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ssd") == 0
-    assert pc.stats().hot_blocks == 4
+    assert pc.stats().hot_blocks == 5
     # Promoted: a second restore comes from RAM.
-    assert pc.lookup(todo) == 64
+    assert pc.lookup(todo) == 64 + 7
     pc.restore(todo, 64)
     assert metric(pc, "omlx_node_kv_cache_hits_total", tier="ram") == 4
     assert pc.flush()
@@ -877,11 +912,11 @@ def test_replan_reuses_blocks_of_sibling_ranges(tmp_path, stages, vocab, new_ran
     # The reused blocks became ordinary files of the new range; the siblings are untouched.
     assert {pc.dir.name: files(pc) for pc in old} == sibling_files
     mine = files(pc)
-    assert len(mine) == 4 and pc.dir.name == f"{a}-{b}"
+    assert len(mine) == 5 and pc.dir.name == f"{a}-{b}"  # 4 blocks and the tail
     tensors = load_file(str(mine[0]))
     assert sorted(tensors) == sorted(f"{kv}.{i}" for i in range(a, b) for kv in "kv")
     again = make_pc(tmp_path, layers=new_range)
-    assert again.stats().ssd_blocks == 4 and again.lookup(todo) == 64
+    assert again.stats().ssd_blocks == 5 and again.lookup(todo) == 64 + 7
     kv = again.restore(todo, 64)
     assert kv[0].offset == 64
     assert metric(again, "omlx_node_kv_cache_hits_total", tier="ssd") == 4

@@ -88,8 +88,8 @@ def test_single_node_hits_ram_then_ssd_after_restart(model, prompts, references,
         assert first[0] == 0  # a cold start computes everything
         assert all(c % BLOCK == 0 for c in first)
         again = check_all(server, prompts, references, tok, concurrent=True)
-        for ids, cached in zip(prompts, again):  # every full block of prompt[:-1] is reused
-            assert cached == (len(ids) - 1) // BLOCK * BLOCK
+        for ids, cached in zip(prompts, again):  # all of prompt[:-1]: blocks and tail
+            assert cached == len(ids) - 1
         metrics = server.node_metrics()
         assert metrics['omlx_node_kv_cache_hits_total{tier="ram"}'] > 0
     assert kv_files(home, "0-4"), "nothing reached the SSD tier"
@@ -102,17 +102,19 @@ def test_single_node_hits_ram_then_ssd_after_restart(model, prompts, references,
 
 def test_device_tier_serves_every_hit_when_it_is_on(model, prompts, references, tmp_path):
     """`--device-cache-max-size` (auto-sized on a CUDA GPU, off on a CPU) through the whole
-    serving path: the same answers, every reused block from the device."""
+    serving path: the same answers, every reused block from the device (tails from RAM)."""
     _, tok = load(str(model))
     with start_server(model, *FLAGS, "--device-cache-max-size", "64MiB", home=tmp_path / "h",
                       keepalive=None, node_metrics=True) as server:
         check_all(server, prompts, references, tok)
         again = check_all(server, prompts, references, tok, concurrent=True)
         for ids, cached in zip(prompts, again):
-            assert cached == (len(ids) - 1) // BLOCK * BLOCK
+            assert cached == len(ids) - 1
         metrics = server.node_metrics()
         assert metrics['omlx_node_kv_cache_hits_total{tier="device"}'] > 0
-        assert metrics['omlx_node_kv_cache_hits_total{tier="ram"}'] == 0
+        # Only the tails come from RAM (they stay on the host).
+        assert metrics['omlx_node_kv_cache_hits_total{tier="ram"}'] == sum(
+            (len(ids) - 1) % BLOCK > 0 for ids in prompts)
         assert metrics['omlx_node_kv_cache_bytes{tier="device"}'] > 0
 
 
@@ -132,7 +134,7 @@ def test_two_stage_pipeline_hits_on_both_stages(model, prompts, references, tmp_
     with start_server(model, *flags, home=home, keepalive=None) as server:
         check_all(server, prompts, references, tok)
         again = check_all(server, prompts, references, tok, concurrent=True)
-        assert again[0] == (len(prompts[0]) - 1) // BLOCK * BLOCK
+        assert again[0] == len(prompts[0]) - 1
     assert kv_files(home, "0-1") and kv_files(home, "1-4")
 
     # Stage 1 loses its blocks: the usable prefix is what *every* stage holds, so the first

@@ -47,11 +47,11 @@ def test_blocks_are_kept_a_step_after_the_first_token(tmp_path):
         step_until(batcher, lambda: seq.generated >= 1)
         assert cache.lookup(prompt[:-1]) == 0
         step_until(batcher, lambda: seq.generated >= 2)
-        assert cache.lookup(prompt[:-1]) == 12  # three whole blocks of the 13 prefilled
+        assert cache.lookup(prompt[:-1]) == 13  # three whole blocks and the 1-token tail
         assert drain(batcher, [seq])[0][0] == ref
         again = batcher.submit(SeqRequest("again", prompt, 6))
         assert drain(batcher, [again])[0][0] == ref
-        assert again.cached == 12
+        assert again.cached == 13
 
 
 def test_a_prompt_that_starts_alike_finds_the_blocks_still_waiting(tmp_path):
@@ -83,7 +83,7 @@ def test_a_first_token_that_stops_still_keeps_the_prompt(tmp_path):
         seq = batcher.submit(SeqRequest("a", prompt, 6, stop_token_ids=frozenset({stop})))
         toks, fin = drain(batcher, [seq])[0]
         assert toks == [] and fin.reason == "stop"
-        assert cache.lookup(prompt[:-1]) == 12
+        assert cache.lookup(prompt[:-1]) == 13  # whole blocks and the tail
 
 
 def test_a_one_token_answer_is_out_before_its_prompt_is_kept(tmp_path):
@@ -107,7 +107,7 @@ def test_a_one_token_answer_is_out_before_its_prompt_is_kept(tmp_path):
         toks, fin = drain(batcher, [seq])[0]
         assert toks == reference(model, prompt, 1) and fin.reason == "length"
         assert len(seen) == 1 and seen[0][-1] == fin  # the Finish was queued before the store
-        assert cache.lookup(prompt[:-1]) == 12
+        assert cache.lookup(prompt[:-1]) == 13
 
 
 def test_a_sequence_cancelled_while_prefilling_keeps_what_it_prefilled(tmp_path):
@@ -138,7 +138,7 @@ def test_a_sequence_cancelled_before_its_first_token_is_kept_and_holds_nothing(t
         _, fin = drain(batcher, [seq])[0]
         assert fin.reason == "cancelled"
         assert batcher.state.deferred == {}  # nothing left behind
-        assert cache.lookup(prompt[:-1]) == 16  # what it prefilled is kept
+        assert cache.lookup(prompt[:-1]) == 19  # what it prefilled is kept, the tail too
 
 
 def test_a_sliding_window_family_stores_as_its_prefill_goes(tmp_path):

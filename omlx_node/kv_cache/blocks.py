@@ -50,17 +50,30 @@ BY_MX = {d.mx: d for d in DTYPES}
 Layout = tuple[str, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
 
 
+def with_tokens(layout: Layout, tokens: int) -> Layout:
+    """`layout` for a block of `tokens` tokens (a tail holds fewer than block_size)."""
+    name, keys, values = layout
+    return (name, tuple((s[0], tokens, *s[2:]) for s in keys),
+            tuple((s[0], tokens, *s[2:]) for s in values))
+
+
 @dataclass(eq=False)
 class Block:
     hash: str
     parent: str  # "" for the first block of a prompt
     dtype: DType
-    keys: list[np.ndarray]  # per layer of the stage, (kv_heads, block_size, head_dim), C-contiguous
+    # per layer of the stage, (kv_heads, tokens, head_dim), C-contiguous: tokens is block_size,
+    # or fewer for a tail (prefix_cache.py)
+    keys: list[np.ndarray]
     values: list[np.ndarray]
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def tokens(self) -> int:
+        return self.keys[0].shape[1]
 
     @property
     def layout(self) -> Layout:
@@ -100,10 +113,14 @@ def cut_spans(
     the tokens `cache` holds) of every layer of a batch-of-one cache of `dt` values, each of shape
     (kv_heads, tokens, head_dim), bfloat16 as its uint16 bits, copied on the device and
     evaluated. Every layer must still hold their tokens (`held_tokens`)."""
+    return cut_range(cache, todo[0] * block_size, (todo[-1] + 1) * block_size, dt)
+
+
+def cut_range(cache: Sequence[KVCache | RotatingKVCache], lo: int, hi: int, dt: DType) -> Spans:
+    """`cut_spans` of the tokens [lo, hi), whole blocks or not (a tail)."""
     # Copies, not slices: a slice would share the cache's buffer, which the next step then could
     # not update in place. Stacked by shape (one stack for most models): on a GPU each fresh
     # device buffer costs an allocation, ~0.4 ms apiece for one per layer and tensor on an H200.
-    lo, hi = todo[0] * block_size, (todo[-1] + 1) * block_size
     parts = []
     for c in cache:
         k, v, first = _in_order(c)
@@ -183,7 +200,7 @@ def build_caches(restored: list[Block | DeviceSpan], n_layers: int,
     if not restored:
         return caches
     bs = block_size
-    n = sum(bs if isinstance(r, Block) else (r.stop - r.start) * bs for r in restored)
+    n = sum(r.tokens if isinstance(r, Block) else (r.stop - r.start) * bs for r in restored)
     runs: list[list[Block] | DeviceSpan] = []  # consecutive host blocks go into one array
     for r in restored:
         last = runs[-1] if runs else None
@@ -202,7 +219,7 @@ def build_caches(restored: list[Block | DeviceSpan], n_layers: int,
         pair = []
         for t in (0, 1):  # keys, values
             if host_only:
-                pair.append(_host_buffer([(b.keys, b.values)[t][j] for b in runs[0]], n, bs,
+                pair.append(_host_buffer([(b.keys, b.values)[t][j] for b in runs[0]], n,
                                          runs[0][0].dtype))
                 continue
             pieces = [_piece(r, 2 * j + t, bs) for r in runs]
@@ -226,12 +243,14 @@ def _piece(run: list[Block] | DeviceSpan, part: int, bs: int) -> mx.array:
                   run[0].dtype)
 
 
-def _host_buffer(parts: list[np.ndarray], n: int, bs: int, dt: DType) -> mx.array:
+def _host_buffer(parts: list[np.ndarray], n: int, dt: DType) -> mx.array:
     """Host blocks' parts of one layer tensor as one (1, kv_heads, n + step, head_dim) array."""
     heads, _, dim = parts[0].shape
     buf = np.zeros((1, heads, n + KVCache.step, dim), parts[0].dtype)
-    for i, part in enumerate(parts):
-        buf[0, :, i * bs : (i + 1) * bs] = part
+    at = 0
+    for part in parts:
+        buf[0, :, at : at + part.shape[1]] = part
+        at += part.shape[1]
     return _to_mx(buf, dt)
 
 

@@ -10,7 +10,7 @@ model left on the same disk (siblings.py).
 
 How the batcher uses it (all on the engine thread):
 
-    n = cache.lookup(prompt[:-1])              # tokens whose KV is held, a multiple of block_size
+    n = cache.lookup(prompt[:-1])              # tokens whose KV is held (blocks, then a tail)
     kv = cache.restore(prompt[:-1], n)         # fresh mlx-lm KVCaches, one per layer
     done = kv[0].offset                         # == n unless a file went bad in between
     ... prefill prompt[done:-1] into kv, a chunk at a time; after each chunk:
@@ -25,6 +25,14 @@ memory counts as held: `lookup` counts it, `restore` waits for it, and `stats`, 
 hash lists wait for every store made before them, so readers see the cache as if `store` had
 copied synchronously. The RAM tier keeps the host arrays, and the write queue shares them (no
 second copy waits for the disk); a restore concatenates them and copies the result into MLX once.
+
+Tails: an agent re-sends its conversation each turn, and the prompt's last partial block and
+the end of the model's answer are not a whole block. When a store's cache holds all of its tokens
+(the end of a prompt's prefill, or a finished answer), the tokens past its last full block (fewer
+than block_size) are kept as a tail: a block of its own length named by `tail_hash` (its parent
+block and its tokens), in the RAM and SSD tiers like any block (not the device tier, and not
+assembled from sibling ranges). A lookup that ends its chain at block n then looks for the
+longest tail after it that the prompt starts with, so a re-sent turn is reused to its last token.
 
 Every tier evicts least recently used first, and a chain's blocks are marked used last block
 first (`_mark_used`): what a tier evicts is the end of a chain, so what it keeps is always a
@@ -57,9 +65,12 @@ from omlx_node.kv_cache.blocks import (
     GiB,
     Layout,
     build_caches,
+    cache_layout,
+    cut_range,
     cut_spans,
     held_tokens,
     span_layout,
+    with_tokens,
 )
 from omlx_node.kv_cache.device_tier import DeviceTier
 from omlx_node.kv_cache.host_copy import Cut, HostCopier
@@ -68,7 +79,7 @@ from omlx_node.kv_cache.ram_tier import RamTier
 from omlx_node.kv_cache.siblings import Siblings, hold_range, prune_old_ranges
 from omlx_node.kv_cache.ssd_format import Owner
 from omlx_node.kv_cache.ssd_tier import SsdTier, model_dir_name
-from omlx_shared.block_hashes import block_hashes
+from omlx_shared.block_hashes import block_hashes, tail_hash
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +187,9 @@ class PrefixCache:
     # ---- public API ------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens (a multiple of block_size) either tier holds (or sibling layer
-        ranges hold together, see siblings.py), as one unbroken chain from the first block.
-        Pass prompt[:-1]: the last prompt token must still be run.
+        """How many leading tokens either tier holds (or sibling layer ranges hold together, see
+        siblings.py), as one unbroken chain from the first block, then the longest tail after
+        it. Pass prompt[:-1]: the last prompt token must still be run.
         Marks the blocks found as recently used, so they outlive the step until `restore`."""
         self._copier.reap()
         hashes = block_hashes(self.model_id, tokens, self.block_size)
@@ -190,10 +201,22 @@ class PrefixCache:
                         and self._siblings.plan(h, self._layout) is None):
                     break
                 n += 1
-            self._mark_used(hashes[:n])
+            tail = self._find_tail(tokens, hashes[:n])
+            self._mark_used(hashes[:n] + ([tail[0]] if tail else []))
         self.metrics.lookups.inc()
         self.metrics.misses.inc(len(hashes) - n)
-        return n * self.block_size
+        return n * self.block_size + (tail[1] if tail else 0)
+
+    def _find_tail(self, tokens: Sequence[int], chain: list[str]) -> tuple[str, int] | None:
+        """Lock held. The longest tail held after the blocks `chain` that `tokens` go on with:
+        (its name, its tokens), or None."""
+        at = len(chain) * self.block_size
+        parent = chain[-1] if chain else ""
+        for k in range(min(self.block_size - 1, len(tokens) - at), 0, -1):
+            h = tail_hash(self.model_id, parent, tokens[at : at + k])
+            if h in self._ram or h in self._ssd or h in self._copying:
+                return h, k
+        return None
 
     def restore(self, tokens: Sequence[int], n_tokens: int) -> list[KVCache]:
         """One fresh KVCache per layer of the stage, holding the KV of tokens[:n_tokens] (rounded
@@ -201,11 +224,16 @@ class PrefixCache:
         only sibling ranges hold are assembled from their files, promoted and queued for this
         range's own directory. A block that went missing or bad since `lookup` ends the prefix
         early: the caches then hold fewer tokens, so read the count from `caches[0].offset`,
-        never assume n_tokens."""
+        never assume n_tokens. Past the whole blocks, the tail of exactly the rest (`lookup`
+        counts it) if every block came back."""
         t0 = time.perf_counter()
-        n_blocks = max(0, min(n_tokens, len(tokens))) // self.block_size
+        n_tokens = max(0, min(n_tokens, len(tokens)))
+        n_blocks = n_tokens // self.block_size
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
-        on_host = [h for h in hashes if h not in self._device]
+        rest = n_tokens - n_blocks * self.block_size
+        tail = (tail_hash(self.model_id, hashes[-1] if hashes else "",
+                          tokens[n_tokens - rest : n_tokens]) if rest else None)
+        on_host = [h for h in hashes if h not in self._device] + ([tail] if tail else [])
         with self._lock:
             copying = not self._copying.isdisjoint(on_host)
         if copying:
@@ -214,15 +242,18 @@ class PrefixCache:
         with self._lock:
             on_disk = [h for h in on_host if h not in self._ram and h in self._ssd]
         # Reading and checking SSD blocks releases the GIL (file reads, sha256): overlap them.
-        loads = {h: self._readers.submit(self._ssd.load, h, self._layout) for h in on_disk}
+        loads = {h: self._readers.submit(self._ssd.load, h, self._layout_of(h, tail, rest))
+                 for h in on_disk}
         blocks: list[Block | DeviceSpan] = []
         try:
             self._restore_blocks(hashes, loads, blocks)
+            if tail and len(blocks) == len(hashes):
+                self._restore_tail(tail, rest, loads, blocks)
         finally:
             for f in loads.values():
                 f.cancel()
         with self._lock:  # blocks read from SSD or siblings are promoted to RAM here
-            self._mark_used(hashes[: len(blocks)],
+            self._mark_used((hashes + [tail])[: len(blocks)],
                             {b.hash: b for b in blocks if isinstance(b, Block)})
         caches = build_caches(blocks, self.n_layers, self.block_size)
         self.last_restore_seconds = time.perf_counter() - t0
@@ -230,6 +261,29 @@ class PrefixCache:
             self.metrics.restore_seconds.observe(self.last_restore_seconds)
         self._update_gauges()
         return caches
+
+    def _layout_of(self, h: str, tail: str | None, rest: int) -> Layout | None:
+        """The layout block (or tail) `h` must have."""
+        if h == tail and self._layout is not None:
+            return with_tokens(self._layout, rest)
+        return self._layout
+
+    def _restore_tail(self, tail: str, rest: int, loads: dict,
+                      blocks: list[Block | DeviceSpan]) -> None:
+        """Appends to `blocks` the tail `tail` of `rest` tokens, from RAM or SSD, if held."""
+        with self._lock:
+            block = self._ram.get(tail)
+        tier = "ram"
+        if block is None:
+            tier = "ssd"
+            block = (loads[tail].result() if tail in loads
+                     else self._ssd.load(tail, self._layout_of(tail, tail, rest)))
+        first = next((b.layout for b in blocks if isinstance(b, Block)), None)
+        if block is None or block.tokens != rest or (
+                first is not None and block.layout != with_tokens(first, rest)):
+            return
+        blocks.append(block)
+        self.metrics.hits.labels(tier=tier).inc()
 
     def _restore_blocks(self, hashes: list[str], loads: dict,
                         blocks: list[Block | DeviceSpan]) -> None:
@@ -278,17 +332,21 @@ class PrefixCache:
             return
         start, held = held_tokens(cache)
         n_blocks = min(len(tokens), held) // self.block_size
-        if n_blocks == 0:
-            return
         first = -(-start // self.block_size)  # the first block every layer still holds whole
         hashes = block_hashes(self.model_id, tokens[: n_blocks * self.block_size], self.block_size)
+        # The tail only once the cache holds every token (a prompt's prefill done, an answer
+        # finished): the tails of a prompt's chunks along the way would never be asked for.
+        rest = len(tokens) - n_blocks * self.block_size if held >= len(tokens) else 0
+        tail = (tail_hash(self.model_id, hashes[-1] if hashes else "", tokens[-rest:])
+                if rest and start <= len(tokens) - rest else None)
         with self._lock:
             todo = [
                 i for i, h in enumerate(hashes)
-                if i >= first and h not in self._ram and not self._ssd.holds(h)
-                and h not in self._copying
+                if i >= first and not self._holds(h)
             ]
-        if not todo:
+            if tail is not None and self._holds(tail):
+                tail = None
+        if not (todo or tail):
             return
         dt = BY_MX.get(cache[0].keys.dtype)
         if dt is None:
@@ -298,8 +356,9 @@ class PrefixCache:
         if cache[0].keys.shape[0] != 1:
             raise ValueError("store() takes one sequence's cache (batch size 1)")
 
-        spans = cut_spans(cache, todo, self.block_size, dt)
-        layout = span_layout(spans, dt, self.block_size)
+        spans = cut_spans(cache, todo, self.block_size, dt) if todo else None
+        layout = (span_layout(spans, dt, self.block_size) if spans
+                  else cache_layout(cache, self.block_size))
         with self._lock:
             if self._layout != layout:
                 if self._layout is not None:
@@ -308,11 +367,23 @@ class PrefixCache:
                     self._device.clear()
                 self._layout = layout
             self._copying.update(hashes[i] for i in todo)
+            if tail is not None:
+                self._copying.add(tail)
+        if tail is not None:  # a cut of one block of `rest` tokens whose parent is hashes[-1]
+            self._copier.submit(Cut([hashes[-1] if hashes else "", tail], [1],
+                                    cut_range(cache, len(tokens) - rest, len(tokens), dt), dt,
+                                    rest))
+        if not todo:
+            return
         self._copier.submit(Cut(hashes, todo, spans, dt, self.block_size))
         if self._device.max_bytes > 0:  # a cut of its own: the copier's moves to the host
             self._device.keep(hashes, todo[0], todo[-1] + 1,
                               cut_spans(cache, todo, self.block_size, dt), dt)
             self._device.update_gauges()
+
+    def _holds(self, h: str) -> bool:
+        """Lock held. Whether a block (or tail) is kept or on its way to being kept."""
+        return h in self._ram or self._ssd.holds(h) or h in self._copying
 
     def _mark_used(self, hashes: list[str], promote: dict[str, Block] | None = None) -> None:
         """Lock held. Marks a chain's blocks as recently used in every tier, its last block
@@ -330,7 +401,8 @@ class PrefixCache:
         with self._lock:
             self._copying.difference_update(cut.hashes[i] for i in cut.todo)
             # Blocks of a layout the stage left while they were copied would never be used.
-            blocks = [b for b in blocks or [] if b.layout == self._layout]
+            blocks = [b for b in blocks or [] if self._layout is not None
+                      and b.layout == with_tokens(self._layout, b.tokens)]
             self._ram.mark_chain(cut.hashes, {b.hash: b for b in blocks})
             self._ssd.enqueue(blocks)
         self.metrics.stored.inc(len(blocks))

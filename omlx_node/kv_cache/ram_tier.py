@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from omlx_node.kv_cache.blocks import Block, Layout
+from omlx_node.kv_cache.blocks import Block, Layout, with_tokens
 from omlx_node.kv_cache.metrics import KVCacheMetrics
 
 
@@ -44,8 +44,9 @@ class RamTier:
             self.metrics.evictions.labels(tier="ram").inc()
 
     def drop_other_layouts(self, layout: Layout) -> None:
-        """Drops the blocks whose layout is not `layout`."""
-        for h in [h for h, b in self.blocks.items() if b.layout != layout]:
+        """Drops the blocks (and tails) whose layout is not `layout`."""
+        for h in [h for h, b in self.blocks.items()
+                  if b.layout != with_tokens(layout, b.tokens)]:
             self.nbytes -= self.blocks.pop(h).nbytes
 
     def update_gauges(self) -> None:

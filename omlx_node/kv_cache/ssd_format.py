@@ -74,7 +74,7 @@ def _metadata(owner: Owner, block: Block, tensor_sha256: str) -> dict[str, str]:
         "layer_start": str(owner.layer_start),
         "layer_end": str(owner.layer_end),
         "block_size": str(owner.block_size),
-        "token_count": str(owner.block_size),
+        "token_count": str(block.tokens),  # fewer than block_size for a tail
         "dtype": block.dtype.name,
         "block_hash": block.hash,
         "parent_hash": block.parent,
@@ -154,12 +154,15 @@ def _check_header(
         "layer_start": str(start),
         "layer_end": str(end),
         "block_size": str(owner.block_size),
-        "token_count": str(owner.block_size),
         "block_hash": block_hash,
     }
     for key, value in want.items():
         if meta.get(key) != value:
             raise BadFile("foreign", f"{key} is {meta.get(key)!r}, expected {value!r}")
+    count = meta.get("token_count")
+    if not (isinstance(count, str) and count.isdecimal() and 1 <= int(count) <= owner.block_size):
+        raise BadFile("foreign", f"token_count is {count!r}, expected 1 to {owner.block_size}")
+    tokens = int(count)
     dt = BY_NAME.get(meta.get("dtype", ""))
     if dt is None:
         raise BadFile("corrupt", f"dtype {meta.get('dtype')!r}")
@@ -184,7 +187,7 @@ def _check_header(
             and isinstance(shape, list)
             and len(shape) == 3
             and all(type(d) is int and d > 0 for d in shape)
-            and shape[1] == owner.block_size
+            and shape[1] == tokens
             and isinstance(offs, list)
             and len(offs) == 2
             and all(type(o) is int for o in offs)
