@@ -715,6 +715,7 @@ WRITE = {"name": "write_file", "description": "Writes a file",
              "required": ["content"], "additionalProperties": False}}
 
 
+@pytest.mark.slow
 def test_a_long_tool_call_streams(tmp_path: Path) -> None:
     """A long tool call (minutes for a large file at a Mac's speed) streams its arguments as the
     model writes them, from its name on: no stretch of the stream is silent for longer than the

@@ -14,6 +14,7 @@ from omlx_shared.child import omlx_command
 from tests.conftest import free_port, start_server
 
 
+@pytest.mark.slow
 def test_keys_are_checked(tiny_model_path, tmp_path):
     with start_server(tiny_model_path, "--api-key", "k-one", "--api-key", "k-two",
                       home=tmp_path / "h", keepalive=None) as server:
@@ -41,6 +42,7 @@ def test_network_facing_gateway_needs_a_key(tiny_model_path, command):
     assert "without an API key" in r.stderr and "--api-key" in r.stderr
 
 
+@pytest.mark.slow
 def test_health_without_a_key_says_only_ready(tiny_model_path, tmp_path):
     """With keys configured, an unauthenticated /health tells a load balancer ready or not,
     never the nodes' addresses, pids, memory or chip."""
@@ -53,6 +55,7 @@ def test_health_without_a_key_says_only_ready(tiny_model_path, tmp_path):
         assert full["status"] == "ok" and full["nodes"][0]["address"]
 
 
+@pytest.mark.slow
 def test_rejected_requests_are_counted_by_outcome(tiny_model_path, tmp_path):
     with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
                       keepalive=None) as server:
@@ -78,6 +81,7 @@ def test_rejected_requests_are_counted_by_outcome(tiny_model_path, tmp_path):
         assert chat("ok") == [1.0], counts
 
 
+@pytest.mark.slow
 def test_openapi_documents_what_the_server_answers(tiny_model_path, tmp_path):
     with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
                       keepalive=None) as server:

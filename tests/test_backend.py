@@ -262,6 +262,7 @@ def model(tmp_path_factory) -> Path:
                        hidden_size=64, seed=3)
 
 
+@pytest.mark.slow
 def test_serve_auto_uses_ring_and_says_why(model, tmp_path):
     with start_server(model, "--nodes", "2", home=tmp_path / "home") as server:
         status = httpx.get(server.url + "/cluster/status", timeout=10).json()

@@ -117,6 +117,7 @@ def test_subcommand_help_explains_every_flag(command: list[str], key_flags: list
             assert sub in help_text
 
 
+@pytest.mark.slow
 def test_serve_missing_model_fails_fast_and_starts_nothing(home: Path) -> None:
     port = free_port()
     env = dict(os.environ, OMLX_CLUSTER_HOME=str(home))
@@ -156,6 +157,7 @@ def test_serve_folder_that_is_not_a_model(home: Path, tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_path: Path,
                                                               tiny_model_path: Path) -> None:
     """Weights cut short after an intact header: the plan (headers only) passes, the node's

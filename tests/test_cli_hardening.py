@@ -33,6 +33,7 @@ def test_an_empty_api_key_is_refused_at_start(tiny_model_path: Path, tmp_path: P
     assert "API key is empty" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_port_in_use_fails_before_anything_starts(tiny_model_path: Path,
                                                     tmp_path: Path) -> None:
     with socket.socket() as taken:
@@ -84,6 +85,7 @@ def test_join_with_a_secret_file_others_can_read_exits_with_the_fix(tmp_path: Pa
     assert f"chmod 600 {f}" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_status_with_an_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
     with start_server(tiny_model_path, "--api-key", "k1", home=tmp_path / "h",
                       keepalive=None) as server:
@@ -104,6 +106,7 @@ def test_status_with_an_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
         assert rows and not any("…" in row for row in rows), r.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_serve_without_a_traceback(tiny_model_path: Path, tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(omlx_command("serve", "--model", str(tiny_model_path), "--port",
@@ -157,6 +160,7 @@ def test_models_list_never_cuts_a_name_in_80_columns(tiny_model_path: Path,
     assert any(name in line for line in r.stdout.splitlines()), r.stdout
 
 
+@pytest.mark.slow
 def test_a_one_node_plan_is_one_log_line(tiny_model_path: Path, tmp_path: Path) -> None:
     """...and pipeline flags given to one node, or a disk folder for a cache kept in RAM, are
     said to do nothing rather than silently ignored."""

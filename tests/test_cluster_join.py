@@ -18,6 +18,8 @@ from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 PORT = 8500  # inside the namespace: nothing else listens there
 
 

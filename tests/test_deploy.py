@@ -105,6 +105,7 @@ def wait_for_targets(prometheus: str, log_tail) -> list[dict]:
     pytest.fail(f"targets not all up: {json.dumps(active, indent=1)}\n{log_tail()}")
 
 
+@pytest.mark.slow
 @NEEDS_PROMETHEUS
 def test_real_prometheus_scrapes_every_stage_and_the_dashboard_has_data(tiny_model_path,
                                                                          tmp_path):

@@ -294,6 +294,7 @@ PRINT_ANNOUNCE_ADDRESS = (
 )
 
 
+@pytest.mark.slow
 def test_netns_helper_isolates(netns: str) -> None:
     # Only loopback exists in the namespace, multicast routed to it: nothing can leave.
     links = netns_run(netns, ["ip", "-o", "link"], capture_output=True, text=True, check=True)
@@ -314,6 +315,7 @@ def test_netns_helper_isolates(netns: str) -> None:
     assert res.stdout.strip() == "127.0.0.1"
 
 
+@pytest.mark.slow
 def test_browser_sees_advertisers_come_and_go(netns: str, children: list[Child]) -> None:
     early = _announcement(node_id="node-early", port=50051, data_port=50061)
     late = _announcement(
@@ -384,6 +386,7 @@ def test_default_node_ids_are_stable_and_unique_per_mac(tmp_path, monkeypatch) -
     assert ids[0] != ids[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_with_one_name_both_announce(netns: str, children: list[Child]) -> None:
     """Two Macs given the same --name: the second is renamed on the wire, not a traceback."""
     same = _announcement(node_id="MacBook-Pro", port=50051, data_port=50061)

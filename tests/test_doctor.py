@@ -39,6 +39,7 @@ def by_name(host: dict) -> dict[str, dict]:
     return {c["name"]: c for c in host["checks"]}
 
 
+@pytest.mark.slow
 def test_doctor_checks_two_hosts_over_ssh(sshd, model, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text(SECRET + "\n")
@@ -85,6 +86,7 @@ def test_doctor_checks_two_hosts_over_ssh(sshd, model, tmp_path):
         assert text in table.stdout, table.stdout
 
 
+@pytest.mark.slow
 def test_a_wrong_key_is_a_clear_auth_failure(sshd):
     done = doctor("wrong-key", *sshd.ssh_args(), "--json")
     host = json.loads(done.stdout)["hosts"][0]
@@ -92,6 +94,7 @@ def test_a_wrong_key_is_a_clear_auth_failure(sshd):
     assert "permission denied" in host["error"] and "authorized_keys" in host["error"]
 
 
+@pytest.mark.slow
 def test_a_closed_or_silent_port_fails_within_the_timeout(sshd):
     start = time.monotonic()
     done = doctor("closed", "silent", *sshd.ssh_args(), "--json", "--timeout", "2")

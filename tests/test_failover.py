@@ -17,6 +17,8 @@ from omlx_shared.child import omlx_command
 from tests.conftest import start_server
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 STREAMS = 8
 MAX_TOKENS = 300
 

@@ -188,6 +188,7 @@ def test_a_request_that_breaks_two_plans_is_not_run_again(model):
     assert isinstance(after, Done) and final == 3
 
 
+@pytest.mark.slow
 def test_a_hung_worker_ends_the_stream_with_a_504_mid_stream_and_in_a_reply(model, tmp_path):
     """The head worker stops (SIGSTOP) after the first tokens: the request's time limit passes,
     and the error arrives as an SSE event after those tokens, or as the non-streaming reply."""

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import Server, descendants, start_server
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 # A spinning stage shows ~100% of a core; an idle process a fraction of 1%. The bound leaves
 # room for a loaded 2-core machine, where even a sleeping process's wake-ups cost more.
 MAX_IDLE_SHARE = 0.10

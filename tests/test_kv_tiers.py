@@ -1121,6 +1121,7 @@ def test_a_range_renamed_away_before_its_lock_is_made_again(tmp_path, monkeypatc
     pc.close()
 
 
+@pytest.mark.slow
 def test_a_killed_stage_lets_go_of_its_range(tmp_path):
     script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
               "from omlx_node.kv_cache import PrefixCache\n"

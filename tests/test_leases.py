@@ -30,6 +30,8 @@ from tests.test_models_serving import (
 )
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:

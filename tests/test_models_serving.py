@@ -25,6 +25,8 @@ from tests.conftest import REPO, start_server
 from tests.test_gateway import _decode_after, mlx_lm_greedy
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 N = 12  # tokens per answer
 
 

@@ -174,6 +174,7 @@ def test_rank_zero_alone_times_out_naming_peers(model):
     assert "could not form the ring group" in r.stderr and peers.split(",")[1] in r.stderr
 
 
+@pytest.mark.slow
 def test_gateway_in_front_of_a_three_stage_pipeline(model, references, tmp_path):
     _, tok = load(str(model))
     with start_server(model, "--nodes", "3", "--split", "2,1,1", home=tmp_path / "h",

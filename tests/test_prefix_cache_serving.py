@@ -15,6 +15,8 @@ from mlx_lm.generate import generate_step
 from tests.conftest import start_server
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 FLAGS = ("--cache-block-size", str(BLOCK), "--prefill-chunk", "24")
 

@@ -93,6 +93,7 @@ def pid_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
 
 
+@pytest.mark.slow
 def test_up_and_down_start_and_stop_an_admitted_join(sshd, coordinator):
     secret, address, url = coordinator
     node_port, metrics_port = free_port(), free_port()
@@ -155,6 +156,7 @@ def test_up_and_down_start_and_stop_an_admitted_join(sshd, coordinator):
     assert steps(again.stdout)["job"].startswith("unchanged join not running")
 
 
+@pytest.mark.slow
 def test_up_refuses_a_host_it_cannot_reach(sshd, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text(SECRET + "\n")

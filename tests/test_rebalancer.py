@@ -297,6 +297,7 @@ LIVE_FLAGS = ("--nodes", "3", "--rebalance", "auto", "--rebalance-window", "6",
 THROTTLE = 0.1  # of one CPU
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cgroup_unavailable() is not None, reason=str(cgroup_unavailable()))
 def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_path):
     # The undisturbed run on a server of its own that never moves: on the rebalancing server
@@ -372,6 +373,7 @@ def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_pat
         assert (0 if held is None else held[1] - held[0]) <= moved_share, (held, mine)
 
 
+@pytest.mark.slow
 @NEEDS_PROMETHEUS
 def test_speeds_read_from_a_real_prometheus(model, tmp_path):
     key = "rebalance-test-key"

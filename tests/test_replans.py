@@ -95,6 +95,7 @@ def test_two_models_recovering_at_once_each_get_their_own_group(models, refs, tm
         assert [replica(server, m)["epoch"] for m in ("alpha", "beta")] == [2, 2]
 
 
+@pytest.mark.slow
 def test_a_replan_that_keeps_failing_blocks_no_other_model(models, refs, tmp_path):
     """alpha cannot load any more (its folder is gone) and retries, backing off; beta's head
     worker dies meanwhile and beta recovers at once; alpha can be unloaded over HTTP while it
@@ -118,6 +119,7 @@ def test_a_replan_that_keeps_failing_blocks_no_other_model(models, refs, tmp_pat
         assert time.monotonic() - t0 < 45  # its retry's back-off at most, not forever
 
 
+@pytest.mark.slow
 def test_a_node_that_stalls_and_answers_again_is_planned_back_in(models, refs, tmp_path):
     """A node agent stopped for a few seconds (a busy machine) is found lost and the model
     re-planned without it; once it has answered again for NODE_BACK_SECONDS it is a member

@@ -6,6 +6,7 @@ object. Unfrozen, such a collection paused a 2-core machine's gateway or engine 
 
 from __future__ import annotations
 
+import pytest
 import gc
 import json
 import os
@@ -48,6 +49,7 @@ def test_freezing_takes_what_is_alive_out_of_every_collection() -> None:
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_the_gateway_the_agent_and_the_worker_freeze_their_startup_heap(tmp_path: Path,
                                                                          monkeypatch) -> None:
     probe = tmp_path / "probe"
