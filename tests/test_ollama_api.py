@@ -6,6 +6,7 @@ tool_choice to force one)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -19,7 +20,9 @@ from ollama import _types as sdk
 from omlx_coordinator.api import ollama as adapter
 from omlx_coordinator.api import ollama_schema as schema
 from omlx_coordinator.api.tool_setup import ToolSetup
-from omlx_coordinator.generation import Delta, Done
+from omlx_coordinator.errors import APIError
+from omlx_coordinator.generation import Delta, Done, KeepAlive
+from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.model_config import ModelConfig
 from omlx_coordinator.served_model import ServedModel
 from tests.conftest import Server, start_server
@@ -124,6 +127,47 @@ def test_tool_calls_come_whole_with_arguments_as_objects(qwen_path: Path) -> Non
     assert parsed.message.tool_calls[0].function.arguments == {"city": "Paris"}
 
 
+def test_stream_lines_keep_alives_and_errors(qwen_path: Path) -> None:
+    served = ServedModel(ModelConfig("m", str(qwen_path)), qwen_path)
+
+    async def events(error: Exception):
+        yield KeepAlive()
+        yield Delta("Hi", [5])
+        raise error
+
+    async def run(error: Exception) -> list[dict]:
+        reply = adapter._Reply(served, False, ToolSetup(None, None, None, False, ""), [1], 0,
+                               time.perf_counter_ns(), True)
+        return [json.loads(line) for chunk in [c async for c in adapter._stream(
+            reply, events(error), GatewayMetrics(), "ollama_generate", 5.0)]
+            for line in chunk.splitlines()]
+
+    for error, said in ((APIError(503, "the node is gone"), "the node is gone"),
+                        (RuntimeError("bug"), "internal error")):
+        lines = asyncio.run(run(error))
+        assert [line.get("response") for line in lines[:2]] == ["", "Hi"]  # keep-alive, text
+        assert set(lines[2]) == {"error"} and said in lines[2]["error"]
+
+
+def test_tool_messages_answer_calls_by_name() -> None:
+    body = schema.ChatRequest.model_validate({"model": "m", "messages": [
+        *ASK, {"role": "assistant", "tool_calls": [
+            {"function": {"name": "a", "arguments": {}}},
+            {"id": "own", "function": {"name": "b", "arguments": {"x": 1}}}]},
+        {"role": "tool", "tool_name": "b", "content": "B"},
+        {"role": "tool", "content": "A"}]})
+    msgs = adapter.chat_messages(body)
+    assert msgs[1]["tool_calls"][1] == {"id": "own", "type": "function",
+                                        "function": {"name": "b", "arguments": {"x": 1}}}
+    assert [(m["tool_call_id"], m.get("name")) for m in msgs[2:]] == [("own", "b"),
+                                                                     ("call_1_0", None)]
+    prefill = schema.ChatRequest.model_validate({"model": "m", "messages": [
+        *ASK, {"role": "assistant", "content": "It is"}]})
+    with pytest.raises(APIError, match="prefilled"):
+        adapter.chat_messages(prefill)
+    with pytest.raises(ValueError, match="num_predict must be at least 1"):
+        schema.Options.model_validate({"num_predict": 0})
+
 def test_routes_without_a_node(qwen_path: Path) -> None:
     app = app_for(qwen_path, frozenset({KEY}))
     assert ask(app, "GET", "/").text == "Ollama is running"
@@ -221,6 +265,12 @@ def test_generate_equals_mlx_lm(client: ollama.Client, server: Server, qwen_path
     ref = mlx_lm_greedy(qwen_path, [prompt, second.context[:second.prompt_eval_count]], 24)
     assert generated == ref[0][:len(generated)]
     assert second.context[second.prompt_eval_count:] == ref[1][:second.eval_count]
+    scored = client.generate(model=server.model_id, prompt="The capital of France is", raw=True,
+                             options=GREEDY, logprobs=True, top_logprobs=2)
+    assert scored.response == first.response and len(scored.logprobs) == scored.eval_count
+    for lp in scored.logprobs:  # greedy: each token is its position's most likely one
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0].logprob)
     streamed = list(client.generate(model=server.model_id, prompt="The capital of France is",
                                     raw=True, options=GREEDY, stream=True))
     assert "".join(p.response for p in streamed) == first.response

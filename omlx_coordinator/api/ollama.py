@@ -103,8 +103,15 @@ def _now() -> str:
 
 
 def chat_messages(body: ChatRequest) -> list[dict]:
-    """The messages as chat templates take them (OpenAI chat's shape, arguments as objects)."""
+    """The messages as chat templates take them (OpenAI chat's shape, arguments as objects).
+    Ollama's clients name the tool that answered, not the call: a tool message without a
+    tool_call_id answers the earliest unanswered call of that tool (templates such as
+    Mistral's render the ids)."""
+    if body.messages and body.messages[-1].role == "assistant":
+        raise APIError(400, "the last message is the assistant's: continuing a prefilled "
+                            "assistant turn is not supported here", param="messages")
     out = []
+    unanswered: list[tuple[str, str]] = []  # (call id, tool name) of the last assistant turn
     for i, m in enumerate(body.messages):
         msg: dict = {"role": m.role, "content": m.content}
         if m.thinking is not None:
@@ -114,10 +121,15 @@ def chat_messages(body: ChatRequest) -> list[dict]:
                                   "function": {"name": c.function.name,
                                                "arguments": c.function.arguments}}
                                  for j, c in enumerate(m.tool_calls)]
+            unanswered = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
         if m.tool_name is not None:
             msg["name"] = m.tool_name
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
+        if m.role == "tool":
+            answered = m.tool_call_id or next(
+                (cid for cid, name in unanswered if m.tool_name in (None, name)), None)
+            unanswered = [u for u in unanswered if u[0] != answered]
+            if answered is not None:
+                msg["tool_call_id"] = answered
         out.append(msg)
     return out
 

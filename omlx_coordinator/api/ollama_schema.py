@@ -137,9 +137,13 @@ class Options(_Strict):
                              f"repeat_last_n {PENALTY_WINDOW} or leave it out")
         return self
 
-    def max_tokens(self) -> int | None:
-        """The generation limit: None for as many as the context holds."""
-        return None if self.num_predict is None or self.num_predict < 0 else self.num_predict
+    @field_validator("num_predict")
+    @classmethod
+    def _some(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("num_predict must be at least 1, or -1 for as many tokens as the "
+                             "context holds")
+        return v
 
 
 class ToolCallFunction(_Strict):
