@@ -342,6 +342,21 @@ def test_models_routes_and_keep_alive(client: ollama.Client, server: Server) -> 
 
 
 @slow
+def test_streams_by_default_as_ndjson(server: Server) -> None:
+    # As curl sends it: no content type, no "stream" (Ollama streams unless told not to).
+    with httpx.stream("POST", server.url + "/api/generate", headers=AUTH, timeout=60,
+                      content=json.dumps({"model": server.model_id, "prompt": "Hi",
+                                          "options": GREEDY})) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines()]
+    assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    last = lines[-1]
+    assert last["done_reason"] in ("stop", "length") and last["eval_count"] >= 1
+    assert {"total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+            "eval_duration", "context", "created_at", "model"} <= set(last)
+
+@slow
 def test_errors_through_the_sdk(client: ollama.Client, server: Server) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="llama3.2", messages=ASK)

@@ -355,8 +355,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                settings: GatewaySettings, keyed: list[Depends]) -> None:
     """`metrics_of`: each model's, by name."""
 
-    async def load_or_unload(served: ServedModel, body: _Generation, chat: bool,
-                             unload: bool) -> JSONResponse:
+    async def load_or_unload(served: ServedModel, chat: bool, unload: bool) -> JSONResponse:
         """A request with nothing to generate: Ollama's way to load or unload a model."""
         if unload:
             if not served.pinned:
@@ -409,11 +408,12 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         started = time.perf_counter_ns()
         body = validated(ChatRequest, await request.json())
         served = await check_servable(manager, find(manager, body.model).name)
-        unload = apply_keep_alive(served, body.keep_alive)
         if not body.messages:
-            return await load_or_unload(served, body, True, unload)
+            return await load_or_unload(served, True,
+                                        apply_keep_alive(served, body.keep_alive))
         hold(request.scope, served.admission)
         prompt, setup = await asyncio.to_thread(chat_prompt, served.tokenizer, body)
+        apply_keep_alive(served, body.keep_alive)  # not by a request refused above
         return await respond(request, served, body, True, prompt, setup, started)
 
     @app.post("/api/generate", dependencies=keyed)
@@ -421,10 +421,11 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
         started = time.perf_counter_ns()
         body = validated(GenerateRequest, await request.json())
         served = await check_servable(manager, find(manager, body.model).name)
-        unload = apply_keep_alive(served, body.keep_alive)
         if not body.prompt and not body.context:
-            return await load_or_unload(served, body, False, unload)
+            return await load_or_unload(served, False,
+                                        apply_keep_alive(served, body.keep_alive))
         hold(request.scope, served.admission)
         prompt, setup = await asyncio.to_thread(generate_prompt, served.tokenizer, body,
                                                 served.vocab_size)
+        apply_keep_alive(served, body.keep_alive)
         return await respond(request, served, body, False, prompt, setup, started)
