@@ -217,9 +217,10 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = request.headers.get("content-type", "")
-        if param is None and "json" not in kind:
+        if param is None and "json" not in kind and not ollama.owns(request.url.path):
             # FastAPI reads a body as JSON only when its content type says so (curl -d sends
-            # form data): the content is fine, the header is what to fix.
+            # form data): the content is fine, the header is what to fix. (Ollama's routes
+            # read JSON whatever the header: its clients and examples leave it out.)
             message = (f"the request body must be sent as JSON, with the header "
                        f"Content-Type: application/json (this one came as "
                        f"{kind.split(';')[0] or 'no content type'})")
