@@ -358,6 +358,7 @@ def test_streams_by_default_as_ndjson(server: Server) -> None:
 
 @slow
 def test_errors_through_the_sdk(client: ollama.Client, server: Server) -> None:
+    client.chat(model=server.model_id, messages=ASK, options=GREEDY)  # one "ok" to count
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="llama3.2", messages=ASK)
     assert e.value.status_code == 404 and repr(server.model_id) in e.value.error
@@ -371,4 +372,9 @@ def test_errors_through_the_sdk(client: ollama.Client, server: Server) -> None:
     r = httpx.post(server.url + "/api/chat", headers=AUTH, timeout=60,
                    json={"model": server.model_id, "messages": ASK, "keep_alive": "soon"})
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
+    # Counted as the other APIs' requests are, under their own endpoint labels.
+    counts = server.metrics()
+    assert counts['omlx_requests_total{endpoint="ollama_chat",outcome="unknown_model"}'] >= 1
+    assert counts['omlx_requests_total{endpoint="ollama_chat",outcome="rejected"}'] >= 2
+    assert counts['omlx_requests_total{endpoint="ollama_chat",outcome="ok"}'] >= 1
 
