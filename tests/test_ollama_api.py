@@ -81,6 +81,8 @@ def test_unknown_fields_and_bad_values_are_refused() -> None:
             {"role": "user", "content": "hi", "images": ["aGk="]}]})
     with pytest.raises(ValueError, match="Mirostat"):
         schema.Options.model_validate({"mirostat": 2})
+    with pytest.raises(ValueError, match="at most 16 stop strings"):
+        schema.Options.model_validate({"stop": [str(i) for i in range(17)]})
     with pytest.raises(ValueError, match="last 20 tokens"):
         schema.Options.model_validate({"repeat_penalty": 1.1, "repeat_last_n": 64})
     # Accepted without effect, and neutral values of the refused ones.
@@ -265,6 +267,12 @@ def test_generate_equals_mlx_lm(client: ollama.Client, server: Server, qwen_path
     ref = mlx_lm_greedy(qwen_path, [prompt, second.context[:second.prompt_eval_count]], 24)
     assert generated == ref[0][:len(generated)]
     assert second.context[second.prompt_eval_count:] == ref[1][:second.eval_count]
+    # options.stop: the reply ends before the first stop string, and says so.
+    cut = first.response[len(first.response) // 2:][:3]
+    stopped = client.generate(model=server.model_id, prompt="The capital of France is",
+                              raw=True, options={**GREEDY, "stop": [cut]})
+    assert cut.strip() and stopped.done_reason == "stop"
+    assert stopped.response == first.response[:first.response.index(cut)]
     scored = client.generate(model=server.model_id, prompt="The capital of France is", raw=True,
                              options=GREEDY, logprobs=True, top_logprobs=2)
     assert scored.response == first.response and len(scored.logprobs) == scored.eval_count

@@ -37,10 +37,9 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from omlx_coordinator.api.openai_schema import (
     MAX_CHAT_TOP_LOGPROBS,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     Tool as OpenAITool,
     _Strict,
+    check_stops,
 )
 
 # The window mlx-lm's repetition, presence and frequency penalties look back over (the node's
@@ -120,12 +119,7 @@ class Options(_Strict):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        if v and (longest := max(len(s) for s in v)) > MAX_STOP_CHARS:
-            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters; "
-                             f"one has {longest}")
-        return v
+        return None if v is None else check_stops(v)
 
     @model_validator(mode="after")
     def _window(self) -> Options:
