@@ -186,6 +186,8 @@ def test_routes_without_a_node(qwen_path: Path) -> None:
     assert show["capabilities"] == ["completion", "tools"]
     assert show["model_info"]["qwen2.context_length"] == CONTEXT
     assert "<tool_call>" in show["template"]
+    r = ask(app, "POST", "/api/show", headers=AUTH, json={})
+    assert r.status_code == 400 and r.json() == {"error": "'model': name the model to show"}
     assert ask(app, "GET", "/api/version", headers=AUTH).json()["version"]
     # Errors in Ollama's shape: unknown model (listing the served ones), bad body, the store.
     r = ask(app, "POST", "/api/chat", headers=AUTH, json={"model": "llama3", "messages": ASK})

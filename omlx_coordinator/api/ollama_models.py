@@ -153,6 +153,8 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
     @app.post("/api/show", dependencies=keyed)
     async def show(request: Request) -> dict:
         body = validated(ShowRequest, await request.json())
+        if not (body.model or body.name):
+            raise APIError(400, "'model': name the model to show", param="model")
         return _show(find(manager, body.model or body.name or ""))
 
     @app.post("/api/pull", dependencies=keyed)

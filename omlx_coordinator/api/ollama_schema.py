@@ -265,12 +265,6 @@ class ShowRequest(_Strict):
     template: str | None = None
     options: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _named(self) -> ShowRequest:
-        if not (self.model or self.name):
-            raise ValueError("name the model: {\"model\": NAME}")
-        return self
-
 
 M = TypeVar("M", bound=BaseModel)
 
