@@ -170,6 +170,14 @@ def test_tool_messages_answer_calls_by_name() -> None:
     with pytest.raises(ValueError, match="num_predict must be at least 1"):
         schema.Options.model_validate({"num_predict": 0})
 
+def test_model_details_name_the_weights_as_ollama_does() -> None:
+    from omlx_coordinator.api.ollama_models import _details
+    assert _details({"model_type": "llama", "quantization": {"bits": 4, "group_size": 64}}) \
+        == {"parent_model": "", "format": "safetensors", "family": "llama",
+            "families": ["llama"], "parameter_size": "", "quantization_level": "Q4"}
+    assert _details({"model_type": "qwen3", "torch_dtype": "bfloat16"})[
+        "quantization_level"] == "BF16"
+
 def test_routes_without_a_node(qwen_path: Path) -> None:
     app = app_for(qwen_path, frozenset({KEY}))
     assert ask(app, "GET", "/").text == "Ollama is running"

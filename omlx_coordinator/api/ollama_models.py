@@ -26,6 +26,8 @@ OLLAMA_VERSION = "0.12.0"
 LATEST = ":latest"
 # /api/ps's expiry of a model with no idle limit, as Ollama shows keep_alive -1: far away.
 _NEVER = datetime(2318, 1, 1, tzinfo=timezone.utc)
+# Ollama's names of unquantized weights' types.
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _STORE_ADVICE = {
     "pull": "models are fetched with `omlx-cluster models pull ORG/NAME` (a Hugging Face id) and "
             "served with `--model NAME=PATH`",
@@ -82,9 +84,8 @@ def _details(config: dict) -> dict:
     family = config.get("model_type", "")
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = quant.get("bits") if isinstance(quant, dict) else None
-    level = f"Q{bits}" if bits else str(config.get("torch_dtype") or config.get("dtype")
-                                        or "").upper().replace("BFLOAT16", "BF16") \
-        .replace("FLOAT16", "F16").replace("FLOAT32", "F32")
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
+    level = f"Q{bits}" if bits else _DTYPES.get(dtype, dtype.upper())
     return {"parent_model": "", "format": "safetensors", "family": family,
             "families": [family] if family else None, "parameter_size": "",
             "quantization_level": level}
