@@ -19,6 +19,7 @@ from ollama import _types as sdk
 
 from omlx_coordinator.api import ollama as adapter
 from omlx_coordinator.api import ollama_schema as schema
+from omlx_coordinator.api.ollama_models import _details
 from omlx_coordinator.api.tool_setup import ToolSetup
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import Delta, Done, KeepAlive
@@ -171,7 +172,6 @@ def test_tool_messages_answer_calls_by_name() -> None:
         schema.Options.model_validate({"num_predict": 0})
 
 def test_model_details_name_the_weights_as_ollama_does() -> None:
-    from omlx_coordinator.api.ollama_models import _details
     assert _details({"model_type": "llama", "quantization": {"bits": 4, "group_size": 64}}) \
         == {"parent_model": "", "format": "safetensors", "family": "llama",
             "families": ["llama"], "parameter_size": "", "quantization_level": "Q4"}
