@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
-from omlx_coordinator.api import anthropic, models, openai, responses
+from omlx_coordinator.api import anthropic, models, ollama, ollama_models, openai, responses
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.docs import add_docs_routes
@@ -196,7 +196,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                 anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT}
+                 anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT,
+                 **ollama.ENDPOINTS}
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
         """The error in the shape of the API the path belongs to; a generation request's
@@ -211,6 +212,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if anthropic.owns(request.url.path):
             status = anthropic.error_status(exc)
             body = anthropic.error_body(status, exc.message)
+        elif ollama.owns(request.url.path):
+            body = ollama.error_body(exc.message)
         return JSONResponse(body, status_code=status, headers=headers or exc.headers)
 
     @app.exception_handler(APIError)
@@ -221,9 +224,10 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = request.headers.get("content-type", "")
-        if param is None and "json" not in kind:
+        if param is None and "json" not in kind and not ollama.owns(request.url.path):
             # FastAPI reads a body as JSON only when its content type says so (curl -d sends
-            # form data): the content is fine, the header is what to fix.
+            # form data): the content is fine, the header is what to fix. (Ollama's routes
+            # read JSON whatever the header: its clients and examples leave it out.)
             message = (f"the request body must be sent as JSON, with the header "
                        f"Content-Type: application/json (this one came as "
                        f"{kind.split(';')[0] or 'no content type'})")
@@ -235,7 +239,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             return error(request, exc.error)
         message = {404: f"no such endpoint: {request.method} {request.url.path} (the API is "
                         "under /v1: /v1/models, /v1/chat/completions, /v1/completions, "
-                        "/v1/responses, /v1/messages)",
+                        "/v1/responses, /v1/messages; Ollama's under /api: /api/chat, /api/generate, "
+                        "/api/tags)",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
         return error(request, APIError(exc.status_code, message),
@@ -256,9 +261,14 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                         for m in manager.models if m.state == "loaded"))
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-    async def root() -> dict:
-        """What clients probe to see that the endpoint is up (Claude Code sends `HEAD /`)."""
-        return {"name": "omlx-cluster", "api": "/v1", "health": "/health", "docs": "/docs"}
+    async def root(request: Request) -> Response:
+        """What clients probe to see that the endpoint is up (Claude Code sends `HEAD /`;
+        Ollama's clients and scripts look for Ollama's words). Asked for JSON, where the APIs
+        are."""
+        if "application/json" in request.headers.get("accept", ""):
+            return JSONResponse({"name": "omlx-cluster", "api": "/v1", "ollama_api": "/api",
+                                 "health": "/health", "docs": "/docs"})
+        return PlainTextResponse("Ollama is running")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -378,6 +388,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
+    ollama.add_routes(app, manager, metrics_of, settings, keyed)
+    ollama_models.add_routes(app, manager, keyed)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 

@@ -380,7 +380,8 @@ class ModelManager:
                                                  "at": time.time()}]
         await self.cluster.check_members()  # its workers gone from every node's picture
 
-    async def unload_asked(self, model: ServedModel, wait_leases: float) -> None:
+    async def unload_asked(self, model: ServedModel, wait_leases: float,
+                           reason: str = "asked over HTTP") -> None:
         """An operator's unload (HTTP, `models unload --wait`): the model's requests are drained
         and waited for before the load lock is taken, so that other loads, re-plans and idle
         unloads go on meanwhile; raises ModelBusy as `unload` does."""
@@ -388,7 +389,7 @@ class ModelManager:
         try:
             await self._await_leases(model, wait_leases)
             async with self.loading:
-                await self.unload(model, reason="asked over HTTP", kind="request")
+                await self.unload(model, reason=reason, kind="request")
         finally:
             self.draining.discard(model.name)
 
@@ -434,7 +435,7 @@ class ModelManager:
         while True:
             await asyncio.sleep(TTL_CHECK_SECONDS)
             for m in self.models:
-                ttl = m.config.ttl_seconds
+                ttl = m.ttl_seconds
                 if (ttl and not m.pinned and m.state == LOADED and not m.leases
                         and m.idle_seconds() > ttl and not self.loading.locked()):
                     async with self.loading:
@@ -475,7 +476,7 @@ class ModelManager:
             "id": model.name, "aliases": list(model.config.aliases),
             "state": "pinned" if model.pinned and model.state == LOADED else model.state,
             "loaded": model.state == LOADED, "pinned": model.pinned,
-            "ttl_seconds": model.config.ttl_seconds or None, "leases": model.leases,
+            "ttl_seconds": model.ttl_seconds or None, "leases": model.leases,
             "idle_seconds": round(model.idle_seconds(), 1), "loads": model.loads,
             "load_seconds": round(model.load_seconds, 3), "loaded_at": model.loaded_at or None,
             "error": model.error or None,

@@ -43,6 +43,9 @@ class ServedModel:
         self.layout: ModelLayout = read_layout(path, model_id=config.name)
         self.state = UNLOADED
         self.pinned = config.pinned
+        # Idle seconds before it is unloaded (0: never): the config's, until a request sets it
+        # (Ollama's keep_alive, api/ollama.py).
+        self.ttl_seconds = config.ttl_seconds
         self.leases = 0  # requests admitted and not yet finished
         self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE)  # the queue bound
         self.gate = PriorityGate(config.slots or NODE_DEFAULT_BATCH, config.batch_share)

@@ -163,8 +163,9 @@ class ClosingStream(StreamingResponse):
     client that keeps its connection open but reads nothing: that generation holds its model's
     lease, which an unload, an eviction or a load waiting for room waits for."""
 
-    def __init__(self, content: AsyncIterator[str], events, limit: float, **kwargs):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content: AsyncIterator[str], events, limit: float,
+                 media_type: str = "text/event-stream", **kwargs):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                          **kwargs)
         self.events, self.limit = events, limit

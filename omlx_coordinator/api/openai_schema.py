@@ -74,6 +74,16 @@ _REFUSED = {
 _NEUTRAL: dict[str, Any] = {"modalities": ["text"], "logit_bias": {}, "best_of": 1, "suffix": ""}
 
 
+def check_stops(stops: list[str]) -> list[str]:
+    """Stop strings within the bounds above (Ollama's options.stop too)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+    if longest := max((len(s) for s in stops if len(s) > MAX_STOP_CHARS), default=0):
+        raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters; "
+                         f"one has {longest}")
+    return stops
+
+
 def _refuse(field: str, value: Any) -> Any:
     if value is not None and value != _NEUTRAL.get(field, None):
         raise ValueError(_REFUSED[field])
@@ -122,13 +132,7 @@ class _Common(_Strict):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        if longest := max((len(s) for s in stops if len(s) > MAX_STOP_CHARS), default=0):
-            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters; "
-                             f"one has {longest}")
-        return stops
+        return check_stops([v] if isinstance(v, str) else list(v or []))
 
     @field_validator("logit_bias")
     @classmethod

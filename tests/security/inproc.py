@@ -12,7 +12,7 @@ from unittest import mock
 import httpx
 from fastapi import FastAPI
 
-from omlx_coordinator.api import anthropic, openai
+from omlx_coordinator.api import anthropic, ollama, openai
 from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.gateway import create_app
 from omlx_coordinator.generation import Delta, Done, GenerationRequest, check_servable
@@ -42,7 +42,8 @@ def app_for(model: Path) -> Iterator[FastAPI]:
         return manager.main.model if name == MODEL else await check_servable(manager, name, account)
 
     with mock.patch.multiple(openai, check_servable=servable, generate=_answer), \
-            mock.patch.multiple(anthropic, check_servable=servable, generate=_answer):
+            mock.patch.multiple(anthropic, check_servable=servable, generate=_answer), \
+            mock.patch.multiple(ollama, check_servable=servable, generate=_answer):
         yield create_app(manager, start_cluster=False)
 
 
