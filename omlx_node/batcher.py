@@ -583,8 +583,15 @@ class Engine:
         key = random_key()
         try:
             self._work()
-        except Exception:  # a failed step must not take the node down
-            log.exception("engine step failed")
+        except Exception as e:  # a failed step must not take the node down
+            if self.failure_reason == "lost":
+                # A pipeline's step fails when a peer stage goes: expected, and one line says
+                # it (the traceback stays at debug level, for a step that fails otherwise).
+                log.error("a pipeline step failed: %s (a stage was lost?); this worker stops",
+                          str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.debug("the failed step", exc_info=True)
+            else:
+                log.exception("engine step failed")
             self.ready, self.status = False, "recovering from a failed step"
             restore_random_key(key)
             # The exception's text may quote one request's parameters: it stays in the log.
