@@ -47,21 +47,14 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
+from omlx_shared.speculative_modes import check_mode
 
-MODES = ("off", "ngram", "auto")
 DRAFT_TOKENS = 4  # k: the most a row drafts in one step
 # Speculation steps aside above this many rows. On a CPU (measured with SmolLM2-135M,
 # bench/results/speculative-cpu.md) a batch of 8 rows already takes longer per step than 1
 # row; beyond a few rows, k more positions a row cost about what they save.
 MAX_ROWS = 4
 NGRAM_MAX, NGRAM_MIN = 3, 1
-
-
-def check_mode(mode: str) -> str:
-    """`mode` if it names a speculation mode; ValueError saying which do otherwise."""
-    if mode not in MODES:
-        raise ValueError(f"unknown speculative mode {mode!r}: use one of {', '.join(MODES)}")
-    return mode
 
 
 def lookup(corpus: np.ndarray, end: int, suffix: np.ndarray, k: int, after: int = 0

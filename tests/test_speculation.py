@@ -18,10 +18,10 @@ from omlx_node.sampling import SamplingParams
 from omlx_node.speculation import (
     NgramProposer,
     PredictionProposer,
-    check_mode,
     target_probs,
     verify_sampled,
 )
+from omlx_shared.speculative_modes import check_mode
 from omlx_node.stage import StageRunner
 from tests.test_constraints_node import assert_logprobs_match, reference_logprobs
 from tests.test_engine import drain, reference

@@ -1,0 +1,13 @@
+"""The speculative decoding modes a model can be served with (omlx_node/speculation.py):
+"off", "ngram" (prompt lookup drafts), "auto" (what the node finds worth it: today ngram)."""
+
+from __future__ import annotations
+
+MODES = ("off", "ngram", "auto")
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it names a speculation mode; ValueError saying which do otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"unknown speculative mode {mode!r}: use one of {', '.join(MODES)}")
+    return mode
