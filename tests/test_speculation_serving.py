@@ -1,0 +1,62 @@
+"""OpenAI's predicted outputs through a live server and the OpenAI SDK: the same answer as
+without one, the usage fields that count the prediction, and the node's /metrics."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.slow
+
+ASK = [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat sat on the mat."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    # --speculative off: prompt lookup drafts nothing, so every draft counted is the
+    # prediction's, and the flag is seen to reach the node's engine.
+    with start_server(tiny_model_path, "--speculative", "off", node_metrics=True,
+                      home=tmp_path_factory.mktemp("home")) as s:
+        yield s
+
+
+def test_prediction_drafts_and_usage_counts_it(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                           timeout=120)
+    kw = {"model": server.model_id, "messages": ASK, "max_tokens": 40, "temperature": 0}
+    plain = client.chat.completions.create(**kw)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None  # no prediction, no counts
+    predicted = client.chat.completions.create(
+        **kw, prediction={"type": "content", "content": [{"type": "text", "text": text}]})
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    # Half of it wrong: fewer stand, the answer is still the model's own.
+    wrong = text[:len(text) // 2] + " zebra " * 10
+    stream = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True},
+        prediction={"type": "content", "content": wrong})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    usage = chunks[-1].usage.completion_tokens_details
+    assert 0 < usage.accepted_prediction_tokens <= details.accepted_prediction_tokens
+    assert usage.rejected_prediction_tokens > details.rejected_prediction_tokens
+    metrics = server.node_metrics()
+    drafted = metrics['omlx_node_speculative_draft_tokens_total{source="prediction"}']
+    accepted = metrics['omlx_node_speculative_accepted_tokens_total{source="prediction"}']
+    assert drafted >= accepted > 0
+    assert not any('source="ngram"' in k for k in metrics)
+    assert 0 < metrics["omlx_node_speculative_acceptance_rate"] <= 1
+    assert metrics["omlx_node_speculative_tokens_per_step"] > 1
+
+
+def test_a_bad_prediction_is_a_400_naming_it(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model_id, messages=ASK, max_tokens=4,
+                                       prediction={"type": "file", "content": "x"})
+    assert "prediction" in str(e.value)
