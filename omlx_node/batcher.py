@@ -811,7 +811,7 @@ class Batcher(Engine):
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
         # Drafts need every layer's cache trimmable to a row's accepted tokens.
-        self.speculator = (Speculator(speculative, metrics)
+        self.speculator = (Speculator(speculative, stage, metrics)
                            if self.state.batchable else None)
 
     def running_seqs(self) -> list[Sequence]:

@@ -25,10 +25,15 @@ tokens must not depend on whether its batch was small enough to speculate); the 
 one token a step, in the same pass.
 Speculation steps aside when the batch holds more than `max_rows` rows: a batch that size is
 bound by compute rather than by reading the weights, and extra positions cost what they save.
+Where even one row's k+1 positions cost several times one position (a CPU whose matrix
+products are compute bound), no draft pays: "auto" measures that at start-up
+(`verify_cost`, one layer's MLP, as micro-batching measures its cost curve) and drafts only
+where k+1 positions cost at most AUTO_MAX_COST one-position steps.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from omlx_node.calibrate import row_costs
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import (
     Logprob,
@@ -47,6 +53,7 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
+from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
 
 DRAFT_TOKENS = 4  # k: the most a row drafts in one step
@@ -55,6 +62,20 @@ DRAFT_TOKENS = 4  # k: the most a row drafts in one step
 # row; beyond a few rows, k more positions a row cost about what they save.
 MAX_ROWS = 4
 NGRAM_MAX, NGRAM_MIN = 3, 1
+# "auto" drafts where a step of k+1 positions costs at most this many steps of one: then a
+# row whose drafts stand about half the time (k=4: 3 tokens a step) still gains.
+AUTO_MAX_COST = 2.0
+
+log = logging.getLogger(__name__)
+
+
+def verify_cost(stage: StageRunner, k: int = DRAFT_TOKENS) -> float:
+    """What one row's step of k+1 positions costs on this device, in steps of one position:
+    about 1 where decoding is bound by reading the weights (a GPU, Apple silicon), about k+1
+    where the matrix products are compute bound (a CPU's reference BLAS)."""
+    costs = row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
+                      rows=(1, k + 1))
+    return costs[k + 1] / costs[1]
 
 
 def lookup(corpus: np.ndarray, end: int, suffix: np.ndarray, k: int, after: int = 0
@@ -240,17 +261,24 @@ class Speculator:
     """An engine's speculation: its mode and limits, each row's proposer, and the counts
     /metrics shows."""
 
-    def __init__(self, mode: str = "auto", metrics: NodeMetrics | None = None,
+    def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
                  k: int = DRAFT_TOKENS, max_rows: int = MAX_ROWS):
-        self.mode, self.k, self.max_rows = check_mode(mode), k, max_rows
-        self.metrics = metrics
+        """`stage`: the model, whose step cost "auto" measures."""
+        self.k, self.max_rows, self.metrics = k, max_rows, metrics
+        self.on = check_mode(mode) == "ngram"
+        if mode == "auto":
+            cost = verify_cost(stage, k)
+            self.on = cost <= AUTO_MAX_COST
+            log.info("speculative decoding %s: a step of %d positions costs %.1f of one "
+                     "(auto drafts up to %.1f)", "on" if self.on else "off", k + 1, cost,
+                     AUTO_MAX_COST)
 
     def proposer(self, prediction: Sequence[int]) -> Proposer | None:
-        """A new row's proposer: its prediction's when it sent one (whatever the mode: the
-        client asked), else prompt lookup unless speculation is off."""
-        if prediction:
-            return PredictionProposer(prediction)
-        return None if self.mode == "off" else NgramProposer()
+        """A new row's proposer, while speculation is on: its prediction's when it sent one,
+        else prompt lookup."""
+        if not self.on:
+            return None
+        return PredictionProposer(prediction) if prediction else NgramProposer()
 
     def draft(self, proposer: Proposer | None, sampler: RowSampler, tokens: Sequence[int],
               output: Sequence[int], room: int) -> list[int]:

@@ -1,5 +1,6 @@
 """The speculative decoding modes a model can be served with (omlx_node/speculation.py):
-"off", "ngram" (prompt lookup drafts), "auto" (what the node finds worth it: today ngram)."""
+"off" (no drafts, a request's prediction unused too), "ngram" (prompt lookup drafts, and a
+request's prediction), "auto" (ngram where the node measures that drafts can pay)."""
 
 from __future__ import annotations
 

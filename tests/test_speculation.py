@@ -15,10 +15,13 @@ from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node import speculation
 from omlx_node.speculation import (
     NgramProposer,
     PredictionProposer,
+    Speculator,
     target_probs,
+    verify_cost,
     verify_sampled,
 )
 from omlx_shared.speculative_modes import check_mode
@@ -41,7 +44,7 @@ def mlx_lm_model(model_path):
     return load(str(model_path))
 
 
-def engine(model_path: Path, mode: str = "auto", max_rows: int | None = None,
+def engine(model_path: Path, mode: str = "ngram", max_rows: int | None = None,
            **kwargs) -> Batcher:
     batcher = Batcher(StageRunner(model_path), NodeMetrics(), speculative=mode, **kwargs)
     if max_rows is not None:
@@ -219,3 +222,22 @@ def test_sampled_rows_draft_and_seeded_rows_do_not(model_path, mlx_lm_model):
     on, _, seq = run_one(engine(model_path), SeqRequest("b", prompt, 30, seeded))
     off, _, _ = run_one(engine(model_path, "off"), SeqRequest("b", prompt, 30, seeded))
     assert on == off and seq.spec.drafted == 0
+
+
+def test_auto_drafts_only_where_a_wider_step_is_cheap(model_path, monkeypatch):
+    """"auto" measures what k+1 positions cost against one (one layer's MLP): weight-bound
+    (about the same) it drafts, compute-bound (k+1 times as much) it does not."""
+    stage = StageRunner(model_path)
+    assert verify_cost(stage) > 0.5
+    for costs, on in (({1: 1.0, 5: 1.2}, True), ({1: 1.0, 5: 4.8}, False)):
+        monkeypatch.setattr(speculation, "row_costs", lambda *a, costs=costs, **kw: costs)
+        assert Speculator("auto", stage).on is on
+
+
+def test_off_drafts_nothing_not_even_a_prediction(model_path, mlx_lm_model):
+    model, tok = mlx_lm_model
+    prompt = tok.encode(TEXT)
+    ref = reference(model, prompt, 20)
+    tokens, _, seq = run_one(engine(model_path, "off"),
+                             SeqRequest("a", prompt, 20, prediction=tuple(ref)))
+    assert tokens == ref and seq.spec.drafted == 0
