@@ -806,8 +806,9 @@ class Batcher(Engine):
         self._batch: list[Sequence] = []
         self._samplers: list[RowSampler] = []
         self._y: mx.array | None = None  # next decode input of every row
-        # The logprob records sampled with _y, and the rows they were sampled for.
-        self._records: tuple[mx.array, list[Sequence]] | None = None
+        # The logprob records sampled with _y, and the rows they were sampled for (after a
+        # speculative step: each row's record already).
+        self._records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None = None
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
         # Drafts need every layer's cache trimmable to a row's accepted tokens.
@@ -966,9 +967,8 @@ class Batcher(Engine):
     def _speculates(self) -> bool:
         """Whether this step verifies drafts: a row may draft, and the batch is small enough
         that a draft's extra positions cost less than the steps they save."""
-        spec = self.speculator
-        return (spec is not None and len(self._batch) <= spec.max_rows
-                and any(s.proposer is not None for s in self._batch))
+        return self.speculator is not None and self.speculator.wanted(
+            [s.spec for s in self._batch if s.proposer is not None])
 
     def _speculative_step(self) -> None:
         """Streams `_y`'s tokens first (a draft follows them), then runs every row's input and
@@ -982,7 +982,7 @@ class Batcher(Engine):
         if not self._batch:
             return
         rows, inputs = list(self._batch), self._y.tolist()
-        drafts = [self.speculator.draft(s.proposer, sampler, s.fed, s.sampled,
+        drafts = [self.speculator.draft(s.proposer, s.spec, sampler, s.fed, s.sampled,
                                         s.req.max_tokens - s.generated - 1)
                   for s, sampler in zip(rows, self._samplers)]
         if not any(drafts):

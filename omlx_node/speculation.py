@@ -65,6 +65,10 @@ NGRAM_MAX, NGRAM_MIN = 3, 1
 # "auto" drafts where a step of k+1 positions costs at most this many steps of one: then a
 # row whose drafts stand about half the time (k=4: 3 tokens a step) still gains.
 AUTO_MAX_COST = 2.0
+# A row whose draft all failed waits 2, 4, ... up to this many steps before it drafts again:
+# a step that may draft waits for the row's last token (no overlap with the step before), so
+# a text that prompt lookup does not predict should not pay that, nor the wasted positions.
+MAX_BACKOFF = 16
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +277,19 @@ class Speculator:
                      "(auto drafts up to %.1f)", "on" if self.on else "off", k + 1, cost,
                      AUTO_MAX_COST)
 
+    def wanted(self, stats: list[SpecStats]) -> bool:
+        """Whether a step of rows with these stats (those that have a proposer) may draft: a
+        batch small enough, and a row not backing off. Counts the step off each row's wait."""
+        if len(stats) > self.max_rows:
+            return False
+        ready = False
+        for s in stats:
+            if s.wait:
+                s.wait -= 1
+            else:
+                ready = True
+        return ready
+
     def proposer(self, prediction: Sequence[int]) -> Proposer | None:
         """A new row's proposer, while speculation is on: its prediction's when it sent one,
         else prompt lookup."""
@@ -280,14 +297,15 @@ class Speculator:
             return None
         return PredictionProposer(prediction) if prediction else NgramProposer()
 
-    def draft(self, proposer: Proposer | None, sampler: RowSampler, tokens: Sequence[int],
-              output: Sequence[int], room: int) -> list[int]:
+    def draft(self, proposer: Proposer | None, stats: SpecStats, sampler: RowSampler,
+              tokens: Sequence[int], output: Sequence[int], room: int) -> list[int]:
         """A row's draft for this step: none for a row under a grammar or penalties (their
         state would have to follow each drafted token), for a seeded sampled row (its tokens
         depend on its seed alone, and a step that verifies a draft spends its key otherwise
         than one that does not: which one it gets depends on the batch's size) or with no
-        `room` (tokens it may still generate beyond the one this step gives it anyway)."""
-        if (proposer is None or sampler.processors or sampler.grammar is not None
+        `room` (tokens it may still generate beyond the one this step gives it anyway), nor
+        for one backing off after drafts that all failed."""
+        if (proposer is None or stats.wait or sampler.processors or sampler.grammar is not None
                 or (sampler.key is not None and not sampler.params.greedy)):
             return []
         return proposer.propose(tokens, output, min(self.k, room)) if room > 0 else []
@@ -296,6 +314,8 @@ class Speculator:
         """Counts one row's verified draft, in its stats and /metrics."""
         stats.drafted += drafted
         stats.accepted += accepted
+        stats.misses = 0 if accepted else stats.misses + 1
+        stats.wait = min(2 ** stats.misses, MAX_BACKOFF) if stats.misses else 0
         if proposer.source == "prediction":
             stats.predicted_drafted += drafted
             stats.predicted_accepted += accepted
@@ -311,3 +331,5 @@ class SpecStats:
     accepted: int = 0
     predicted_drafted: int = 0  # of them, read from the client's prediction
     predicted_accepted: int = 0
+    misses: int = 0  # drafts in a row none of which stood
+    wait: int = 0  # steps left before it drafts again

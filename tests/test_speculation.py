@@ -241,3 +241,15 @@ def test_off_drafts_nothing_not_even_a_prediction(model_path, mlx_lm_model):
     tokens, _, seq = run_one(engine(model_path, "off"),
                              SeqRequest("a", prompt, 20, prediction=tuple(ref)))
     assert tokens == ref and seq.spec.drafted == 0
+
+
+def test_a_row_whose_drafts_fail_backs_off(model_path, mlx_lm_model):
+    """Drafts that all fail (a prediction that is all wrong) cost the row fewer and fewer
+    steps: it waits 2, 4, ... steps before it drafts again, and its tokens are unchanged."""
+    model, tok = mlx_lm_model
+    prompt = tok.encode("The capital of France is")
+    ref = reference(model, prompt, 60)
+    wrong = tuple((t + 1) % 300 for t in ref)
+    tokens, _, seq = run_one(engine(model_path), SeqRequest("a", prompt, 60, prediction=wrong))
+    assert tokens == ref and seq.spec.accepted == 0
+    assert 0 < seq.spec.drafted <= 4 * 8  # not 4 a step: 60 tokens, under 8 tries
