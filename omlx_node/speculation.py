@@ -103,7 +103,7 @@ def lookup(corpus: np.ndarray, end: int, suffix: np.ndarray, k: int, after: int 
 class Proposer:
     """Drafts the next tokens of one row; one per row (it may remember where it read)."""
 
-    source = ""  # what its drafts are counted as: "ngram" or "prediction"
+    source = ""  # what its last draft is counted as: "ngram" or "prediction"
 
     def propose(self, tokens: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the row's prompt then its `output`)."""
@@ -130,15 +130,16 @@ class NgramProposer(Proposer):
 
 
 class PredictionProposer(Proposer):
-    """OpenAI's predicted outputs: the draft is read from the client's predicted text."""
-
-    source = "prediction"
+    """OpenAI's predicted outputs: the draft is read from the client's predicted text, else
+    (where the output has left it) looked up in the row's own tokens, as prompt lookup does."""
 
     def __init__(self, prediction: Sequence[int]):
         self.prediction = np.asarray(prediction, dtype=np.int64)
         self.cursor = 0
+        self.own = NgramProposer()
 
     def propose(self, tokens: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+        self.source = "prediction"
         if not output:
             return self.prediction[:k].tolist()
         out = np.asarray(output[-NGRAM_MAX:], dtype=np.int64)
@@ -148,7 +149,8 @@ class PredictionProposer(Proposer):
             if draft:
                 self.cursor = start + 1
                 return draft
-        return []
+        self.source = "ngram"
+        return self.own.propose(tokens, output, k)
 
 
 @dataclass
