@@ -57,9 +57,9 @@ from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
 
 DRAFT_TOKENS = 4  # k: the most a row drafts in one step
-# Speculation steps aside above this many rows. On a CPU (measured with SmolLM2-135M,
-# bench/results/speculative-cpu.md) a batch of 8 rows already takes longer per step than 1
-# row; beyond a few rows, k more positions a row cost about what they save.
+# Speculation steps aside above this many rows: a batch's step grows less bound by reading
+# the weights with every row, and k more positions a row start to cost what they save. A fixed
+# guess, not yet a measured crossover (docs/speculative.md).
 MAX_ROWS = 4
 NGRAM_MAX, NGRAM_MIN = 3, 1
 # "auto" drafts where a step of k+1 positions costs at most this many steps of one: then a

@@ -263,3 +263,26 @@ def test_a_row_whose_drafts_fail_backs_off(model_path):
     spec.counted(proposer, stats, 4, 1)
     assert stats.wait == 0 and spec.wanted([stats])
     assert not spec.wanted([SpecStats()] * (spec.max_rows + 1))  # a batch too large
+
+
+def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):
+    """A row under a grammar never drafts (its matcher would have to follow each drafted
+    token): it decodes one token a step in the drafting rows' passes, and its output is what
+    it is in a batcher that never drafts, following the schema."""
+    from omlx_node.constraints import Grammars
+    from tests.test_constraints_node import GRAMMAR, parse
+
+    model, tok = mlx_lm_model
+    prompt = tok.encode(TEXT)
+    ref = reference(model, prompt, 30)
+    outputs = []
+    for mode in ("off", "ngram"):
+        batcher = engine(model_path, mode, grammars=Grammars(model_path))
+        seqs = [batcher.submit(SeqRequest("g", prompt, 64, grammar=GRAMMAR)),
+                batcher.submit(SeqRequest("p", prompt, 30, prediction=tuple(ref)))]
+        outputs.append(drain(batcher, seqs))
+    (off_g, off_p), (on_g, on_p) = outputs
+    assert on_g == off_g and on_g[1].reason == "stop"
+    parse(tok, on_g[0])
+    assert on_p[0] == off_p[0] == ref
+    assert seqs[1].spec.accepted > 0 and seqs[0].spec.drafted == 0

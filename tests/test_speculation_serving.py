@@ -3,10 +3,17 @@ without one, the usage fields that count the prediction, and the node's /metrics
 
 from __future__ import annotations
 
+import grpc
+import mlx.core as mx
 import openai
 import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
 
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import start_server
+from tests.test_node import running_node
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +51,13 @@ def test_prediction_drafts_and_usage_counts_it(server):
     usage = chunks[-1].usage.completion_tokens_details
     assert 0 < usage.accepted_prediction_tokens <= details.accepted_prediction_tokens
     assert usage.rejected_prediction_tokens > details.rejected_prediction_tokens
+    # A stop string inside a run of accepted drafts ends the text there, as without drafts.
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    stopped = client.chat.completions.create(**kw, stop=[stop],
+                                             prediction={"type": "content", "content": text})
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens_details.accepted_prediction_tokens > 0
     metrics = server.node_metrics()
     drafted = metrics['omlx_node_speculative_draft_tokens_total{source="prediction"}']
     accepted = metrics['omlx_node_speculative_accepted_tokens_total{source="prediction"}']
@@ -58,3 +72,23 @@ def test_a_bad_prediction_is_a_400_naming_it(server):
         client.chat.completions.create(model=server.model_id, messages=ASK, max_tokens=4,
                                        prediction={"type": "file", "content": "x"})
     assert "prediction" in str(e.value)
+
+
+def test_a_models_own_mode_reaches_its_worker(tiny_model_path, tmp_path):
+    """LoadShardRequest.speculative (a model's `speculative` in --models-config) wins over the
+    node's --speculative: the same prediction drafts under "ngram" and not under "off"."""
+    model, tok = load(str(tiny_model_path))
+    ids = tok.encode("one two three one two three one two")
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=16)]
+    with running_node(tmp_path, "--speculative", "off") as (_, agent):
+        for mode, drafts in (("ngram", True), ("off", False), ("", False)):
+            reply = agent.LoadShard(pb.LoadShardRequest(
+                model_path=str(tiny_model_path), model_id="m", speculative=mode), timeout=180)
+            with grpc.insecure_channel(reply.worker_address) as channel:
+                chunks = list(pb_grpc.ShardWorkerStub(channel).Generate(pb.GenerateRequest(
+                    request_id=mode or "node", prompt_tokens=ids, max_tokens=16,
+                    prediction_tokens=ref), timeout=60))
+            assert [t for c in chunks for t in c.tokens] == ref
+            last = chunks[-1]
+            assert (last.accepted_prediction_tokens > 0) is drafts, mode
+            assert last.accepted_prediction_tokens + last.rejected_prediction_tokens == len(ref)
