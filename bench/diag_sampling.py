@@ -57,7 +57,7 @@ def main() -> int:
         nucleus_rows = [smp.RowSampler(nucleus) for _ in range(rows)]
         reference = make_sampler(0.8, 0.95, top_k=50)
         nucleus_reference = make_sampler(0.8, 0.95)
-        ids, x, limits = smp._filter(logits, [params] * rows)
+        ids, x, limits = smp.filter_candidates(logits, [params] * rows)
         inv_temp = mx.array([1 / 0.8] * rows)
         mx.eval(ids, x, *limits, inv_temp)
         variants = {

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
 from omlx_shared import __version__
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
+from omlx_shared.speculative_modes import MODES
 
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
 REGISTER_BACKOFF_SECONDS = 120.0  # refused, it asks again ever less often, at most this far apart
@@ -65,7 +66,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
                                       "NAME= (default: the folder name)")
     p.add_argument("--models-config", type=Path, metavar="FILE",
                    help="the models as a TOML file of [[model]] tables (name, path, aliases, "
-                        "pin, ttl, replicas), instead of --model flags")
+                        "pin, ttl, replicas, max_queue, speculative), instead of --model "
+                        "flags")
     p.add_argument("--alias", action="append", default=[], metavar="ALIAS=NAME",
                    help="another name clients may send for model NAME (repeatable; default: "
                         "none)")
@@ -211,6 +213,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=_positive, default=64, metavar="N",
                    help="most sequences decoding at once on a node; more wait in a queue "
                         "(default: 64)")
+    p.add_argument("--speculative", choices=MODES, default="auto",
+                   help="speculative decoding on a single-node model: ngram drafts a "
+                        "sequence's next tokens from its own prompt and output (prompt lookup) "
+                        "and verifies them in one step, auto is ngram today, off decodes one "
+                        "token a step; a request's OpenAI `prediction` drafts whatever this "
+                        "says; a model's speculative in --models-config wins; pipelines of "
+                        "several stages never speculate (default: auto)")
     p.add_argument("--stream-interval", type=_milliseconds, default=20.0, metavar="MS",
                    help="where a node decodes faster than this, the tokens of one interval go "
                         "to the gateway as one message (a third less gateway CPU a token at "
@@ -355,7 +364,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
            "--hot-cache-max-size", f"{args.hot_cache_max_size}B",
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
            "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level,
-           "--stream-interval", str(args.stream_interval)]
+           "--stream-interval", str(args.stream_interval), "--speculative", args.speculative]
     if args.prefill_chunk:  # else the worker sizes it for its own device
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
@@ -1198,7 +1207,8 @@ def _worker(args: argparse.Namespace) -> int:
         rdma_devices=args.rdma_devices, plan_hash=args.plan_hash,
         micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
-        stream_interval=args.stream_interval / 1000, metrics_port=args.metrics_port,
+        speculative=args.speculative, stream_interval=args.stream_interval / 1000,
+        metrics_port=args.metrics_port,
         init_timeout=args.init_timeout,
         cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
         ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else

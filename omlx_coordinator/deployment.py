@@ -217,7 +217,8 @@ class Deployment:
                     layer_end=stage.layer_end, rank=rank, world_size=world, peers=peers,
                     backend=choice.backend if world > 1 else "",
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
-                    micro_batches=self.cluster.options.micro_batches))
+                    micro_batches=self.cluster.options.micro_batches,
+                    speculative=self.model.config.speculative))
             except BaseException as e:
                 failures.append(e)
                 raise

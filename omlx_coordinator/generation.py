@@ -72,6 +72,9 @@ class Done:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
+    # With a prediction (None: none sent): its tokens that stood as drafts, and the rest.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass
@@ -94,6 +97,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     account: Account | None = None  # whose usage it counts as (access.py)
+    prediction: list[int] = field(default_factory=list)  # OpenAI's predicted output, tokenized
 
 
 async def check_servable(manager: ModelManager, name: str,
@@ -286,6 +290,7 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
     deadline = time.monotonic() + settings.request_timeout
     generated: list[int] = []
     first, cached, attempts = True, 0, 0
+    predicted: tuple[int | None, int] = (0, len(req.prediction)) if req.prediction else (None, 0)
     attempt: _Attempt | None = None
     lost_plan: tuple[Deployment, int] | None = None  # the plan (replica, epoch) an attempt lost
     broke: tuple[Deployment, int] | None = None  # the plan an attempt of it broke, first time
@@ -316,7 +321,8 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
                     request_id=uuid.uuid4().hex, prompt_tokens=sent,
                     sampling=sampling, max_tokens=max_tokens - len(generated),
                     stop_token_ids=stop_ids, grammar=req.grammar, logprobs=req.logprobs,
-                    top_logprobs=req.top_logprobs, resumed_tokens=len(generated))
+                    top_logprobs=req.top_logprobs, resumed_tokens=len(generated),
+                    prediction_tokens=req.prediction)
                 attempt = _Attempt(deployment, request, max(1.0, deadline - time.monotonic()))
                 # Once the call is on its way (its send is queued first): hashing a long
                 # prompt's blocks need not delay it.
@@ -363,6 +369,8 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             now = time.perf_counter()
             if attempts == 1:
                 cached = max(cached, *(c.cached_tokens for c in chunks))
+            if req.prediction:  # the node's counts so far, on every chunk
+                predicted = (item.accepted_prediction_tokens, item.rejected_prediction_tokens)
             if tokens and first:
                 metrics.waiting.dec()
                 metrics.running.inc()
@@ -378,7 +386,7 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             if hit:
                 if out or tokens:
                     yield Delta(out, tokens, logprobs)
-                yield Done("stop", len(prompt), len(generated), cached, stops.matched)
+                yield Done("stop", len(prompt), len(generated), cached, stops.matched, *predicted)
                 return
             if item.finish_reason == "error":
                 raise _node_error(item.error)
@@ -388,7 +396,8 @@ async def generate(manager: ModelManager, model: ServedModel, metrics: GatewayMe
             if out or tokens:
                 yield Delta(out, tokens, logprobs)
             if item.finish_reason:
-                yield Done(item.finish_reason, len(prompt), len(generated), cached)
+                yield Done(item.finish_reason, len(prompt), len(generated), cached, None,
+                           *predicted)
                 return
     except Exception:
         failed = True

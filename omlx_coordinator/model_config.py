@@ -12,6 +12,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     ttl = 1800                     # seconds idle before it is unloaded (0: never)
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
+    speculative = "off"            # off, ngram or auto (default: the node's --speculative)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from omlx_shared.speculative_modes import MODES
 
 Replicas = int | str  # a count, or "auto"
 
@@ -40,6 +43,7 @@ class ModelConfig:
     max_queue: int | None = None  # requests held at once (admission.py); None: the gateway's
     slots: int | None = None  # sequences its replicas decode at once (priority.py); None: default
     batch_share: float = 0.5  # of the slots, what batch-class requests may run in
+    speculative: str = ""  # a speculative_modes mode; "": the node's --speculative
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -55,6 +59,9 @@ class ModelConfig:
                                                and self.max_queue >= 1):
             raise ModelConfigError(f"model {self.name}: max_queue must be a positive integer, "
                                    f"got {self.max_queue!r}")
+        if self.speculative and self.speculative not in MODES:
+            raise ModelConfigError(f"model {self.name}: speculative must be one of "
+                                   f"{', '.join(MODES)}, got {self.speculative!r}")
 
 
 def parse_model_arg(text: str) -> tuple[str | None, str]:
@@ -162,7 +169,7 @@ def from_file(path: Path) -> list[ModelConfig]:
     tables = data.get("model")
     if not isinstance(tables, list) or not tables:
         raise ModelConfigError(f"the models config {path} has no [[model]] table")
-    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue"}
+    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative"}
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
@@ -179,6 +186,8 @@ def from_file(path: Path) -> list[ModelConfig]:
         for key, ok, kind in (("path", isinstance(t["path"], str), "a string"),
                               ("name", isinstance(t.get("name", ""), str), "a string"),
                               ("pin", isinstance(t.get("pin", False), bool), "true or false"),
+                              ("speculative", isinstance(t.get("speculative", ""), str),
+                               f"a string: {', '.join(MODES)}"),
                               ("aliases", isinstance(aliases, list)
                                and all(isinstance(a, str) for a in aliases),
                                'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):
@@ -187,7 +196,8 @@ def from_file(path: Path) -> list[ModelConfig]:
         name = t.get("name") or Path(t["path"]).name
         out.append(ModelConfig(name, t["path"], tuple(aliases), t.get("pin", False),
                                _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what),
-                               max_queue=t.get("max_queue")))
+                               max_queue=t.get("max_queue"),
+                               speculative=t.get("speculative", "")))
     check_names(out)
     return out
 

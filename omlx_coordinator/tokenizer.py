@@ -118,6 +118,15 @@ class ChatTokenizer:
         self._check_length(text, "messages")
         return self.prefix_tokenizer.encode(text)
 
+    def encode_text(self, text: str, param: str) -> list[int]:
+        """The tokens of `text` as a rendered chat holds it (no special tokens added): what
+        the model writes when it writes `text`. `param` names it in a 400 when too long."""
+        if self.max_context and len(text) > self.max_context * MAX_CHARS_PER_TOKEN:
+            raise APIError(400, f"{param} is too long: {len(text)} characters, more than the "
+                                f"model's context of {self.max_context} tokens can hold",
+                           param=param)
+        return self._encode_rendered(text)
+
     def encode(self, text: str) -> list[int]:
         self._check_length(text, "prompt")
         return list(self.tokenizer(text)["input_ids"])

@@ -394,6 +394,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             argv += ["--peers", ",".join(request.peers), "--backend", request.backend or "ring"]
         if world > 1 and request.backend == "jaccl":
             argv += ["--rdma-devices", request.rdma_devices_json]
+        # The model's own mode, after the node's engine flags (the last one given wins).
+        mode = ["--speculative", request.speculative] if request.speculative else []
         # Its callers must present the same session, over TLS with these credentials.
         env = {auth.SESSION_ENV: self.session} if self.session else {}
         if self.tls is not None:
@@ -402,9 +404,9 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         what = f"the shard worker of {model_id} (rank {request.rank})"
         if process is not None:
             process.rename(what)
-            process.send_line(json.dumps({"argv": argv, "env": env}))
+            process.send_line(json.dumps({"argv": argv + mode, "env": env}))
         else:
-            process = ChildProcess(omlx_command("worker", *argv, *self.engine_args), what,
+            process = ChildProcess(omlx_command("worker", *argv, *self.engine_args, *mode), what,
                                    env=blas_env({**os.environ, **env}))
         try:
             info = process.wait_ready(WORKER_READY_TIMEOUT_SECONDS, abandoned)

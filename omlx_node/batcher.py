@@ -70,6 +70,7 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
+from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
 from omlx_shared.token_ids import outside_vocabulary
@@ -86,6 +87,7 @@ class SeqRequest:
     stop_token_ids: frozenset[int] = frozenset()
     grammar: str = ""  # an llguidance grammar (omlx_node.constraints); "": unconstrained
     resumed_tokens: int = 0  # the prompt's last ones were generated under `grammar` already
+    prediction: tuple[int, ...] = ()  # OpenAI's predicted output: drafts (omlx_node.speculation)
 
     @property
     def resumed(self) -> list[int]:
@@ -191,6 +193,8 @@ class Sequence:
         self.prefill_started = 0.0  # 0: still queued
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.proposer: Proposer | None = None  # drafts its tokens (set when it joins a batch)
+        self.spec = SpecStats()
 
     @property
     def request_id(self) -> str:
@@ -812,7 +816,8 @@ class Batcher(Engine):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculative: str = "auto"):
+        """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto")."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -820,10 +825,14 @@ class Batcher(Engine):
         self._batch: list[Sequence] = []
         self._samplers: list[RowSampler] = []
         self._y: mx.array | None = None  # next decode input of every row
-        # The logprob records sampled with _y, and the rows they were sampled for.
-        self._records: tuple[mx.array, list[Sequence]] | None = None
+        # The logprob records sampled with _y, and the rows they were sampled for (after a
+        # speculative step: each row's record already).
+        self._records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None = None
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
+        # Drafts need every layer's cache trimmable to a row's accepted tokens.
+        self.speculator = (Speculator(speculative, stage, metrics)
+                           if self.state.batchable else None)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
@@ -879,6 +888,8 @@ class Batcher(Engine):
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
             for s in ready:
+                if self.speculator is not None:
+                    s.proposer = self.speculator.proposer(s.req.prediction)
                 # One whose sampler cannot be made rides a stand-in's until its error is out.
                 sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)
                 self._samplers.append(sampler)
@@ -904,6 +915,9 @@ class Batcher(Engine):
         computes. When every row's token is its first, they are streamed first: no stream runs
         to lose that overlap, and on a GPU building a small batch's step takes longer than
         computing it, which the first tokens would wait for."""
+        if self._speculates():
+            self._speculative_step()
+            return
         if all(s.generated == 0 and not s.input_is_prompt for s in self._batch):
             y = self._y
             self._hand_out(y, self._records, self._failed, self._advance(y))
@@ -944,13 +958,20 @@ class Batcher(Engine):
         return dict(zip((seq for seq, _ in constrained),
                         advance_each([(g, last[seq]) for seq, g in constrained])))
 
-    def _hand_out(self, y: mx.array, records: tuple[mx.array, list[Sequence]] | None,
+    def _hand_out(self, y: mx.array,
+                  records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None,
                   failed: dict[Sequence, str],
                   verdicts: dict[Sequence, tuple[Verdict, str]] | None) -> None:
         """Streams `y`'s tokens (with the logprob `records` sampled with them), then drops the
         rows that ended from the batch and from `_y`."""
-        logprobs = self._logprobs(records[1], records[0].tolist()) if records else None
-        keep = self._emit_step(self._batch, y.tolist(), logprobs, verdicts, failed)
+        if isinstance(records, dict):  # a speculative step's, by sequence already
+            logprobs = records
+        else:
+            logprobs = self._logprobs(records[1], records[0].tolist()) if records else None
+        self._drop_ended(self._emit_step(self._batch, y.tolist(), logprobs, verdicts, failed))
+
+    def _drop_ended(self, keep: list[int]) -> None:
+        """Drops the rows not in `keep` (indices) from the batch, its caches and `_y`."""
         if len(keep) < len(self._batch):
             kept = set(keep)
             self.state.keep_answers(self.MB, {i: s.fed for i, s in enumerate(self._batch)
@@ -959,3 +980,50 @@ class Batcher(Engine):
             self._batch = [self._batch[i] for i in keep]
             self._samplers = [self._samplers[i] for i in keep]
             self._y = self._y[mx.array(keep)] if keep else None
+
+    # ---- speculative decoding (omlx_node.speculation) --------------------------------------
+
+    def _speculates(self) -> bool:
+        """Whether this step verifies drafts: a row may draft, and the batch is small enough
+        that a draft's extra positions cost less than the steps they save."""
+        return self.speculator is not None and self.speculator.wanted(
+            [s.spec for s in self._batch if s.proposer is not None])
+
+    def _speculative_step(self) -> None:
+        """Streams `_y`'s tokens first (a draft follows them), then runs every row's input and
+        its draft (if any) as one forward pass of 1 + the longest draft positions: a row's
+        shorter draft is padded with filler, and positions past what stands, filler included,
+        are trimmed from the caches before anything is kept of them. The tokens that stood
+        stream now; each row's next token becomes `_y`, streamed at the next step as always."""
+        y = self._y
+        self._hand_out(y, self._records, self._failed, self._advance(y))
+        self._records, self._failed = None, {}
+        if not self._batch:
+            return
+        rows, inputs = list(self._batch), self._y.tolist()
+        drafts = [self.speculator.draft(s.proposer, s.spec, sampler, s.fed, s.sampled,
+                                        s.req.max_tokens - s.generated - 1)
+                  for s, sampler in zip(rows, self._samplers)]
+        if not any(drafts):
+            self._launch(self._y, advanced=True)
+            return
+        width = 1 + max(map(len, drafts))
+        x = mx.array([[t, *d] + [t] * (width - 1 - len(d)) for t, d in zip(inputs, drafts)])
+        logits = self.state.forward(self.MB, x)
+        self.state.settle()  # a prompt's last chunk, which this step was built beside
+        verdicts, failed = verify_rows(logits, drafts, self._samplers)
+        trim_rows(self.state.caches[self.MB], [width - 1 - len(v.accepted) for v in verdicts])
+        for s, d, v in zip(rows, drafts, verdicts):
+            if d:
+                self.speculator.counted(s.proposer, s.spec, len(d), len(v.accepted))
+        ended: set[int] = set()
+        for j in range(max(len(v.accepted) for v in verdicts)):
+            now = [i for i, v in enumerate(verdicts) if len(v.accepted) > j and i not in ended]
+            keep = self._emit_step([rows[i] for i in now], [verdicts[i].accepted[j] for i in now],
+                                   {rows[i]: verdicts[i].logprobs[j] for i in now
+                                    if verdicts[i].logprobs})
+            ended |= set(now) - {now[k] for k in keep}
+        self._y = mx.array([v.token for v in verdicts])
+        self._records = {s: v.logprobs[-1] for s, v in zip(rows, verdicts) if v.logprobs}
+        self._failed = {rows[i]: f"sampling failed: {e}" for i, e in failed.items()}
+        self._drop_ended([i for i in range(len(rows)) if i not in ended])

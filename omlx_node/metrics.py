@@ -292,7 +292,39 @@ class NodeMetrics:
         Gauge("omlx_node_predicted_tokens_seconds",
               f"Tokens generated per second, last {WINDOW_SECONDS} s",
               registry=r).set_function(self.predicted_rate)
+        self._speculative_counts()
         r.register(_MachineCollector())
+
+    def _speculative_counts(self) -> None:
+        """Speculative decoding's series (omlx_node.speculation): what it drafted and what
+        stood, by draft source, and the two ratios a dashboard wants."""
+        r, self._spec = self.registry, [0, 0, 0]  # drafted, accepted, row steps
+        self.spec_drafted = Counter(
+            "omlx_node_speculative_draft_tokens", "Draft tokens verified, by source",
+            ["source"], registry=r)
+        self.spec_accepted = Counter(
+            "omlx_node_speculative_accepted_tokens", "Draft tokens that stood, by source",
+            ["source"], registry=r)
+        self.spec_steps = Counter(
+            "omlx_node_speculative_row_steps",
+            "Steps of one row that verified a draft (each gives its accepted tokens + 1)",
+            ["source"], registry=r)
+        Gauge("omlx_node_speculative_acceptance_rate",
+              "Accepted / drafted tokens since start (0 before any draft)",
+              registry=r).set_function(lambda: self._spec[1] / max(self._spec[0], 1))
+        Gauge("omlx_node_speculative_tokens_per_step",
+              "Tokens a row got from a step that verified its draft, mean since start",
+              registry=r).set_function(
+                  lambda: (self._spec[1] + self._spec[2]) / max(self._spec[2], 1))
+
+    def speculated(self, source: str, drafted: int, accepted: int) -> None:
+        """One row's verified draft: `drafted` tokens from `source`, `accepted` of them stood."""
+        self.spec_drafted.labels(source=source).inc(drafted)
+        self.spec_accepted.labels(source=source).inc(accepted)
+        self.spec_steps.labels(source=source).inc()
+        self._spec[0] += drafted
+        self._spec[1] += accepted
+        self._spec[2] += 1
 
     def tokens_generated(self, n: int) -> None:
         self.generated_tokens.inc(n)

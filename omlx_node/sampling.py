@@ -215,7 +215,7 @@ def sample_batch(logits: mx.array, samplers: list[RowSampler]
     if not asking:
         return tokens, None
     rows = mx.array(asking)
-    return tokens, _logprob_records(logits[rows], tokens[rows],
+    return tokens, logprob_records(logits[rows], tokens[rows],
                                     max(samplers[i].params.logprobs for i in asking))
 
 
@@ -276,7 +276,7 @@ def _draw(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     """logits: (n, V) of sampled (not greedy) rows, unseeded rows first -> (n,) token ids, each
     row drawn at its temperature from the tokens its filters keep, all rows at once."""
     params = [s.params for s in samplers]
-    ids, x, limits = _filter(logits, params)
+    ids, x, limits = filter_candidates(logits, params)
     unseeded = sum(s.key is None for s in samplers)
     seeded = (_seeded_noise(samplers[unseeded:], logits.shape[-1], x.shape[-1],
                             None if ids is None else ids[unseeded:])
@@ -284,14 +284,14 @@ def _draw(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     return _pick(x, ids, *limits, mx.array([1.0 / p.temperature for p in params]), seeded)
 
 
-def _filter(logits: mx.array, params: list[SamplingParams]
-            ) -> tuple[mx.array | None, mx.array, tuple]:
+def filter_candidates(logits: mx.array, params: list[SamplingParams]
+                      ) -> tuple[mx.array | None, mx.array, tuple]:
     """The candidates mlx-lm's chain (top-k, then top-p, then min-p, over the log-softmax)
     chooses among for each row of logits (n, V), as (ids, x, limits): their token ids (None:
     every token, in token order), their logits (in float32 when ranked, else as given), and
-    the per-row arrays `_keep` filters them by. When every row has a top-k, the candidates are
-    each row's K highest logits, K the batch's largest top-k, so all the work past finding
-    them is over (n, K), not the vocabulary."""
+    the per-row arrays `keep_candidates` filters them by. When every row has a top-k, the
+    candidates are each row's K highest logits, K the batch's largest top-k, so all the work
+    past finding them is over (n, K), not the vocabulary."""
     vocab = logits.shape[-1]
     for p in params:
         _check(p, vocab)
@@ -354,14 +354,14 @@ def _ranked(logits: mx.array) -> tuple[mx.array, mx.array]:
     return ids, mx.take_along_axis(x, ids, axis=-1)
 
 
-def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
-          top_p_on: mx.array | None, log_min_p: mx.array | None) -> mx.array:
+def keep_candidates(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
+                    top_p_on: mx.array | None, log_min_p: mx.array | None) -> mx.array:
     """Which candidates x (n, W, float32) mlx-lm's apply_top_k, apply_top_p and apply_min_p
-    keep, by `_filter`'s limits (None: that filter is off for every row). Ranked (top_k given),
-    x is sorted, highest first: the row's first top_k, and of those every token at least as
-    likely as the least likely one that the probability mass before it leaves under top_p (a row
-    whose top_p is not on keeps them all); min-p keeps tokens at least min_p times the
-    likeliest."""
+    keep, by `filter_candidates`'s limits (None: that filter is off for every row). Ranked
+    (top_k given), x is sorted, highest first: the row's first top_k, and of those every token
+    at least as likely as the least likely one that the probability mass before it leaves under
+    top_p (a row whose top_p is not on keeps them all); min-p keeps tokens at least min_p times
+    the likeliest."""
     keep = mx.array(True)
     if top_k is not None:
         keep = mx.arange(x.shape[-1])[None] < top_k[:, None]
@@ -381,11 +381,11 @@ def _keep(x: mx.array, top_k: mx.array | None, top_p: mx.array | None,
 def _pick(x: mx.array, ids: mx.array | None, top_k: mx.array | None, top_p: mx.array | None,
           top_p_on: mx.array | None, log_min_p: mx.array | None, inv_temp: mx.array,
           seeded: mx.array | None) -> mx.array:
-    """The Gumbel-max draw mx.random.categorical makes, over the candidates `_keep` keeps, at
-    each row's temperature: the unseeded rows' noise drawn here from mx.random's global key,
-    the seeded rows' (last) given. Returns token ids, uint32."""
+    """The Gumbel-max draw mx.random.categorical makes, over the candidates `keep_candidates`
+    keeps, at each row's temperature: the unseeded rows' noise drawn here from mx.random's
+    global key, the seeded rows' (last) given. Returns token ids, uint32."""
     x = x.astype(mx.float32)
-    keep = _keep(x, top_k, top_p, top_p_on, log_min_p)
+    keep = keep_candidates(x, top_k, top_p, top_p_on, log_min_p)
     n, width = x.shape
     unseeded = n - (0 if seeded is None else seeded.shape[0])
     # No draw of zero rows: MLX's CUDA backend dies of a floating point exception on one.
@@ -424,7 +424,7 @@ def _seeded_noise(samplers: list[RowSampler], vocab: int, width: int,
     return _in_row_order(mx.concatenate(parts) if len(parts) > 1 else parts[0], rows)
 
 
-def _logprob_records(logits: mx.array, tokens: mx.array, k: int) -> mx.array:
+def logprob_records(logits: mx.array, tokens: mx.array, k: int) -> mx.array:
     """(n, V) logits of the asking rows and their sampled tokens -> n records of 1 + 2k int32:
     the token's logprob, the k most likely ids (most likely first), their logprobs; floats as
     their float32 bit patterns, so one int32 message carries them with the tokens."""

@@ -64,6 +64,7 @@ def seq_request(request: pb.GenerateRequest) -> SeqRequest:
         stop_token_ids=frozenset(request.stop_token_ids),
         grammar=request.grammar,
         resumed_tokens=request.resumed_tokens,
+        prediction=tuple(request.prediction_tokens),
     )
 
 
@@ -85,6 +86,13 @@ def fill_chunk(chunk: pb.TokenChunk, seq: Sequence, tokens: list[int], finish: F
     if finish is not None and finish.reason != "lost":
         chunk.finish_reason = finish.reason
         chunk.error = finish.error
+    if seq.req.prediction:
+        # OpenAI's counts so far, on every chunk (a stop string ends a stream before its last
+        # one): each prediction token is either accepted or rejected, the ones no draft
+        # reached too. A part of it drafted twice (a repeated line) counts once.
+        accepted = min(seq.spec.predicted_accepted, len(seq.req.prediction))
+        chunk.accepted_prediction_tokens = accepted
+        chunk.rejected_prediction_tokens = len(seq.req.prediction) - accepted
     return chunk
 
 

@@ -68,6 +68,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
     max_batch: int = 64
+    speculative: str = "auto"  # omlx_node.speculation's mode (one-stage pipelines only)
     stream_interval: float = 0.02  # seconds (session.Session's interval)
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
@@ -376,7 +377,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
 
     if group is None:
         engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch,
-                                 prefix_cache, grammars)
+                                 prefix_cache, grammars, config.speculative)
     else:
         costs = None
         if not config.micro_batches:

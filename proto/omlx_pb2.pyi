@@ -57,7 +57,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class LoadShardRequest(_message.Message):
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RDMA_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -80,7 +81,8 @@ class LoadShardRequest(_message.Message):
     plan_hash: str
     micro_batches: int
     rdma_devices_json: str
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
@@ -125,7 +127,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "grammar", "logprobs", "top_logprobs", "resumed_tokens")
+    __slots__ = ("request_id", "prompt_tokens", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "grammar", "logprobs", "top_logprobs", "resumed_tokens", "prediction_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -146,7 +149,8 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    prediction_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., prediction_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -159,20 +163,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "error", "prompt_tokens", "cached_tokens", "logprobs")
+    __slots__ = ("tokens", "finish_reason", "error", "prompt_tokens", "cached_tokens", "logprobs", "accepted_prediction_tokens", "rejected_prediction_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     error: str
     prompt_tokens: int
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "cancel")

@@ -57,11 +57,13 @@ def test_bad_flags_say_what_is_wrong(kwargs, message):
 def test_config_file(tmp_path: Path):
     f = tmp_path / "models.toml"
     f.write_text('[[model]]\nname = "coder"\npath = "/m/coder"\naliases = ["gpt-4o"]\n'
-                 'pin = true\nttl = 1800\nreplicas = "auto"\n\n[[model]]\npath = "/m/small"\n')
+                 'pin = true\nttl = 1800\nreplicas = "auto"\nspeculative = "off"\n\n'
+                 '[[model]]\npath = "/m/small"\n')
     coder, small = mc.from_file(f)
-    assert (coder.name, coder.aliases, coder.pinned, coder.ttl_seconds, coder.replicas) == (
-        "coder", ("gpt-4o",), True, 1800.0, "auto")
-    assert (small.name, small.spec, small.replicas) == ("small", "/m/small", 1)
+    assert (coder.name, coder.aliases, coder.pinned, coder.ttl_seconds, coder.replicas,
+            coder.speculative) == ("coder", ("gpt-4o",), True, 1800.0, "auto", "off")
+    assert (small.name, small.spec, small.replicas, small.speculative) == (
+        "small", "/m/small", 1, "")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -77,6 +79,9 @@ def test_config_file(tmp_path: Path):
     ('[[model]]\npath = "/a"\nttl = [1]\n', "ttl must be a number of seconds, got [1]"),
     ('[[model]]\npath = "/a"\npin = "yes"\n', "pin must be true or false"),
     ('[[model]]\npath = 5\n', "path must be a string"),
+    ('[[model]]\npath = "/a"\nspeculative = "draft"\n',
+     "speculative must be one of off, ngram, auto, got 'draft'"),
+    ('[[model]]\npath = "/a"\nspeculative = true\n', "speculative must be a string"),
     ("model = [1]\n", "model 1: is 1, not a table"),
 ])
 def test_bad_config_files(tmp_path: Path, text, message):

@@ -11,8 +11,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from omlx_node.sampling import (
     RowSampler,
     SamplingParams,
-    _filter,
-    _keep,
+    filter_candidates,
+    keep_candidates,
     sample_batch,
     sample_rows,
 )
@@ -40,8 +40,8 @@ def mlx_lm_kept(row: mx.array, p: SamplingParams) -> set[int]:
 
 
 def batched_kept(logits: mx.array, params: list[SamplingParams]) -> list[set[int]]:
-    ids, x, limits = _filter(logits, params)
-    keep = np.broadcast_to(np.array(_keep(x, *limits)), x.shape)
+    ids, x, limits = filter_candidates(logits, params)
+    keep = np.broadcast_to(np.array(keep_candidates(x, *limits)), x.shape)
     ids = (np.broadcast_to(np.arange(logits.shape[-1]), keep.shape) if ids is None
            else np.array(ids))
     return [set(ids[i][keep[i]].tolist()) for i in range(len(params))]

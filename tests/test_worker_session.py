@@ -275,7 +275,8 @@ def test_a_session_holds_steps_for_its_interval_but_never_a_first_token_or_an_en
     from omlx_node.session import Session
     from omlx_node.stage import StageRunner
 
-    engine = Batcher(StageRunner(worker[1]), NodeMetrics())
+    # One token a step (no drafts): the steps counted below are tokens.
+    engine = Batcher(StageRunner(worker[1]), NodeMetrics(), speculative="off")
     session = Session(engine, 8, concurrent.futures.ThreadPoolExecutor(1), interval=1000.0)
     out: queue.Queue = queue.Queue()
     handler = threading.Thread(target=lambda: [out.put(m) for m in session.messages(_LiveCall())],

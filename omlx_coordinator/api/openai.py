@@ -74,9 +74,14 @@ log = logging.getLogger(__name__)
 def _usage(dones: list[Done]) -> dict:
     """The prompt counts once (choice 0's, whose prefill the others share), completions add."""
     prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
+    if dones[0].accepted_prediction_tokens is not None:  # a prediction was sent
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(d.accepted_prediction_tokens for d in dones),
+            "rejected_prediction_tokens": sum(d.rejected_prediction_tokens for d in dones)}
+    return usage
 
 
 @dataclass
@@ -323,7 +328,9 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
                    metrics: GatewayMetrics,
                    settings: GatewaySettings, prompt: list[int], body: _Common, chat: bool,
                    endpoint: str, output: _Output, grammar: str = "",
-                   echo: str = "") -> Response:
+                   echo: str = "", prediction: list[int] | None = None) -> Response:
+    """`prediction`: OpenAI's predicted output, tokenized (drafts for the node)."""
+    prediction = prediction or []
     max_tokens = token_budget(model, prompt, body.token_limit, settings,
                               "messages" if chat else "prompt")
     shape = _Shape(chat, model.name)
@@ -336,7 +343,7 @@ async def _respond(request: Request, manager: ModelManager, model: ServedModel,
         ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         grammar=grammar, logprobs=output.logprobs, top_logprobs=output.top_logprobs,
-        account=account_of(request.scope))
+        account=account_of(request.scope), prediction=prediction)
 
     def start(i: int) -> AsyncIterator:
         # Seeded choices differ from one another yet are each reproducible.
@@ -464,8 +471,10 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
         messages = body.template_messages()
         tools, output, grammar = await asyncio.to_thread(_tool_setup, body, served.tokenizer)
         prompt = await asyncio.to_thread(encode_chat, served.tokenizer, messages, tools)
+        prediction = (await asyncio.to_thread(served.tokenizer.encode_text, body.prediction.text,
+                                              "prediction") if body.prediction else None)
         return await _respond(request, manager, served, metrics[served.name], settings, prompt,
-                              body, True, "chat", output, grammar)
+                              body, True, "chat", output, grammar, prediction=prediction)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:

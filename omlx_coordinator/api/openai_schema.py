@@ -11,14 +11,15 @@ Chat completions, decided per field:
   stream, stream_options (include_usage; with stream only), stop, seed, presence_penalty,
   frequency_penalty, logprobs, top_logprobs (0-20), tools, tool_choice, parallel_tool_calls,
   response_format
-  (text, json_object, json_schema); extensions as in vLLM and mlx-lm: top_k, min_p,
+  (text, json_object, json_schema), prediction (type "content", a string or text parts: drafts
+  for speculative decoding, docs/speculative.md); extensions as in vLLM and mlx-lm: top_k, min_p,
   repetition_penalty, ignore_eos.
 - accepted as metadata, without effect on the output: user, metadata, store, service_tier,
   safety_identifier, prompt_cache_key, prompt_cache_retention, prompt_cache_options,
   stream_options.include_obfuscation, content parts' prompt_cache_breakpoint (the prefix cache
   works on its own); in messages, `name` goes to the chat template.
 - refused unless null (or their neutral value): audio, modalities (["text"]), function_call and
-  functions (the deprecated API: use tools), logit_bias ({}), prediction, reasoning_effort,
+  functions (the deprecated API: use tools), logit_bias ({}), reasoning_effort,
   verbosity, web_search_options, moderation; in messages: audio, function_call, refusal;
   content parts other than text; tool types other than "function".
 
@@ -61,7 +62,6 @@ _REFUSED = {
     "functions": "the deprecated function-calling API is not supported: use tools and "
                  "tool_choice",
     "logit_bias": "logit_bias is not supported",
-    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported: the chat template decides whether "
                         "the model reasons",
     "verbosity": "verbosity is not supported",
@@ -309,6 +309,23 @@ class ResponseFormat(_Strict):
         return self
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the answer is expected to repeat (a file being edited)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return (self.content if isinstance(self.content, str)
+                else "".join(p.text for p in self.content))
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -318,6 +335,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     # metadata
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -331,14 +349,13 @@ class ChatCompletionRequest(_Common):
     modalities: list[str] | None = None
     function_call: Any = None
     functions: Any = None
-    prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
 
-    @field_validator("audio", "modalities", "function_call", "functions", "prediction",
-                     "reasoning_effort", "verbosity", "web_search_options", "moderation")
+    @field_validator("audio", "modalities", "function_call", "functions", "reasoning_effort",
+                     "verbosity", "web_search_options", "moderation")
     @classmethod
     def _refused_chat(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse(info.field_name, v)

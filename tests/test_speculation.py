@@ -1,0 +1,288 @@
+"""Speculative decoding in one engine (omlx_node.speculation): drafts from prompt lookup and from
+a prediction, verified inside continuous batching, give the tokens (and logprobs) decoding one
+at a time gives, and sampled rows keep the target's distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.kv_cache import PrefixCache
+from omlx_node.metrics import NodeMetrics
+from omlx_node.sampling import SamplingParams
+from omlx_node import speculation
+from omlx_node.speculation import (
+    NgramProposer,
+    PredictionProposer,
+    Speculator,
+    SpecStats,
+    target_probs,
+    verify_cost,
+    verify_sampled,
+)
+from omlx_shared.speculative_modes import check_mode
+from omlx_node.stage import StageRunner
+from tests.test_constraints_node import assert_logprobs_match, reference_logprobs
+from tests.test_engine import drain, reference
+from tests.tiny_models import build_model
+
+# Repetitive: a random model's greedy output soon loops, and prompt lookup drafts the loop.
+TEXT = "one two three four five six seven eight nine ten. " * 4 + "one two three"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("spec") / "tiny", "llama", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_model(model_path):
+    return load(str(model_path))
+
+
+def engine(model_path: Path, mode: str = "ngram", max_rows: int | None = None,
+           **kwargs) -> Batcher:
+    batcher = Batcher(StageRunner(model_path), NodeMetrics(), speculative=mode, **kwargs)
+    if max_rows is not None:
+        batcher.speculator.max_rows = max_rows
+    return batcher
+
+
+def run_one(batcher: Batcher, req: SeqRequest) -> tuple[list[int], str, object]:
+    seq = batcher.submit(req)
+    [(tokens, finish)] = drain(batcher, [seq])
+    return tokens, finish.reason, seq
+
+
+def test_proposers_read_on_where_they_matched():
+    ngram = NgramProposer()
+    tokens = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert ngram.propose(tokens, [], 3) == [4, 5, 9]  # the 3-gram [1, 2, 3], what followed it
+    assert ngram.propose([7, 8, 7], [], 4) == [8, 7]  # only a 1-gram recurs
+    assert ngram.propose([1, 2, 3], [], 4) == []
+    pred = PredictionProposer([10, 11, 12, 10, 11, 13, 14])
+    assert pred.propose([5], [], 3) == [10, 11, 12]  # nothing out yet: its beginning
+    assert pred.propose([5, 10, 11, 12, 10, 11], [10, 11, 12, 10, 11], 3) == [13, 14]
+    assert pred.propose([5, 99], [99], 3) == [] and pred.source == "ngram"
+    assert pred.propose([5, 99, 4, 99], [99, 4, 99], 3) == [4, 99]  # its own tokens, then
+    assert pred.source == "ngram"
+    with pytest.raises(ValueError, match="off, ngram, auto"):
+        check_mode("draft")
+
+
+@pytest.mark.parametrize("source", ["ngram", "prediction"])
+def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
+    model, tok = mlx_lm_model
+    prompt, n = tok.encode(TEXT), 40
+    ref = reference(model, prompt, n)
+    prediction = tuple(ref[:15]) + (7, 7, 7) + tuple(ref[18:])  # some of it wrong
+    req = SeqRequest("a", prompt, n, prediction=prediction if source == "prediction" else ())
+    plain, reason, _ = run_one(engine(model_path, "off"), SeqRequest("a", prompt, n))
+    batcher = engine(model_path, "ngram")
+    tokens, reason, seq = run_one(batcher, req)
+    assert tokens == plain == ref and reason == "length"
+    assert seq.spec.accepted > 0 and seq.spec.drafted > seq.spec.accepted
+    if source == "prediction":
+        assert 0 < seq.spec.predicted_accepted <= seq.spec.accepted
+    # Fewer forward passes than tokens: that is the point.
+    assert batcher.metrics.profile._steps["decode"]._value.get() < n - seq.spec.accepted / 2
+
+
+def test_eight_streams_mix_speculating_and_plain_rows(model_path, mlx_lm_model):
+    """Drafting rows (prompt lookup, a prediction), and rows that never draft (penalties)
+    share each step; each gets what it gets alone, logprobs included."""
+    model, tok = mlx_lm_model
+    texts = [TEXT, "Hello", TEXT[:60], "The capital of France is", TEXT[10:], "x y x y x y",
+             "def add(a, b):\n    return", TEXT[:90]]
+    prompts = [tok.encode(t) for t in texts]
+    n = 30
+    refs = [reference_logprobs(model, p, n) for p in prompts]
+    reqs = []
+    for i, p in enumerate(prompts):
+        kw = {}
+        if i % 3 == 1:
+            kw["prediction"] = tuple(t for t, _ in refs[i])
+        if i % 2 == 0:
+            kw["sampling"] = SamplingParams(logprobs=3)
+        if i == 5:
+            kw["sampling"] = SamplingParams(repetition_penalty=1.0001)  # no drafts: a plain row
+        reqs.append(SeqRequest(str(i), p, n, **kw))
+    batcher = engine(model_path, "ngram", max_rows=8)
+    seqs = [batcher.submit(r) for r in reqs]
+    results = drain(batcher, seqs)
+    assert sum(s.spec.accepted for s in seqs) > 0 and seqs[5].spec.drafted == 0
+    for seq, (tokens, finish), ref in zip(seqs, results, refs):
+        if seq.req.request_id == "5":
+            continue  # penalised: its own reference below
+        assert tokens == [t for t, _ in ref], seq.req.request_id
+        assert finish.reason == "length"
+        if seq.req.sampling.logprobs:
+            got = [(t, lp.logprob, lp.top_ids, lp.top_logprobs)
+                   for t, lp in zip(tokens, seq.logprobs)]
+            assert_logprobs_match(got, ref, 3)
+    plain, _, _ = run_one(engine(model_path, "off"), reqs[5])
+    assert results[5][0] == plain
+
+
+def test_a_stop_token_or_max_tokens_inside_an_accepted_run(model_path, mlx_lm_model):
+    """A prediction that is all right: long runs stand, and whatever ends the sequence inside
+    one (its stop token, max_tokens) ends it there, the rest of the run never streamed."""
+    model, tok = mlx_lm_model
+    prompt = tok.encode("The capital of France is")
+    ref = reference(model, prompt, 24)
+    batcher = engine(model_path)
+    for n in range(1, 12):
+        tokens, reason, seq = run_one(batcher, SeqRequest(f"n{n}", prompt, n,
+                                                          prediction=tuple(ref)))
+        assert (tokens, reason) == (ref[:n], "length")
+    # Each step streams 4 drafted tokens that stood and then its own: positions 4, 9, 14...
+    # are a step's own; the stop token is put where a draft stands.
+    at = next(i for i in range(6, 20) if ref[i] not in ref[:i] and i % 5 != 4)
+    tokens, reason, seq = run_one(batcher, SeqRequest(
+        "stop", prompt, 24, stop_token_ids=frozenset({ref[at]}), prediction=tuple(ref)))
+    assert (tokens, reason) == (ref[:at], "stop") and seq.spec.accepted >= at - at // 5
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(model_path, mlx_lm_model):
+    """A turn's answer is kept for the next turn (keep_answers): what is kept is exactly the
+    tokens that stood, so the next turn, served from those blocks, still decodes mlx-lm's."""
+    model, tok = mlx_lm_model
+    cache = PrefixCache("m", (0, 2), block_size=4, hot_max_bytes=1 << 30)
+    batcher = engine(model_path, prefix_cache=cache)
+    prompt = tok.encode(TEXT)
+    ref = reference(model, prompt, 30)
+    wrong = tuple(ref[:3]) + tuple((t + 1) % 300 for t in ref[3:])
+    tokens, _, seq = run_one(batcher, SeqRequest("a", prompt, 30, prediction=wrong))
+    assert tokens == ref and seq.spec.drafted > seq.spec.accepted
+    follow = prompt + tokens + tok.encode(" again")
+    tokens, _, seq = run_one(batcher, SeqRequest("b", follow, 20))
+    assert seq.cached >= len(prompt) and tokens == reference(model, follow, 20)
+    cache.close()
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    expected = probs * n
+    seen = expected > 0
+    assert counts[~seen].sum() == 0  # nothing drawn the target never draws
+    return float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
+
+
+def wrong_rule(probs: np.ndarray, draft: list[int], u: np.ndarray) -> int:
+    """A broken acceptance rule: a rejected token redrawn from p itself, not the residual."""
+    p = probs[0].astype(np.float64)
+    if u[0] < p[draft[0]]:
+        return draft[0]
+    return int(min(np.searchsorted(np.cumsum(p), u[1] * p.sum(), side="right"), len(p) - 1))
+
+
+def test_sampled_rows_keep_the_targets_distribution(model_path):
+    """The first token of a sampled row whose draft is fixed: over many seeded draws, its
+    frequencies pass a chi-square test against the target's own distribution (top-k and
+    temperature applied); a broken rule (no residual) fails the same test."""
+    vocab, n, k = 8, 20_000, 6
+    model = StageRunner(model_path)
+    prompt = mx.array([[5, 6, 7, 5, 6]])
+    logits = model(prompt, model.make_cache())[0, -2:, :vocab] * 4  # a tiny vocabulary
+    params = SamplingParams(temperature=0.9, top_k=k)
+    probs = np.array(target_probs(logits, params))
+    draft = [int(np.argsort(probs[0])[-2])]  # likely, not the likeliest: both paths taken
+    rng = np.random.default_rng(0)
+    firsts = np.zeros(vocab, dtype=np.int64)
+    broken = np.zeros(vocab, dtype=np.int64)
+    seconds = np.zeros(vocab, dtype=np.int64)
+    for _ in range(n):
+        u = rng.random(4)
+        v = verify_sampled(probs, draft, u)
+        first = v.accepted[0] if v.accepted else v.token
+        firsts[first] += 1
+        if v.accepted:  # the position after an accepted draft draws from p there
+            seconds[v.token] += 1
+        broken[wrong_rule(probs, draft, u)] += 1
+    bound = 24.3  # chi-square's 0.999 quantile at 7 degrees of freedom
+    assert chi_square(firsts, probs[0]) < bound
+    assert chi_square(seconds, probs[1]) < bound
+    assert chi_square(broken, probs[0]) > 10 * bound
+    assert (probs[0] > 0).sum() == k
+
+
+def test_sampled_rows_draft_and_seeded_rows_do_not(model_path, mlx_lm_model):
+    """An unseeded sampled row drafts (accepted > 0 at a low temperature, its prediction the
+    greedy tokens); a seeded one does not: its tokens are its seed's whether or not its batch
+    is small enough to speculate."""
+    model, tok = mlx_lm_model
+    prompt = tok.encode(TEXT)
+    cold = SamplingParams(temperature=0.02)
+    _, _, seq = run_one(engine(model_path), SeqRequest(
+        "a", prompt, 30, cold, prediction=tuple(reference(model, prompt, 30))))
+    assert seq.spec.accepted > 0
+    seeded = SamplingParams(temperature=0.3, seed=7)
+    on, _, seq = run_one(engine(model_path), SeqRequest("b", prompt, 30, seeded))
+    off, _, _ = run_one(engine(model_path, "off"), SeqRequest("b", prompt, 30, seeded))
+    assert on == off and seq.spec.drafted == 0
+
+
+def test_auto_drafts_only_where_a_wider_step_is_cheap(model_path, monkeypatch):
+    """"auto" measures what k+1 positions cost against one (one layer's MLP): weight-bound
+    (about the same) it drafts, compute-bound (k+1 times as much) it does not."""
+    stage = StageRunner(model_path)
+    assert verify_cost(stage) > 0.5
+    for costs, on in (({1: 1.0, 5: 1.2}, True), ({1: 1.0, 5: 4.8}, False)):
+        monkeypatch.setattr(speculation, "row_costs", lambda *a, costs=costs, **kw: costs)
+        assert Speculator("auto", stage).on is on
+
+
+def test_off_drafts_nothing_not_even_a_prediction(model_path, mlx_lm_model):
+    model, tok = mlx_lm_model
+    prompt = tok.encode(TEXT)
+    ref = reference(model, prompt, 20)
+    tokens, _, seq = run_one(engine(model_path, "off"),
+                             SeqRequest("a", prompt, 20, prediction=tuple(ref)))
+    assert tokens == ref and seq.spec.drafted == 0
+
+
+def test_a_row_whose_drafts_fail_backs_off(model_path):
+    """Drafts none of which stood make the row wait 2, 4, ... (up to 16) steps before it
+    drafts again; one that stands ends the wait."""
+    spec, stats = Speculator("ngram", StageRunner(model_path)), SpecStats()
+    proposer = NgramProposer()
+    waits = []
+    for _ in range(5):
+        spec.counted(proposer, stats, 4, 0)
+        steps = 1
+        while not spec.wanted([stats]):
+            steps += 1
+        waits.append(steps)
+    assert waits == [3, 5, 9, 17, 17]  # (the step that drafts again counted too)
+    spec.counted(proposer, stats, 4, 0)
+    spec.counted(proposer, stats, 4, 1)
+    assert stats.wait == 0 and spec.wanted([stats])
+    assert not spec.wanted([SpecStats()] * (spec.max_rows + 1))  # a batch too large
+
+
+def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):
+    """A row under a grammar never drafts (its matcher would have to follow each drafted
+    token): it decodes one token a step in the drafting rows' passes, and its output is what
+    it is in a batcher that never drafts, following the schema."""
+    from omlx_node.constraints import Grammars
+    from tests.test_constraints_node import GRAMMAR, parse
+
+    model, tok = mlx_lm_model
+    prompt = tok.encode(TEXT)
+    ref = reference(model, prompt, 30)
+    outputs = []
+    for mode in ("off", "ngram"):
+        batcher = engine(model_path, mode, grammars=Grammars(model_path))
+        seqs = [batcher.submit(SeqRequest("g", prompt, 64, grammar=GRAMMAR)),
+                batcher.submit(SeqRequest("p", prompt, 30, prediction=tuple(ref)))]
+        outputs.append(drain(batcher, seqs))
+    (off_g, off_p), (on_g, on_p) = outputs
+    assert on_g == off_g and on_g[1].reason == "stop"
+    parse(tok, on_g[0])
+    assert on_p[0] == off_p[0] == ref
+    assert seqs[1].spec.accepted > 0 and seqs[0].spec.drafted == 0
