@@ -93,6 +93,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256, help="tokens decoded a run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, help="write the markdown table here")
+    ap.add_argument("--machine", default="CPU; shared with other jobs",
+                    help="what ran it, for the report (default: the shared CPU)")
     args = ap.parse_args()
     if args.model == "default":
         from omlx_shared.default_model import pull_default
@@ -135,7 +137,7 @@ def main() -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     report = "\n".join([
         f"# Speculative decoding, batch 1, edit workload ({path.name})", "",
-        f"Machine: {machine} (CPU; shared with other jobs). Commit {commit()}. "
+        f"Machine: {machine} ({args.machine}). Commit {commit()}. "
         f"Prompt {len(prompt)} tokens (a {len(text.splitlines())}-line file), "
         f"{args.tokens} tokens decoded, median of {args.runs} runs a mode, interleaved. "
         f"BLAS: {os.environ.get('LD_PRELOAD') or 'MLX reference'}; a step of 5 positions "
