@@ -96,6 +96,7 @@ def test_version_mismatch_is_refused(node):
     assert "runs omlx-cluster 0.0.1" in proc.log_tail()
 
 
+@pytest.mark.slow
 def test_calls_need_the_session_and_the_secret_never_travels(node, tmp_path):
     address, _ = node
     model = build_model(tmp_path / "m", "llama", num_layers=2)

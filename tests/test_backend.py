@@ -278,6 +278,7 @@ def test_serve_auto_uses_ring_and_says_why(model, tmp_path):
         assert "over ring (no node of the plan has an RDMA device" in server.log_tail(200)
 
 
+@pytest.mark.slow
 def test_serve_jaccl_refuses_without_rdma(model, tmp_path):
     started = time.monotonic()
     proc = subprocess.run(
@@ -291,6 +292,7 @@ def test_serve_jaccl_refuses_without_rdma(model, tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_jaccl_that_does_not_form_falls_back_to_ring(model):
     """Two local nodes made to look cabled (their handshake's ports are the only fake): the
     workers refuse jaccl at once (this MLX build has none), and the plan loads over ring."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 
 from omlx_node.calibrate import node_speed
 from omlx_shared.hardware import chip
 
 
+@pytest.mark.slow
 def test_speed_is_measured_once_and_kept(tmp_path):
     cache = tmp_path / "calibration.json"
     speed = node_speed(cache)
@@ -18,6 +20,7 @@ def test_speed_is_measured_once_and_kept(tmp_path):
     assert node_speed(cache, recalibrate=True) not in (0.0, 123.5)
 
 
+@pytest.mark.slow
 def test_a_cache_of_another_machine_is_not_trusted(tmp_path):
     cache = tmp_path / "calibration.json"
     cache.write_text(json.dumps({"chip": "some other chip", "speed_gbps": 999.0}))

@@ -133,6 +133,7 @@ def test_link_probe_between_two_local_ranks():
     assert measured.nbytes == 8 << 20
 
 
+@pytest.mark.slow
 def test_link_probe_fails_clearly_when_the_peer_port_is_closed():
     closed, mine = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     start = time.monotonic()

@@ -152,6 +152,7 @@ def test_a_recovery_that_outlasts_the_request_is_a_504(model):
     assert isinstance(after, Done) and epoch == 2
 
 
+@pytest.mark.slow
 def test_a_request_whose_plans_keep_changing_gives_up(model):
     """Every attempt's worker is stopped for a new plan: each is resumed (a clean stop is never
     the request's fault), until MAX_ATTEMPTS: a 503 that says so."""
@@ -169,6 +170,7 @@ def test_a_request_whose_plans_keep_changing_gives_up(model):
     assert len(tokens) >= MAX_ATTEMPTS
 
 
+@pytest.mark.slow
 def test_a_request_that_breaks_two_plans_is_not_run_again(model):
     """Its worker dies under it (SIGKILL), and again on the plan that replaced it: the request
     is refused with its own error, and the cluster, re-planned, serves the next one."""
@@ -238,6 +240,7 @@ def tmpfs_agent(home: Path, size: str, name: str):
     return agent_process(home, name, cmd_prefix=prefix)
 
 
+@pytest.mark.slow
 def test_a_node_without_disk_room_is_left_out_of_the_plan(big, tmp_path):
     """mac-b's store cannot take a single layer (beyond the margin it keeps free): the plan
     that would split the model over both is refused there, and the cluster serves on mac-a."""

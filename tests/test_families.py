@@ -98,6 +98,8 @@ class TwoStages:
         self.first, self.second = first, second
         self.info = replace(first.info, layer_end=second.info.layer_end)
         self.embed_tokens = first.embed_tokens
+        # What speculative decoding's cost probe reads (one layer's MLP): the first stage's.
+        self.feed_forward, self.hidden_size = first.feed_forward, first.hidden_size
 
     def make_cache(self) -> list:
         return self.first.make_cache() + self.second.make_cache()
@@ -219,6 +221,7 @@ def test_restored_window_layers_trim_as_a_pipeline_stage_does(tiny):
     ("gpt_oss", 2),  # MoE + sliding windows, with the prefix cache in 4-token blocks
     ("qwen3_next", 0),  # hybrid linear attention; micro-batches as the head's timing says
 ])
+@pytest.mark.slow
 def test_live_two_stage_pipeline_8_streams(family, micro_batches, tmp_path):
     from tests.test_pipeline import generate, pipeline, run_concurrently
 

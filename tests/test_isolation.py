@@ -100,6 +100,7 @@ def test_a_step_no_row_explains_fails_the_batch_once_and_recovers(model_path, ml
     assert tokens == reference(model, ids, 16) and fin.reason == sfin.reason == "length"
 
 
+@pytest.mark.slow
 def test_a_row_failing_on_the_tail_ends_alone(model_path, mlx_lm_model):
     """The tail samples: it reports the failed rows in its answer, the head ends them with their
     own error, and the others (greedy, logprobs, a grammar) stream on unchanged."""

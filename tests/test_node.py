@@ -59,6 +59,7 @@ def node(tmp_path_factory):
         yield node
 
 
+@pytest.mark.slow
 def test_load_generate_cancel_stats(node, model):
     proc, agent = node
     health = agent.Health(pb.HealthRequest(), timeout=5)

@@ -100,6 +100,7 @@ def run_concurrently(fn, items: list) -> list:
     ([1, 2, 1], 1),     # lockstep (K = 1): same tokens
     ([3, 1], 0),        # as many micro-batches as pay off on this device
 ])
+@pytest.mark.slow
 def test_pipeline_greedy_matches_mlx_lm(model, references, split, micro_batches):
     _, tok = load(str(model))
     with pipeline(model, split, micro_batches) as (stub, _):
@@ -111,6 +112,7 @@ def test_pipeline_greedy_matches_mlx_lm(model, references, split, micro_batches)
             assert reason == "length"
 
 
+@pytest.mark.slow
 def test_pipeline_concurrency_with_cancellation(model, references):
     _, tok = load(str(model))
     with pipeline(model, [1, 1, 2], 3) as (stub, _):
@@ -142,6 +144,7 @@ def test_pipeline_concurrency_with_cancellation(model, references):
         assert generate(stub, tok.encode(PROMPTS[1]))[0] == references[PROMPTS[1]]
 
 
+@pytest.mark.slow
 def test_group_that_cannot_form_names_host_port_backend(model):
     """A rank that dies before joining (a --layers it cannot read): rank 0 gives up after its
     init timeout, naming the backend, its own host and port and every peer's."""
@@ -164,6 +167,7 @@ def test_group_that_cannot_form_names_host_port_backend(model):
             "reachable?") in text
 
 
+@pytest.mark.slow
 def test_rank_zero_alone_times_out_naming_peers(model):
     peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     r = subprocess.run(omlx_command("worker", "--model", str(model), "--model-id", "m",

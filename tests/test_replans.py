@@ -77,6 +77,7 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_two_models_recovering_at_once_each_get_their_own_group(models, refs, tmp_path):
     """Both models' workers on one node die together: the two re-plans load one after the
     other (each reads the nodes' data ports, which an agent moves only once a load is done),
@@ -140,6 +141,7 @@ def test_a_node_that_stalls_and_answers_again_is_planned_back_in(models, refs, t
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs["alpha"], r.text
 
 
+@pytest.mark.slow
 def test_a_join_that_leaves_the_plan_as_it_is_reloads_nothing(models):
     """A node that joins but that the planner leaves out: the plan and its data plane stay, so
     nothing reloads and no stream is cut (a node that changes the plan is planned in)."""
@@ -173,6 +175,7 @@ class _Holds:
         return self.held
 
 
+@pytest.mark.slow
 def test_a_plan_that_no_longer_fits_its_nodes_is_made_again(models):
     """A plan made before another model took memory on one of its nodes (the rebalancer's,
     decided a tick before that load; a placement) is not loaded as it was made: the load plans
