@@ -677,6 +677,7 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         "## Requests that look like bugs", "",
         *(f"- {o.kind} at {o.start - outcomes[0].start:.0f} s: {o.outcome}: {o.detail}"
           for o in bugs[:40]),
+        *([] if bugs else ["None."]),
     ]
     (out / "soak-cpu.md").write_text("\n".join(lines) + "\n")
 
