@@ -1,0 +1,755 @@
+"""A chaos soak: a mixed load against a cluster while a fault injector breaks it (issue 46, 5).
+
+A `coordinator` with two `join` nodes on loopback (each process its own OMLX_CLUSTER_HOME, the
+tests' cluster secret, an admin API key) serves two tiny random models, the main one a 2-stage
+pipeline over both nodes. For `--minutes`:
+
+- a bounded pool of client threads sends a mixed load: both APIs, streaming and not, long and
+  short prompts, `n = 4`, a tool-call request, cancels (a stream closed after a few chunks),
+  disconnects (a socket reset mid-stream), a slow reader; greedy requests are compared with
+  references computed fault-free at the start;
+- a seeded fault injector, every 20-60 s (every kind once a round, in a random order): SIGKILL a random shard worker, SIGKILL a join agent
+  (started again with the same flags and home), SIGKILL the coordinator (started again), or
+  SIGSTOP a worker or agent for 5-15 s; each fault's pause is the time until /health is 200 and
+  a greedy request succeeds again. Dropping a link needs network namespaces and filling the
+  cache disk a small filesystem of its own: neither is done here.
+- every 5 s, each process's RSS, open fds and threads from /proc, summed per role.
+
+Writes soak-cpu.md, soak-cpu.svg and soak-cpu.json under --out. Not part of the test suite.
+
+    python bench/soak.py --minutes 30 [--clients 4] [--seed 1] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import descendants, free_port  # noqa: E402
+from tests.test_coordinator_restart import launch, wait_until  # noqa: E402
+from tests.tiny_models import QWEN_TEMPLATE, build_model  # noqa: E402
+
+KEY = "soak-" + secrets.token_urlsafe(24)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODELS = ("main", "side")
+SHORT = "Hello world! How are you today?"
+LONG = " ".join(["The capital of France is Paris. A pipeline splits the layers of a model "
+                 "across several machines."] * 40)
+PROMPTS = {"short": SHORT, "long": LONG}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+GREEDY_TOKENS = 16
+SAMPLE_EVERY = 5.0  # seconds between /proc samples
+RECOVERY_LIMIT = 180.0  # seconds a fault's pause is measured for at most
+
+
+@dataclass
+class Outcome:
+    kind: str
+    outcome: str  # identical / different / completed / cancelled / failed_clear / ...
+    start: float
+    end: float
+    ttft: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at: float
+    pause: float | None = None  # until /health 200 and a greedy request succeeded
+    health_after: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Cluster:
+    root: Path
+    port: int
+    coordinator_args: list[str]
+    node_args: dict[str, list[str]]
+    coordinator: subprocess.Popen | None = None
+    agents: dict[str, subprocess.Popen] = field(default_factory=dict)
+    started: list[subprocess.Popen] = field(default_factory=list)
+    seen_workers: set[int] = field(default_factory=set)
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_coordinator(self) -> None:
+        self.restarts += 1
+        self.coordinator = launch(self.coordinator_args, self.root / "home-coordinator",
+                                  self.root / f"coordinator-{self.restarts}.log")
+        self.started.append(self.coordinator)
+
+    def start_agent(self, name: str) -> None:
+        n = sum(1 for p in self.root.glob(f"{name}-*.log")) + 1
+        p = launch(self.node_args[name], self.root / f"home-{name}", self.root / f"{name}-{n}.log")
+        self.agents[name] = p
+        self.started.append(p)
+
+    def status(self) -> dict:
+        try:
+            r = httpx.get(f"{self.url}/cluster/status", headers=AUTH, timeout=5)
+            return r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def workers(self) -> dict[str, list[int]]:
+        """Each agent's processes below it (its shard workers), read from /proc: the
+        coordinator may be down."""
+        out = {}
+        for name, p in self.agents.items():
+            pids = sorted(descendants(p.pid)) if p.poll() is None else []
+            self.seen_workers.update(pids)
+            out[name] = pids
+        return out
+
+    def stop(self) -> None:
+        for p in self.started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+        for p in self.started:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        # Workers of agents killed with SIGKILL outlive them only when something is wrong;
+        # ours alone (an omlx command line), never anything else.
+        for pid in sorted(self.seen_workers):
+            if ours(pid, self.root):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+def ours(pid: int, root: Path) -> bool:
+    """Whether `pid` is still one of this soak's workers (its home under `root`), not a
+    process that reused its number."""
+    try:
+        return (b"omlx_cluster\x00worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                and str(root).encode() in Path(f"/proc/{pid}/environ").read_bytes())
+    except OSError:
+        return False
+
+
+def planned(cluster: Cluster) -> bool:
+    s = cluster.status()
+    nodes = s.get("nodes") or []
+    return (s.get("ready") is True and {n["id"] for n in nodes if n["alive"]} == {"a", "b"}
+            and all(any(w["model"] == "main" for w in n["workers"]) for n in nodes))
+
+
+# --- requests ------------------------------------------------------------------------------
+
+def chat_body(model: str, prompt: str, greedy: bool, **extra) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": GREEDY_TOKENS}
+    if greedy:
+        body.update(temperature=0, ignore_eos=True)
+    else:
+        body.update(temperature=0.8)
+    return {**body, **extra}
+
+
+def messages_body(model: str, prompt: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": GREEDY_TOKENS, "temperature": 0, **extra}
+
+
+def error_of(r: httpx.Response) -> str | None:
+    """The error a 4xx/5xx body states, or None when it states none."""
+    try:
+        err = r.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(err, dict):
+        return f"{r.status_code} {err.get('type')}: {str(err.get('message'))[:160]}"
+    return None
+
+
+class StreamError(Exception):
+    """A stream that ended with an error event."""
+
+
+def sse_lines(r: httpx.Response):
+    """A stream's lines as SSE defines them (CR, LF or CRLF ends one). Not httpx's
+    iter_lines: it splits on U+2028, U+0085 and the like too, which orjson leaves raw inside
+    JSON strings, so a random model's text would cut an event in two."""
+    buf = b""
+    for chunk in r.iter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if buf:
+        yield buf.decode()
+
+
+def read_stream(r: httpx.Response, api: str, t0: float, stop_after: int | None,
+                slow: float, deadline: float) -> tuple[str, float | None, bool]:
+    """(text, ttft, finished) of an SSE stream; raises StreamError on an error event and
+    TimeoutError past the deadline."""
+    text, ttft, chunks, finished = [], None, 0, False
+    for line in sse_lines(r):
+        if time.monotonic() > deadline:
+            raise TimeoutError("past the request's deadline")
+        if line.startswith("event: error"):
+            raise StreamError(line)
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            finished = True
+            break
+        d = json.loads(data)
+        if "error" in d or d.get("type") == "error":
+            raise StreamError(json.dumps(d)[:200])
+        piece = ""
+        if api == "openai":
+            for c in d.get("choices") or []:
+                piece += (c.get("delta") or {}).get("content") or ""
+        else:
+            if d.get("type") == "content_block_delta":
+                piece = d["delta"].get("text", "")
+            if d.get("type") == "message_stop":
+                finished = True
+                break
+        if piece:
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            text.append(piece)
+            chunks += 1
+            if stop_after is not None and chunks >= stop_after:
+                return "".join(text), ttft, False
+            if slow:
+                time.sleep(slow)
+    return "".join(text), ttft, finished
+
+
+def disconnect_mid_stream(url: str, body: dict, deadline: float) -> str:
+    """Sends a streaming request on a bare socket, reads a little, then resets the
+    connection (SO_LINGER 0): a client that vanishes, not one that says goodbye."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    timeout = max(1.0, deadline - time.monotonic())
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        got = b""
+        while got.count(b"data: ") < 3 and time.monotonic() < deadline:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        head = got.split(b"\r\n", 1)[0].decode(errors="replace")
+    return head
+
+
+KINDS = ("greedy_chat", "greedy_chat_stream", "greedy_messages", "greedy_messages_stream",
+         "greedy_side", "sampled_stream", "n4", "tools", "cancel", "disconnect", "slow_reader")
+
+
+def greedy_spec(kind: str, prompt: str) -> tuple[str, str, dict]:
+    """(api, path, body) of a greedy kind, without `stream`."""
+    if kind.startswith("greedy_messages"):
+        return "anthropic", "/v1/messages", messages_body("main", PROMPTS[prompt])
+    model = "side" if kind == "greedy_side" else "main"
+    return "openai", "/v1/chat/completions", chat_body(model, PROMPTS[prompt], True)
+
+
+def reference_key(kind: str, prompt: str) -> str:
+    api, _, body = greedy_spec(kind, prompt)
+    return f"{api}:{body['model']}:{prompt}"
+
+
+def text_of(api: str, d: dict) -> str:
+    if api == "openai":
+        return d["choices"][0]["message"]["content"] or ""
+    return "".join(b.get("text", "") for b in d["content"] if b.get("type") == "text")
+
+
+def one_request(url: str, kind: str, prompt: str, refs: dict[str, str], limit: float,
+                rng: random.Random) -> Outcome:
+    t0 = time.monotonic()
+    deadline = t0 + limit
+    timeout = httpx.Timeout(limit, connect=10)
+    o = Outcome(kind=f"{kind}/{prompt}", outcome="", start=t0, end=t0)
+    try:
+        if kind == "disconnect":
+            body = chat_body("main", PROMPTS[prompt], False, max_tokens=64, stream=True)
+            head = disconnect_mid_stream(url, body, deadline)
+            o.outcome, o.detail = "cancelled", head
+        elif kind.startswith("greedy"):
+            api, path, body = greedy_spec(kind, prompt)
+            ref = refs[reference_key(kind, prompt)]
+            if kind.endswith("_stream"):
+                with httpx.stream("POST", url + path, json={**body, "stream": True},
+                                  headers=AUTH, timeout=timeout) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        return failed(o, r)
+                    text, o.ttft, finished = read_stream(r, api, t0, None, 0, deadline)
+                if not finished:
+                    o.outcome, o.detail = "truncated", text[:80]
+                else:
+                    o.outcome = "identical" if text == ref else "different"
+                    o.detail = "" if text == ref else f"got {text!r} want {ref!r}"
+            else:
+                r = httpx.post(url + path, json=body, headers=AUTH, timeout=timeout)
+                if r.status_code != 200:
+                    return failed(o, r)
+                text = text_of(api, r.json())
+                o.outcome = "identical" if text == ref else "different"
+                o.detail = "" if text == ref else f"got {text!r} want {ref!r}"
+        elif kind in ("n4", "tools"):
+            extra = {"n": 4} if kind == "n4" else {"tools": TOOLS, "tool_choice": "auto"}
+            body = chat_body("main", PROMPTS[prompt], False, **extra)
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH,
+                           timeout=timeout)
+            if r.status_code != 200:
+                return failed(o, r)
+            n = len(r.json()["choices"])
+            o.outcome = "completed" if n == (4 if kind == "n4" else 1) else "malformed"
+            o.detail = f"{n} choices"
+        else:  # sampled_stream, cancel, slow_reader
+            body = chat_body("side" if kind == "sampled_stream" and rng.random() < 0.3
+                             else "main", PROMPTS[prompt], False, stream=True,
+                             max_tokens=64 if kind == "cancel" else GREEDY_TOKENS)
+            stop_after = 3 if kind == "cancel" else None
+            slow = 0.5 if kind == "slow_reader" else 0
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH,
+                              timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return failed(o, r)
+                text, o.ttft, finished = read_stream(r, "openai", t0, stop_after, slow,
+                                                     deadline)
+            if kind == "cancel":
+                o.outcome = "cancelled" if not finished else "completed"
+            else:
+                o.outcome = "completed" if finished else "truncated"
+    except StreamError as e:
+        o.outcome, o.detail = "failed_clear", f"error event {e}"[:200]
+    except (httpx.TimeoutException, TimeoutError, socket.timeout) as e:
+        o.outcome, o.detail = "lost", f"{type(e).__name__} after {time.monotonic() - t0:.0f}s"
+    except (httpx.TransportError, OSError) as e:
+        o.outcome, o.detail = "connection_closed", f"{type(e).__name__}: {e}"[:200]
+    except (ValueError, KeyError) as e:
+        o.outcome, o.detail = "malformed", f"{type(e).__name__}: {e}"[:200]
+    o.end = time.monotonic()
+    return o
+
+
+def failed(o: Outcome, r: httpx.Response) -> Outcome:
+    err = error_of(r)
+    o.outcome = "failed_clear" if err else "failed_unclear"
+    o.detail = err or f"{r.status_code} {r.text[:160]!r}"
+    o.end = time.monotonic()
+    return o
+
+
+def references(url: str) -> dict[str, str]:
+    refs = {}
+    for kind in ("greedy_chat", "greedy_messages", "greedy_side"):
+        for prompt in PROMPTS:
+            api, path, body = greedy_spec(kind, prompt)
+            r = httpx.post(url + path, json=body, headers=AUTH, timeout=300)
+            r.raise_for_status()
+            refs[reference_key(kind, prompt)] = text_of(api, r.json())
+    return refs
+
+
+# --- faults ------------------------------------------------------------------------------
+
+FAULTS = ("kill_worker", "kill_agent", "kill_coordinator", "stop_worker", "stop_agent")
+
+
+def recovered(cluster: Cluster, refs: dict[str, str], t_fault: float, f: Fault,
+              stop: threading.Event) -> None:
+    """Measures the pause: /health 200, then a greedy request answered identically."""
+    limit = t_fault + RECOVERY_LIMIT
+    ref = refs[reference_key("greedy_chat", "short")]
+    _, path, body = greedy_spec("greedy_chat", "short")
+    while time.monotonic() < limit and not stop.is_set():
+        try:
+            if httpx.get(cluster.url + "/health", timeout=5).status_code == 200:
+                if f.health_after is None:
+                    f.health_after = time.monotonic() - t_fault
+                r = httpx.post(cluster.url + path, json=body, headers=AUTH, timeout=60)
+                if r.status_code == 200 and text_of("openai", r.json()) == ref:
+                    f.pause = time.monotonic() - t_fault
+                    return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    f.detail += " never recovered within the limit"
+
+
+def inject(cluster: Cluster, kind: str, rng: random.Random, stop: threading.Event) -> Fault:
+    now = time.monotonic()
+    if kind in ("kill_worker", "stop_worker"):
+        pids = [(name, w["pid"]) for n in cluster.status().get("nodes") or []
+                for name in [n["id"]] for w in n["workers"] if w.get("pid")]
+        if not pids:  # the coordinator is down or no worker is known: read /proc instead
+            pids = [(name, pid) for name, ps in cluster.workers().items() for pid in ps]
+        if not pids:
+            return Fault(kind, "none", now, detail="no worker to hit")
+        name, pid = rng.choice(pids)
+        target = f"worker {pid} on {name}"
+        if kind == "kill_worker":
+            os.kill(pid, signal.SIGKILL)
+            return Fault(kind, target, now)
+        return pause_process(pid, target, kind, rng, stop)
+    if kind in ("kill_agent", "stop_agent"):
+        name = rng.choice(sorted(cluster.agents))
+        p = cluster.agents[name]
+        if kind == "stop_agent":
+            return pause_process(p.pid, f"agent {name}", kind, rng, stop)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        time.sleep(1)  # as a person would: notice, then start it again
+        cluster.start_agent(name)
+        return Fault(kind, f"agent {name}", now)
+    cluster.coordinator.send_signal(signal.SIGKILL)
+    cluster.coordinator.wait(10)
+    time.sleep(1)
+    cluster.start_coordinator()
+    return Fault(kind, "coordinator", now)
+
+
+def pause_process(pid: int, target: str, kind: str, rng: random.Random,
+                  stop: threading.Event) -> Fault:
+    now = time.monotonic()
+    length = rng.uniform(5, 15)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stop.wait(length)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return Fault(kind, target, now, detail=f"stopped {length:.1f}s")
+
+
+def injector(cluster: Cluster, refs: dict[str, str], rng: random.Random, end: float,
+             faults: list[Fault], stop: threading.Event, gap: tuple[float, float]) -> None:
+    next_at = time.monotonic() + rng.uniform(*gap)
+    queue: list[str] = []
+    while not stop.is_set() and time.monotonic() < end:
+        if stop.wait(max(0.0, min(next_at, end) - time.monotonic())) or time.monotonic() >= end:
+            return
+        if not queue:  # every kind once a round, in a seeded order: short runs see them all
+            queue = rng.sample(FAULTS, len(FAULTS))
+        kind = queue.pop()
+        try:
+            f = inject(cluster, kind, rng, stop)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            f = Fault(kind, "?", time.monotonic(), detail=f"{type(e).__name__}: {e}")
+        faults.append(f)
+        print(f"[{time.strftime('%H:%M:%S')}] fault {f.kind} {f.target} {f.detail}", flush=True)
+        recovered(cluster, refs, f.at, f, stop)
+        print(f"    pause {f.pause}", flush=True)
+        next_at = f.at + rng.uniform(*gap)
+
+
+# --- resources ---------------------------------------------------------------------------
+
+def proc_stats(pid: int) -> tuple[int, int, int] | None:
+    """(rss bytes, open fds, threads) of a live process."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    return rss, fds, int(fields["Threads"])
+
+
+def sample(cluster: Cluster, t0: float) -> dict:
+    roles: dict[str, list[int]] = {"coordinator": [cluster.coordinator.pid]}
+    for name, p in cluster.agents.items():
+        roles[f"agent {name}"] = [p.pid]
+    current = cluster.workers()
+    for name, pids in current.items():
+        roles[f"workers {name}"] = pids
+    # Workers of a killed agent still running: a leak (they should follow their agent).
+    below = {pid for pids in current.values() for pid in pids}
+    roles["orphaned workers"] = [pid for pid in cluster.seen_workers - below
+                                 if ours(pid, cluster.root)]
+    # Ranks move between the nodes on a re-plan: the workers' total is what compares over time.
+    roles["workers (all)"] = [pid for name in current for pid in current[name]]
+    out = {"t": round(time.monotonic() - t0, 1)}
+    for role, pids in roles.items():
+        stats = [s for s in map(proc_stats, pids) if s]
+        out[role] = {"rss": sum(s[0] for s in stats), "fds": sum(s[1] for s in stats),
+                     "threads": sum(s[2] for s in stats), "procs": len(stats)}
+    return out
+
+
+def sampler(cluster: Cluster, t0: float, samples: list[dict], stop: threading.Event,
+            end: float) -> None:
+    while not stop.is_set() and time.monotonic() < end + 5:
+        samples.append(sample(cluster, t0))
+        stop.wait(SAMPLE_EVERY)
+
+
+# --- load --------------------------------------------------------------------------------
+
+def client(url: str, refs: dict[str, str], seed: int, end: float, limit: float,
+           outcomes: list[Outcome], stop: threading.Event) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set() and time.monotonic() < end:
+        kind = rng.choice(KINDS)
+        prompt = "long" if rng.random() < 0.25 else "short"
+        outcomes.append(one_request(url, kind, prompt, refs, limit, rng))
+        stop.wait(rng.uniform(0, 0.5))
+
+
+def explained(o: Outcome, faults: list[Fault], kills: tuple[str, ...]) -> bool:
+    """Whether the request ran while a fault of one of `kills` was in effect: from 2 s before
+    it until the cluster served again (a coordinator being restarted refuses connections)."""
+    return any(f.kind in kills and o.start <= f.at + (f.pause or RECOVERY_LIMIT)
+               and f.at - 2 <= o.end for f in faults)
+
+
+# --- report ------------------------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def classify(outcomes: list[Outcome], faults: list[Fault]) -> dict[str, int]:
+    table: dict[str, int] = {}
+    for o in outcomes:
+        name = o.outcome
+        if name == "connection_closed":
+            name += (" (coordinator killed meanwhile)"
+                     if explained(o, faults, ("kill_coordinator",)) else " (no coordinator kill)")
+        if name in ("failed_clear", "failed_unclear", "lost"):
+            name += "" if explained(o, faults, FAULTS) else " (no fault meanwhile)"
+        table[name] = table.get(name, 0) + 1
+    return dict(sorted(table.items()))
+
+
+def growth(samples: list[dict], warm: int) -> dict[str, dict]:
+    """Each role's start (the first sample after warm-up) and end values."""
+    if len(samples) <= warm:
+        return {}
+    first, last = samples[warm], samples[-1]
+    out = {}
+    for role in (k for k in last if k != "t"):
+        if role not in first:
+            continue
+        out[role] = {m: (first[role][m], last[role][m],
+                         round(100 * (last[role][m] - first[role][m]) / first[role][m], 1)
+                         if first[role][m] else None)
+                     for m in ("rss", "fds", "threads", "procs")}
+    return out
+
+
+def svg_chart(samples: list[dict]) -> str:
+    """Three small line charts (RSS MiB, fds, threads) over time, a line per role."""
+    roles = [k for k in samples[-1] if k != "t"]
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    w, h, pad = 600, 160, 40
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 180}" height="{3 * (h + pad) + 20}"'
+             ' font-family="sans-serif" font-size="11">']
+    tmax = max(s["t"] for s in samples) or 1
+    for i, (metric, scale, unit) in enumerate((("rss", 2 ** 20, "RSS MiB"), ("fds", 1, "open fds"),
+                                               ("threads", 1, "threads"))):
+        y0 = 20 + i * (h + pad)
+        vmax = max((s[r][metric] / scale for s in samples for r in roles if r in s), default=1) or 1
+        parts.append(f'<text x="{pad}" y="{y0 - 5}">{unit} (max {vmax:.0f}) over {tmax:.0f} s</text>')
+        parts.append(f'<rect x="{pad}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#999"/>')
+        for j, role in enumerate(roles):
+            pts = " ".join(f"{pad + w * s['t'] / tmax:.1f},{y0 + h - h * s[role][metric] / scale / vmax:.1f}"
+                           for s in samples if role in s)
+            c = colours[j % len(colours)]
+            parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{pts}"/>')
+            if i == 0:
+                parts.append(f'<text x="{pad + w + 10}" y="{y0 + 15 + 15 * j}" fill="{c}">{role}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu})"
+
+
+def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], samples: list[dict],
+           duration: float, commit: str, root: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    table = classify(outcomes, faults)
+    ttfts = [o.ttft for o in outcomes if o.ttft is not None]
+    warm = min(len(samples) - 1, max(0, int(60 / SAMPLE_EVERY)))  # the first minute is warm-up
+    grow = growth(samples, warm)
+    by_kind: dict[str, int] = {}
+    for f in faults:
+        by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
+    bugs = [o for o in outcomes if o.outcome in ("different", "lost", "truncated", "malformed",
+                                                 "failed_unclear")]
+    raw = {"machine": machine(), "commit": commit, "duration_s": round(duration, 1),
+           "args": vars(args), "outcomes": table, "faults_by_kind": by_kind,
+           "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
+           "faults": [asdict(f) for f in faults], "requests": [asdict(o) for o in outcomes],
+           "samples": samples, "growth": grow, "logs": str(root)}
+    (out / "soak-cpu.json").write_text(json.dumps(raw, indent=1, default=str))
+    if samples:
+        (out / "soak-cpu.svg").write_text(svg_chart(samples))
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "# Chaos soak on CPU (`bench/soak.py`)", "",
+        f"- Machine: {machine()}, **shared with three other engineers' builds and tests** "
+        "(timings are slow and noisy).",
+        f"- Commit: `{commit}`; duration {duration / 60:.1f} min; {args.clients} client threads;"
+        f" seed {args.seed}; a fault every {args.gap_min:.0f}-{args.gap_max:.0f} s;"
+        f" per-request deadline {args.deadline:.0f} s.",
+        "- Cluster: a coordinator and two `join` nodes on loopback, two tiny random llama "
+        "models (`main` a 2-stage pipeline over both nodes, `side` loaded on demand).",
+        "- Not injected: dropped links (needs network namespaces) and a full cache disk "
+        "(needs a small filesystem of its own).", "",
+        "## Faults", "",
+        "| kind | count |", "|---|---|",
+        *(f"| {k} | {v} |" for k, v in sorted(by_kind.items())), "",
+        "| at (s) | fault | target | /health 200 after (s) | greedy served after (s) | note |",
+        "|---|---|---|---|---|---|",
+        *(f"| {f.at - outcomes[0].start if outcomes else 0:.0f} | {f.kind} | {f.target} | "
+          f"{fmt(f.health_after)} | {fmt(f.pause)} | {f.detail.strip()} |" for f in faults), "",
+        "## Requests by outcome", "",
+        f"{len(outcomes)} requests. `identical`: greedy, equal to the fault-free reference; "
+        "`completed`: sampled; `cancelled`: the client closed it on purpose; `failed_clear`: an "
+        "HTTP error with an error body or a stream ending with an error event; "
+        "`connection_closed`: the connection dropped; `lost`: no answer within the deadline; "
+        "`different`/`truncated`/`malformed`/`failed_unclear`: bugs.", "",
+        "| outcome | requests |", "|---|---|", *(f"| {k} | {v} |" for k, v in table.items()), "",
+        f"TTFT over {len(ttfts)} streams: p50 {fmt(pct(ttfts, 0.5))} s, "
+        f"p99 {fmt(pct(ttfts, 0.99))} s.", "",
+        "## Processes (summed per role; start = after the first minute)", "",
+        "| role | processes | RSS MiB start → end | fds start → end | threads start → end |",
+        "|---|---|---|---|---|",
+        *(f"| {role} | {g['procs'][0]} → {g['procs'][1]} | "
+          f"{g['rss'][0] / 2**20:.0f} → {g['rss'][1] / 2**20:.0f} ({g['rss'][2]}%) | "
+          f"{g['fds'][0]} → {g['fds'][1]} ({g['fds'][2]}%) | "
+          f"{g['threads'][0]} → {g['threads'][1]} ({g['threads'][2]}%) |"
+          for role, g in grow.items()), "",
+        "![RSS, fds and threads over time](soak-cpu.svg)", "",
+        "## Requests that look like bugs", "",
+        *(f"- {o.kind} at {o.start - outcomes[0].start:.0f} s: {o.outcome}: {o.detail}"
+          for o in bugs[:40]),
+        *([] if bugs else ["None."]),
+    ]
+    (out / "soak-cpu.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--clients", type=int, default=4, help="client threads")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--deadline", type=float, default=180, help="seconds a request may take")
+    ap.add_argument("--gap-min", type=float, default=20)
+    ap.add_argument("--gap-max", type=float, default=60)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="omlx-soak-"))
+    print(f"logs and homes under {root}", flush=True)
+    # Qwen's template: its tool-call markup lets the tool-call requests through.
+    models = {name: build_model(root / name, "llama", num_layers=4, seed=i,
+                                chat_template=QWEN_TEMPLATE)
+              for i, name in enumerate(MODELS)}
+    port = free_port()
+    cluster = Cluster(
+        root=root, port=port,
+        coordinator_args=["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
+                          "1GiB", "--api-key", KEY,
+                          *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))],
+        node_args={name: ["join", "--name", name, "--port", str(free_port()), "--no-announce",
+                          "--coordinator", f"127.0.0.1:{port}", "--hot-cache-max-size",
+                          "64MiB", "--orphan-grace", "120"] for name in ("a", "b")})
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    outcomes: list[Outcome] = []
+    faults: list[Fault] = []
+    samples: list[dict] = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    t_start = time.monotonic()
+    try:
+        for name in cluster.node_args:
+            cluster.start_agent(name)
+        cluster.start_coordinator()
+        wait_until(lambda: planned(cluster), "main planned over both nodes", 180)
+        refs = references(cluster.url)
+        print(f"references: {refs}", flush=True)
+        layers = {n["id"]: [w["layers"] for w in n["workers"]]
+                  for n in cluster.status()["nodes"]}
+        print(f"layers per node: {layers}", flush=True)
+        t_start = time.monotonic()
+        end = t_start + args.minutes * 60
+        rng = random.Random(args.seed)
+        threads = [threading.Thread(target=client, daemon=True, args=(
+            cluster.url, refs, args.seed * 100 + i, end, args.deadline, outcomes, stop))
+            for i in range(args.clients)]
+        threads.append(threading.Thread(target=sampler, daemon=True,
+                                        args=(cluster, t_start, samples, stop, end)))
+        threads.append(threading.Thread(target=injector, daemon=True, args=(
+            cluster, refs, rng, end, faults, stop, (args.gap_min, args.gap_max))))
+        for t in threads:
+            t.start()
+        # Clients finish their request in flight: at most the deadline past the end.
+        for t in threads:
+            t.join(max(0.0, end + args.deadline + RECOVERY_LIMIT - time.monotonic()))
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", flush=True)
+    finally:
+        stop.set()
+        duration = time.monotonic() - t_start
+        cluster.stop()
+    report(args.out, args, outcomes, faults, samples, duration, commit, root)
+    print((args.out / "soak-cpu.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
