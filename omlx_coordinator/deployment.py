@@ -238,6 +238,8 @@ class Deployment:
                 raise NoCapacity(f"node(s) {', '.join(lost)} of plan {plan.plan_hash} were "
                                  "lost while it loaded")
         if failures:
+            for c in calls:  # read, so none is logged as an exception never retrieved
+                c.exception()
             raise failures[0]
         return [c.result() for c in calls]
 

@@ -93,8 +93,8 @@ class ModelManager:
         await self.cluster.start()
         self._task = asyncio.create_task(self._watch())
         if not self.cluster.members:
-            self.main.capacity_error = NO_NODES
-            self.main.status = f"waiting for nodes ({NO_NODES})"
+            self.main.capacity_error = self._no_nodes()
+            self.main.status = f"waiting for nodes ({self.main.capacity_error})"
             return
         for i, m in enumerate(self.models):
             if i and not await self._fits(m):
@@ -133,9 +133,18 @@ class ModelManager:
             task.add_done_callback(lambda _: self._shortfalls.pop(model.name, None))
         return await asyncio.shield(task)
 
+    def _no_nodes(self) -> str:
+        """Why nothing can run while no node is a member: none ever joined, or (a restart) the
+        nodes it had have not registered again yet."""
+        if self.cluster.expected:
+            return (f"waiting for the nodes it had before its restart to register again "
+                    f"({', '.join(sorted(self.cluster.expected))}): retry in a few seconds")
+        return NO_NODES
+
     async def _shortfall(self, model: ServedModel) -> str:
         if not self.cluster.servable():
-            return NO_NODES if not self.cluster.members else "no node is left to run the model"
+            return (self._no_nodes() if not self.cluster.members
+                    else "no node is left to run the model")
         try:
             await self._place(model, self._loaded(model, idle=True))
         except PlanError as e:
@@ -286,7 +295,7 @@ class ModelManager:
         would keep the waiting load from ever starting."""
         while True:
             if not self.cluster.servable():
-                raise NoCapacity(NO_NODES if not self.cluster.members
+                raise NoCapacity(self._no_nodes() if not self.cluster.members
                                  else "no node is left to run the model")
             loaded = self._loaded(model)
             if not evict:

@@ -24,6 +24,7 @@ from pathlib import Path
 from omlx_shared.model_store import data_home
 
 LOGS_KEPT = 100
+KILL_WAIT_SECONDS = 10.0  # how long a stop waits for a killed child to be gone
 
 
 class ChildError(RuntimeError):
@@ -107,7 +108,12 @@ class ChildProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(timeout)
+                # SIGKILL cannot be ignored, but a loaded machine may take a while to reap a
+                # large process: wait past the grace, and never raise out of a stop.
+                try:
+                    self.proc.wait(max(timeout, KILL_WAIT_SECONDS))
+                except subprocess.TimeoutExpired:
+                    pass
         self._dir.cleanup()
 
 
