@@ -87,7 +87,6 @@ def alive(pid: int) -> bool:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
 
 
-@pytest.mark.slow
 def test_two_models_serve_side_by_side(agent, models, references, metrics_port):
     a, b = load_model(agent, models, "a"), load_model(agent, models, "b")
     assert a.worker_pid != b.worker_pid and a.worker_address != b.worker_address
