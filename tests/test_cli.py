@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omlx_cluster.cli import _build_parser
+from omlx_cluster.parser import build_parser
 from tests.conftest import alive, descendants, free_port
 
 SCRIPT = Path(sys.executable).parent / "omlx-cluster"
@@ -62,7 +62,7 @@ def test_top_level_help(home: Path) -> None:
     ("models list --log-level debug", "debug"), ("models --log-level debug list", "debug"),
     ("models --log-level warning unload m", "warning"), ("models list", "info")])
 def test_log_level_before_or_after_a_nested_action(argv: str, level: str) -> None:
-    assert _build_parser().parse_args(argv.split()).log_level == level
+    assert build_parser().parse_args(argv.split()).log_level == level
 
 
 def test_no_command_is_a_usage_error(home: Path) -> None:
@@ -100,7 +100,7 @@ def test_subcommand_help_explains_every_flag(command: list[str], key_flags: list
     for flag in key_flags:
         assert flag in help_text, flag
 
-    parser = _build_parser()
+    parser = build_parser()
     for name in command:
         parser = _subparsers(parser)[name]
     for action in _flags(parser):

@@ -177,6 +177,6 @@ def test_launchd_job_runs_join_and_keeps_the_secret_out_of_argv():
     assert "--secret" not in args  # ps would show it: it comes from the environment
     assert "OMLX_CLUSTER_SECRET" in plist["EnvironmentVariables"]
     assert plist["KeepAlive"] and plist["RunAtLoad"]
-    from omlx_cluster.cli import _build_parser
+    from omlx_cluster.parser import build_parser
 
-    _build_parser().parse_args(args[1:])  # every flag exists
+    build_parser().parse_args(args[1:])  # every flag exists

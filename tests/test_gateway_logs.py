@@ -13,7 +13,8 @@ from typing import ClassVar
 import httpx
 import pytest
 
-from omlx_cluster.cli import _layers_on, _register_periodically
+from omlx_cluster.client import layers_on
+from omlx_cluster.node_commands import register_periodically
 from omlx_coordinator.access_log import RedactedQuery
 from tests.conftest import start_server
 from tests.in_process_gateway import app_for, ask
@@ -76,8 +77,8 @@ def test_a_refused_join_backs_off_and_says_the_fix_once(caplog) -> None:
     _WrongSecret.posts.clear()
     with stub_server(_WrongSecret) as url, caplog.at_level(logging.DEBUG,
                                                            logger="omlx_cluster"):
-        stop = _register_periodically(url.removeprefix("http://"), "127.0.0.1:1", "n1",
-                                      "s" * 32, every=0.02, longest=0.16)
+        stop = register_periodically(url.removeprefix("http://"), "127.0.0.1:1", "n1",
+                                     "s" * 32, every=0.02, longest=0.16)
         time.sleep(1.2)
         stop.set()
     gaps = [b - a for a, b in zip(_WrongSecret.posts, _WrongSecret.posts[1:])]
@@ -94,7 +95,7 @@ def test_status_shows_every_models_layers_on_a_node() -> None:
               {"id": "b", "replicas": [{"replica": 0, "stages": [
                   {"node": "n2", "layers": [0, 6]}]}, {"replica": 1, "stages": [
                       {"node": "n1", "layers": [0, 6]}]}]}]
-    assert _layers_on("n1", models) == "a [0, 4), b#1 [0, 6)"
-    assert _layers_on("n2", models) == "b [0, 6)"
-    assert _layers_on("n1", models[:1]) == "[0, 4)"
-    assert _layers_on("n3", models) == ""
+    assert layers_on("n1", models) == "a [0, 4), b#1 [0, 6)"
+    assert layers_on("n2", models) == "b [0, 6)"
+    assert layers_on("n1", models[:1]) == "[0, 4)"
+    assert layers_on("n3", models) == ""

@@ -8,7 +8,8 @@ from typing import ClassVar
 
 import pytest
 
-from omlx_cluster.cli import _build_parser, main
+from omlx_cluster.cli import main
+from omlx_cluster.parser import build_parser
 from tests.stub_http import QuietHandler, stub_server
 from tests.tiny_models import build_model
 
@@ -19,7 +20,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def flags_of(command: str) -> set[str]:
-    sub = next(a for a in _build_parser()._actions if a.dest == "command")
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
     return {o for a in sub.choices[command]._actions for o in a.option_strings}
 
 
@@ -43,7 +44,7 @@ def test_serve_plans_with_its_kv_reserve(tiny: Path, capsys) -> None:
 
 
 def test_coordinator_takes_the_kv_reserve_flags() -> None:
-    args = _build_parser().parse_args(["coordinator", "--context", "2048", "--sequences", "4"])
+    args = build_parser().parse_args(["coordinator", "--context", "2048", "--sequences", "4"])
     assert (args.context, args.sequences) == (2048, 4)
 
 

@@ -82,7 +82,7 @@ def quick_start_curl() -> list[str]:
 def test_the_first_screens_commands_parse() -> None:
     """What is not started here (a coordinator and a join need two machines) at least names
     only flags and values the CLI takes."""
-    from omlx_cluster.cli import _build_parser
+    from omlx_cluster.parser import build_parser
 
     argvs = (commands(section("A real model by its Hugging Face id"))
              + commands(section("A second Mac")))
@@ -92,7 +92,7 @@ def test_the_first_screens_commands_parse() -> None:
                                              ("omlx-cluster", "join")}
     for argv in argvs:
         assert argv[0] == "omlx-cluster"
-        _build_parser().parse_args(argv[1:])  # SystemExit on a flag it does not take
+        build_parser().parse_args(argv[1:])  # SystemExit on a flag it does not take
     quick_start_curl()
 
 
