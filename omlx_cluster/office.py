@@ -65,7 +65,8 @@ def _step_printer():
     from rich.text import Text
 
     console = Console()
-    styles = {"done": "green", "unchanged": "dim", "failed": "bold red", "skipped": "yellow"}
+    styles = {"done": "green", "unchanged": "dim", "failed": "bold red", "skipped": "yellow",
+              "waiting": "cyan"}
 
     def report(host: str, step: str, outcome: str, detail: str) -> None:
         console.print(Text.assemble(f"{host}  {step:<9}", (f"{outcome:<10}", styles[outcome]),

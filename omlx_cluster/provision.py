@@ -53,6 +53,8 @@ class UpOptions:
 
 Report = Callable[[str, str, str, str], None]  # (host, step, outcome, detail)
 DONE, UNCHANGED, FAILED, SKIPPED = "done", "unchanged", "failed", "skipped"
+WAITING = "waiting"  # a step still under way: said every PROGRESS_SECONDS
+PROGRESS_SECONDS = 10.0
 
 
 class StepFailed(RuntimeError):
@@ -179,7 +181,10 @@ async def _stop_pid(remote: ssh.Remote, home: str, pid: str) -> None:
     await remote.run(f"rm -f {_pidfile(home)}")
 
 
-async def _admitted(address: str, options: UpOptions) -> tuple[str, str]:
+async def _admitted(address: str, options: UpOptions,
+                    progress: Callable[[str], None]) -> tuple[str, str]:
+    """Waits for the coordinator to list the node as a member, saying how long it has waited
+    every PROGRESS_SECONDS (up to --wait, 120 s by default: silence would look like a hang)."""
     import httpx
 
     if not options.coordinator:
@@ -189,7 +194,8 @@ async def _admitted(address: str, options: UpOptions) -> tuple[str, str]:
     url = f"http://{options.coordinator}/cluster/status"
     headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     node = f"{address}:{options.node_port}"
-    deadline, last = time.monotonic() + options.wait, "no answer yet"
+    start, last = time.monotonic(), "no answer yet"
+    deadline, said = start + options.wait, start
     async with httpx.AsyncClient(timeout=5, headers=headers) as client:
         while time.monotonic() < deadline:
             try:
@@ -206,6 +212,9 @@ async def _admitted(address: str, options: UpOptions) -> tuple[str, str]:
                 last = "not a member yet"
             except httpx.HTTPError as e:
                 last = f"{url}: {e}"
+            if time.monotonic() - said >= PROGRESS_SECONDS:
+                said = time.monotonic()
+                progress(f"{last} after {said - start:.0f} s (waiting up to {options.wait:.0f} s)")
             await asyncio.sleep(1.0)
     raise StepFailed(f"{node} not admitted within {options.wait:.0f} s ({last}): see the "
                      "node's log (/tmp/omlx-cluster-join.log on a Mac, join.log next to the "
@@ -244,7 +253,8 @@ async def _up_host(spec: str, options: UpOptions, here: str, report: Report) -> 
         else:
             report(spec, step, *await _nohup_up(remote, home, argv))
         step = "admitted"
-        report(spec, step, *await _admitted(remote.address, options))
+        report(spec, step, *await _admitted(
+            remote.address, options, lambda detail: report(spec, "admitted", WAITING, detail)))
         return True
     except StepFailed as e:
         report(spec, step, FAILED, str(e))

@@ -18,6 +18,7 @@ from omlx_cluster import provision
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.sshd import free_port, start_sshd
+from tests.stub_http import QuietHandler, stub_server
 from tests.tiny_models import build_model
 
 API_KEY = "office-key"
@@ -190,3 +191,31 @@ def test_the_launchd_job_is_the_template_filled_in():
     assert (job["KeepAlive"], job["RunAtLoad"], job["ProcessType"]) == (True, True, "Interactive")
     with_home = plistlib.loads(provision.launchd_plist(argv, "/srv/omlx", True))
     assert with_home["EnvironmentVariables"] == {"OMLX_CLUSTER_HOME": "/srv/omlx"}
+
+
+class _SlowAdmission(QuietHandler):
+    """A coordinator that lists the node only from its fourth /cluster/status on."""
+
+    asked = 0
+
+    def do_GET(self) -> None:
+        type(self).asked += 1
+        nodes = ([{"id": "mac-a", "address": "10.0.0.7:50051", "alive": True, "layers": [0, 4]}]
+                 if self.asked > 3 else [])
+        self.send_json(200, {"nodes": nodes})
+
+
+def test_waiting_for_the_admission_says_how_long_it_has_waited(monkeypatch):
+    """The admission step can take minutes (a model loading): `up` says every few seconds
+    that it still waits and why, rather than sit silent."""
+    import asyncio
+
+    monkeypatch.setattr(provision, "PROGRESS_SECONDS", 0.0)
+    said: list[str] = []
+    with stub_server(_SlowAdmission) as url:
+        options = provision.UpOptions(secret="s", coordinator=url.removeprefix("http://"),
+                                      node_port=50051, wait=30)
+        outcome = asyncio.run(provision._admitted("10.0.0.7", options, said.append))
+    assert outcome == (provision.DONE, "admitted as mac-a, layers [0, 4)")
+    assert len(said) == 3 and all(s.startswith("not a member yet after ") for s in said)
+    assert said[-1].endswith("(waiting up to 30 s)")
