@@ -72,6 +72,13 @@ def account_of(scope: MutableMapping) -> Account | None:
     return scope.get(_SCOPE_KEY)
 
 
+def usable(scope: MutableMapping, models: list[ServedModel]) -> list[ServedModel]:
+    """The models the request's key may use (every one without keys or a models list)."""
+    account = account_of(scope)
+    key = account.key if account is not None else None
+    return [m for m in models if key is None or key.may_use(m.names)]
+
+
 def require_admin(request: Request) -> None:
     """403 for a user key on an admin route (the key itself was checked before)."""
     account = account_of(request.scope)

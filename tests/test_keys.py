@@ -177,6 +177,10 @@ def test_roles_on_the_gateway(gateway):
     assert [m["id"] for m in ask(gateway, "GET", "/v1/models",
                                  headers=bearer(ALICE)).json()["data"]] == ["m"]
     assert ask(gateway, "GET", "/v1/models", headers=bearer(BOB)).json()["data"] == []
+    # So do Ollama's model routes.
+    assert [m["name"] for m in ask(gateway, "GET", "/api/tags",
+                                   headers=bearer(ALICE)).json()["models"]] == ["m"]
+    assert ask(gateway, "GET", "/api/tags", headers=bearer(BOB)).json()["models"] == []
 
 
 def test_a_model_the_key_may_not_use_is_a_403(gateway):

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
+from omlx_coordinator.access import usable
 from omlx_coordinator.api.ollama_schema import ShowRequest, validated
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.lifecycle import ModelManager
@@ -133,15 +134,15 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
         return {"version": OLLAMA_VERSION}
 
     @app.get("/api/tags", dependencies=keyed)
-    async def tags() -> dict:
-        """Every model served here, loaded or not."""
-        return {"models": [_card(m, _config(m)) for m in manager.models]}
+    async def tags(request: Request) -> dict:
+        """Every model served here, loaded or not (those the key may use)."""
+        return {"models": [_card(m, _config(m)) for m in usable(request.scope, manager.models)]}
 
     @app.get("/api/ps", dependencies=keyed)
-    async def ps() -> dict:
+    async def ps(request: Request) -> dict:
         """The loaded models; `expires_at` follows their idle limit (--ttl, keep_alive)."""
         out = []
-        for m in manager.models:
+        for m in usable(request.scope, manager.models):
             if m.state != LOADED:
                 continue
             card = _card(m, _config(m))

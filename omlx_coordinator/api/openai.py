@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.access import account_of, admit
+from omlx_coordinator.access import account_of, admit, usable
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -450,10 +450,8 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics: dict[str, GatewayMe
     @app.get("/v1/models", dependencies=keyed)
     async def models(request: Request) -> dict:
         """The models served, those the key may use."""
-        account = account_of(request.scope)
-        key = account.key if account is not None else None
-        return {"object": "list", "data": [model_card(m) for m in manager.models
-                                           if key is None or key.may_use(m.names)]}
+        return {"object": "list",
+                "data": [model_card(m) for m in usable(request.scope, manager.models)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=keyed)
     async def model(model_id: str) -> dict:
