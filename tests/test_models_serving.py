@@ -301,7 +301,8 @@ def test_bad_model_requests(models, tmp_path):
         assert httpx.get(server.url + "/v1/models/gamma", timeout=10).status_code == 404
         # Unloading a model with a request in flight: 409, unless the caller waits for it.
         pa = prompts_for(a)[0]
-        t = threading.Thread(target=stream, args=(server.url, "alpha", pa, 200))
+        # Long enough to be seen in flight: speculative decoding makes short ones quick.
+        t = threading.Thread(target=stream, args=(server.url, "alpha", pa, 3000))
         t.start()
         wait_for(lambda: card(server.url, "alpha")["leases"] == 1, 60, "alpha's stream")
         busy = httpx.post(server.url + "/cluster/models/alpha/unload", timeout=30)
