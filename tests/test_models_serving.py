@@ -42,7 +42,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 # Each model's worker keeps this much for its RAM prefix cache (--hot-cache-max-size), more
 # than the tiny models weigh: were the cache not counted, one_fits would hold both models.
-CACHE_FLAGS = ("--hot-cache-max-size", "32MiB")
+# One token a step: these tests time a stream against others (speculative decoding could
+# finish a repetitive tiny-model stream before the next one is sent).
+CACHE_FLAGS = ("--hot-cache-max-size", "32MiB", "--speculative", "off")
 
 
 def planned_bytes(path: Path) -> int:
@@ -292,7 +294,7 @@ def test_bad_model_requests(models, tmp_path):
                                                       str(home)})
     assert proc.returncode == 2, proc.stderr
     assert "nowhere" in proc.stderr and "neither a model folder" in proc.stderr
-    with start_server(a, "--model", f"beta={b}", home=home) as server:
+    with start_server(a, "--model", f"beta={b}", "--speculative", "off", home=home) as server:
         r = httpx.post(server.url + "/v1/chat/completions", json={
             "model": "gamma", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
         assert r.status_code == 404
