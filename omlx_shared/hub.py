@@ -3,8 +3,8 @@ else downloaded into the store.
 
 Every peer (mlx_lm.server, oMLX, exo, LM Studio) takes a hub id, and a Mac that ran one of them
 already holds models in `~/.cache/huggingface/hub`: those are served in place, never copied. A
-model not there is downloaded with huggingface_hub (resumable: an interrupted download goes on
-where it stopped) into a hidden folder of the store and renamed into place once whole, so a half
+model not there is downloaded (hub_download.py: an interrupted download, Ctrl-C included, goes
+on where it stopped, in the same run or the next) into a hidden folder of the store and renamed into place once whole, so a half
 download is never served. A repository of GGUF files imports one of them as
 `models import-gguf` does. Only the coordinator calls this: nodes get their layers from it.
 
@@ -132,29 +132,34 @@ def _import(gguf: Path, dest: Path) -> Path:
 
 
 def _download(repo_id: str, gguf_file: str | None, dest: Path) -> Path:
-    import httpx
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    import httpx2
+    from huggingface_hub import HfApi, RepoFile
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
         RepositoryNotFoundError,
     )
+    from huggingface_hub.utils import filter_repo_objects
 
+    from omlx_shared.hub_download import download_files
     from omlx_shared.progress import logged_tqdm
 
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    # A hidden sibling (list_models skips it) keeps huggingface_hub's resume state between runs.
+    # A hidden sibling (list_models skips it) keeps what was received between runs.
     partial = dest.parent / f".download-{dest.name}"
     bar = logged_tqdm(f"downloading {repo_id}")
     try:
-        info = HfApi(endpoint=endpoint).model_info(repo_id)
-        files = [s.rfilename for s in info.siblings or []]
-        ggufs = sorted(f for f in files if f.endswith(".gguf") and "/" not in f)
-        if gguf_file is None and any(re.match(r"model.*\.safetensors$", f) for f in files):
-            snapshot_download(repo_id, revision=info.sha, local_dir=partial, endpoint=endpoint,
-                              allow_patterns=MLX_PATTERNS, tqdm_class=bar)
+        api = HfApi(endpoint=endpoint)
+        info = api.model_info(repo_id)
+        sizes = {f.path: f.size for f in api.list_repo_tree(repo_id, revision=info.sha,
+                                                            recursive=True)
+                 if isinstance(f, RepoFile)}
+        ggufs = sorted(f for f in sizes if f.endswith(".gguf") and "/" not in f)
+        if gguf_file is None and any(re.match(r"model.*\.safetensors$", f) for f in sizes):
+            wanted = list(filter_repo_objects(sizes, allow_patterns=MLX_PATTERNS))
+            download_files(repo_id, info.sha, {f: sizes[f] for f in wanted}, partial,
+                           endpoint, bar)
             validate_model_dir(partial)
-            shutil.rmtree(partial / ".cache", ignore_errors=True)
             os.replace(partial, dest)
             return dest
         if not ggufs:
@@ -162,19 +167,18 @@ def _download(repo_id: str, gguf_file: str | None, dest: Path) -> Path:
                 f"{repo_id} holds neither MLX safetensors (model*.safetensors) nor GGUF files; "
                 f"pick an MLX conversion of it (e.g. under mlx-community/) or a GGUF repository")
         chosen = _choose_gguf(repo_id, gguf_file, ggufs)
-        gguf = hf_hub_download(repo_id, chosen, revision=info.sha, local_dir=partial,
-                               endpoint=endpoint, tqdm_class=bar)
+        download_files(repo_id, info.sha, {chosen: sizes[chosen]}, partial, endpoint, bar)
     except (GatedRepoError, RepositoryNotFoundError) as e:
         raise ModelError(
             f"{endpoint} has no {repo_id} that this machine may read ({type(e).__name__}), "
             f"and no folder {repo_id} exists here: check the spelling; for a private or gated "
             f"model log in (`hf auth login`) or set HF_TOKEN") from None
-    except (HfHubHTTPError, httpx.HTTPError, OSError) as e:
+    except (HfHubHTTPError, httpx2.HTTPError, OSError) as e:
         raise ModelError(
             f"downloading {repo_id} from {endpoint} failed: {e}. Run the same command again to "
             f"resume it; without the hub, download it where it is reachable (`hf download "
             f"{repo_id}`) and copy the cache ({hub_cache()}) here, or set HF_ENDPOINT to a "
             f"mirror") from None
-    path = _import(Path(gguf), dest)
+    path = _import(partial / chosen, dest)
     shutil.rmtree(partial, ignore_errors=True)
     return path

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from omlx_shared import progress
 from omlx_shared.hub import store_name
 from omlx_shared.model_spec import resolve_model, served_name
 from omlx_shared.model_store import ModelError, list_models, models_dir
+from omlx_shared.progress import logged_tqdm
 from tests.conftest_models import write_tiny_gguf
 from tests.hub_stand_in import COMMIT, HubStandIn
 from tests.tiny_models import build_model
@@ -112,11 +114,11 @@ def test_downloads_into_the_store_with_progress_lines(hub: HubStandIn, tiny_fold
 
 def test_a_dropped_connection_resumes_where_it_stopped(
         hub: HubStandIn, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from huggingface_hub import constants
+    from omlx_shared import hub_download
 
-    # huggingface_hub writes what it received in chunks of 10 MB: smaller ones here, so that
-    # this half-megabyte file stops after some of them.
-    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 1 << 14)
+    # What was received is written in chunks of 1 MB: smaller ones here, so that this
+    # half-megabyte file stops after some of them.
+    monkeypatch.setattr(hub_download, "CHUNK", 1 << 14)
     hub.add_folder(REPO_ID, tiny_folder)
     hub.cut = "model.safetensors"
     path = resolve_model(REPO_ID)
@@ -130,7 +132,10 @@ def test_a_dropped_connection_resumes_where_it_stopped(
 
 
 def test_a_failed_download_is_never_served_and_a_rerun_completes_it(
-        hub: HubStandIn, tiny_folder: Path) -> None:
+        hub: HubStandIn, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omlx_shared import hub_download
+
+    monkeypatch.setattr(hub_download, "CHUNK", 1 << 14)
     hub.add_folder(REPO_ID, tiny_folder)
     hub.cut = hub.broken = "model.safetensors"
     with pytest.raises(ModelError, match="Run the same command again to resume"):
@@ -139,9 +144,43 @@ def test_a_failed_download_is_never_served_and_a_rerun_completes_it(
     hub.broken = None
     hub.requests.clear()
     path = resolve_model(REPO_ID)
-    # The files the failed run finished are kept: the rerun fetches only what it lacked.
-    fetched = [p.rsplit("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
-    assert fetched == ["model.safetensors"]
+    # The files the failed run finished are kept, and so is the half it received of the last:
+    # the rerun asks only for the rest of that one.
+    fetched = [(p.rsplit("/", 1)[1], r) for m, p, r in hub.requests
+               if m == "GET" and "/resolve/" in p]
+    size = (tiny_folder / "model.safetensors").stat().st_size
+    assert [name for name, _ in fetched] == ["model.safetensors"]
+    assert 0 < int(fetched[0][1].removeprefix("bytes=").rstrip("-")) <= size // 2
+    assert (path / "model.safetensors").read_bytes() == (
+        tiny_folder / "model.safetensors").read_bytes()
+    assert not any(p.name.startswith(".download-") for p in models_dir().iterdir())
+
+
+def test_ctrl_c_mid_download_resumes_on_the_next_run(
+        hub: HubStandIn, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omlx_shared import hub_download
+
+    monkeypatch.setattr(hub_download, "CHUNK", 1 << 12)
+    hub.add_folder(REPO_ID, tiny_folder)
+    size = (tiny_folder / "model.safetensors").stat().st_size
+    real_bar = logged_tqdm("test")
+
+    class InterruptedBar(real_bar):  # the user presses Ctrl-C a third of the way through
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            if self.n > size // 3 + self.initial and self.n < self.total:
+                raise KeyboardInterrupt
+            return shown
+
+    monkeypatch.setattr(progress, "logged_tqdm", lambda what: InterruptedBar)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(REPO_ID)
+    assert list_models() == []
+    monkeypatch.setattr(progress, "logged_tqdm", lambda what: real_bar)
+    hub.requests.clear()
+    path = resolve_model(REPO_ID)
+    ranges = [r for m, p, r in hub.requests if m == "GET" and p.endswith("/model.safetensors")]
+    assert len(ranges) == 1 and int(ranges[0].removeprefix("bytes=").rstrip("-")) > size // 3
     assert (path / "model.safetensors").read_bytes() == (
         tiny_folder / "model.safetensors").read_bytes()
     assert not any(p.name.startswith(".download-") for p in models_dir().iterdir())
