@@ -126,6 +126,11 @@ def add_hot_cache_flag(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights-memory", type=validators.size, default=0, metavar="SIZE",
+                   help="most memory a node's shard workers keep for weights, e.g. 24GiB; a "
+                        "stage with more keeps its last layers on the SSD and reads each just "
+                        "ahead of its turn, so a model larger than the memory still runs, slower "
+                        "(`plan` shows the cost) (default: no cap: a model must fit in memory)")
     p.add_argument("--prefill-chunk", type=validators.positive, default=None, metavar="TOKENS",
                    help="prompt tokens computed per engine step; a long prompt delays running "
                         "streams by at most one chunk (default: 2048 on a GPU, 512 on a CPU)")
@@ -243,6 +248,8 @@ def engine_args(args: argparse.Namespace) -> list[str]:
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
            "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level,
            "--stream-interval", str(args.stream_interval), "--speculative", args.speculative]
+    if args.weights_memory:
+        out += ["--weights-memory", f"{args.weights_memory}B"]
     if args.prefill_chunk:  # else the worker sizes it for its own device
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:

@@ -47,6 +47,7 @@ def join_command(args: argparse.Namespace) -> int:
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
                           engine_args(args), secret=secret, node_id=args.name, speed=speed,
                           worker_cache_bytes=args.hot_cache_max_size,
+                          weights_cap=args.weights_memory,
                           orphan_grace=args.orphan_grace)
     except (OSError, ValueError) as e:
         print(f"error: --host {args.host}: {e}" if isinstance(e, ValueError) else f"error: {e}",
@@ -149,7 +150,8 @@ def node_command(args: argparse.Namespace) -> int:
     try:
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
                           engine_args(args), secret=secret, node_id=args.name,
-                          worker_cache_bytes=args.hot_cache_max_size)
+                          worker_cache_bytes=args.hot_cache_max_size,
+                          weights_cap=args.weights_memory)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -198,7 +200,7 @@ def worker_command(args: argparse.Namespace) -> int:
     start, _, end = args.layers.partition(":")
     config = WorkerConfig(
         model_path=args.model, model_id=args.model_id, layer_start=int(start),
-        layer_end=int(end) if end else None, rank=args.rank,
+        layer_end=int(end) if end else None, streamed_layers=args.streamed_layers, rank=args.rank,
         peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
         rdma_devices=args.rdma_devices, plan_hash=args.plan_hash,
         micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,

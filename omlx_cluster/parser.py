@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--layers", metavar="START:END",
                         help="layer range [START, END); END may be empty for the last layer "
                              "(required)")
+    worker.add_argument("--streamed-layers", type=int, default=0, metavar="N",
+                        help="keep the range's last N layers on disk, read just ahead of each "
+                             "use (a plan's stage larger than the node's memory) (default: 0)")
     worker.add_argument("--standby", action="store_true",
                         help="import everything, then wait for the rest of the arguments as "
                              "one JSON line {argv, env} on stdin (how an agent keeps a worker "

@@ -227,6 +227,7 @@ def serve_command(args: argparse.Namespace) -> int:
                              local_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              worker_cache_bytes=args.hot_cache_max_size,
+                             weights_cap_bytes=args.weights_memory,
                              secret=new_secret())
     manager = _manager(args, models, options)
     try:

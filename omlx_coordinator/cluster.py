@@ -61,6 +61,7 @@ class ClusterOptions:
     node_metrics_port: int = 0
     node_memory_bytes: int = 0  # what each local node may hold (0: this machine's share)
     worker_cache_bytes: int = 0  # each local node's workers' RAM prefix cache (their flag's)
+    weights_cap_bytes: int = 0  # each local node's --weights-memory (0: none)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Member:
     process: ChildProcess | None  # set when this coordinator started the agent itself
     budget_bytes: int = 0  # memory the plan may use on it
     cache_bytes: int = 0  # what each of its shard workers keeps for its RAM prefix cache
+    weights_cap: int = 0  # its --weights-memory: weights past it stream from its SSD (0: none)
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
     chip: str = ""
     alive: bool = True
@@ -230,7 +232,7 @@ class Cluster:
             hellos = await asyncio.gather(*(m.agent.admit() for m in self.members))
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
-                m.cache_bytes = hello.worker_cache_bytes
+                m.cache_bytes, m.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
             self.ready, self.status = True, "ready"
@@ -287,7 +289,7 @@ class Cluster:
                              if member.name not in k}
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
-        member.cache_bytes = hello.worker_cache_bytes
+        member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:

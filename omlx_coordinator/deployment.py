@@ -103,10 +103,12 @@ class Deployment:
         within what the other deployments leave free on it."""
         if members is None:
             nodes = [NodeSpec(f"local{i}", self.cluster.local_budget(),
-                              cache_bytes=self.cluster.options.worker_cache_bytes)
+                              cache_bytes=self.cluster.options.worker_cache_bytes,
+                              weights_cap=self.cluster.options.weights_cap_bytes)
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes)
+            nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes,
+                              weights_cap=m.weights_cap)
                      for m in members]
         split = self.model.config.split
         options = self.cluster.options
@@ -218,7 +220,8 @@ class Deployment:
                     backend=choice.backend if world > 1 else "",
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
                     micro_batches=self.cluster.options.micro_batches,
-                    speculative=self.model.config.speculative))
+                    speculative=self.model.config.speculative,
+                    streamed_layers=stage.streamed_layers))
             except BaseException as e:
                 failures.append(e)
                 raise

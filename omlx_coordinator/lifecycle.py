@@ -258,7 +258,8 @@ class ModelManager:
         """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
         at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
         would pause every stream the gateway serves."""
-        nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes)
+        nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
+                          weights_cap=m.weights_cap)
                  for m in self.cluster.servable()]
         # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
         options = self.cluster.options

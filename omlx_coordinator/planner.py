@@ -56,6 +56,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Sequence
 
+from omlx_coordinator.disk_layers import (
+    DEFAULT_DISK_GBPS,
+    STREAM_BUFFERS,
+    disk_ms,
+    streamed_layers,
+)
 from omlx_coordinator.model_layout import ModelLayout
 
 GiB = 1 << 30
@@ -89,6 +95,9 @@ class NodeSpec:
     link_ms: one-way latency from this node to the next stage in the ring.
     cache_bytes: what each shard worker on it keeps for its prefix KV cache in RAM, beside the
     KV the plan reserves.
+    weights_cap: the most bytes of weights it keeps in memory (`--weights-memory`); a stage
+    past it keeps its last layers on disk (disk_layers.py). 0: no cap, every weight resident.
+    disk_gbps: its SSD's sequential read speed, what streamed layers cost.
     """
 
     name: str
@@ -96,6 +105,8 @@ class NodeSpec:
     speed: float = 1.0
     link_ms: float = 0.0
     cache_bytes: int = 0
+    weights_cap: int = 0
+    disk_gbps: float = DEFAULT_DISK_GBPS
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ",= \t\n"):
@@ -106,6 +117,8 @@ class NodeSpec:
             raise ValueError(f"node {self.name}: speed must be a positive number (GB/s)")
         if not (math.isfinite(self.link_ms) and self.link_ms >= 0):
             raise ValueError(f"node {self.name}: link_ms must be >= 0")
+        if self.weights_cap < 0 or not (math.isfinite(self.disk_gbps) and self.disk_gbps > 0):
+            raise ValueError(f"node {self.name}: weights_cap must be >= 0 and disk_gbps > 0")
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,8 @@ class Stage:
     """Layers [layer_start, layer_end) on `node`. weight_bytes includes the embedding (first
     stage) and norm + head (last stage); cache_bytes is its worker's prefix cache in RAM;
     memory_budget is the node's memory less the OS reserve; est_ms includes the node's link_ms
-    (see module doc)."""
+    (see module doc). streamed_layers: the range's last layers kept on disk and read at each
+    step (weight_bytes counts only what is held: the others and the one being read)."""
 
     node: str
     layer_start: int
@@ -123,6 +137,7 @@ class Stage:
     memory_budget: int
     est_ms: float
     cache_bytes: int = 0
+    streamed_layers: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -228,6 +243,7 @@ class _Costs:
         self.limits = [math.inf if unlimited_memory else b for b in self.budgets]
         # The head matmul streams lm_head, or the embedding when tied.
         self.head_compute = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
+        self.largest_layer = max(layout.layer_bytes, default=0)
 
     def weights(self, i: int, k: int) -> int:
         lay = self.layout
@@ -248,8 +264,22 @@ class _Costs:
     def mem(self, i: int, k: int) -> int:
         return self.weights(i, k) + self.kv(i, k)
 
+    def streamed(self, j: int, i: int, k: int) -> int | None:
+        """Layers of [i, k) node j keeps on disk (0: none); None when the stage cannot fit."""
+        cap = self.nodes[j].weights_cap
+        room = self.limits[j] - self.kv(i, k)
+        return streamed_layers(self.prefix, i, k, self.weights(i, k),
+                               min(room, cap) if cap else room, bool(cap), self.largest_layer)
+
+    def held(self, j: int, i: int, k: int) -> int:
+        """Weights the stage keeps in memory: all, or the resident ones and streaming buffers."""
+        n = self.streamed(j, i, k) or 0
+        w = self.weights(i, k)
+        return w - (self.prefix[k] - self.prefix[k - n]) + STREAM_BUFFERS * self.largest_layer \
+            if n else w
+
     def fits(self, j: int, i: int, k: int) -> bool:
-        return self.mem(i, k) <= self.limits[j]
+        return self.streamed(j, i, k) is not None
 
     def compute_bytes(self, i: int, k: int) -> int:
         """Bytes a decode step streams: layers, and norm + head on the last stage."""
@@ -259,7 +289,10 @@ class _Costs:
         return b
 
     def compute_ms(self, j: int, i: int, k: int) -> float:
-        return self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
+        ms = self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
+        if n := self.streamed(j, i, k):
+            ms += disk_ms(self.prefix[k] - self.prefix[k - n], self.nodes[j].disk_gbps)
+        return ms
 
     def link(self, j: int, i: int, k: int) -> float:
         return 0.0 if (i == 0 and k == self.L) else self.nodes[j].link_ms
@@ -521,11 +554,12 @@ def make_plan(
             node=c.nodes[j].name,
             layer_start=a,
             layer_end=b,
-            weight_bytes=c.weights(a, b),
+            weight_bytes=c.held(j, a, b),
             kv_bytes=c.kv(a, b),
             memory_budget=c.budgets[j] + c.nodes[j].cache_bytes,
             est_ms=c.ms(j, a, b),
             cache_bytes=c.nodes[j].cache_bytes,
+            streamed_layers=c.streamed(j, a, b) or 0,
         )
         for j, a, b in ranges
     )
@@ -618,7 +652,9 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
     lines.append(
         "Add memory or a node, reserve less KV (--context TOKENS, --sequences N), keep a "
         "smaller OS reserve (--os-reserve) or prefix cache (--hot-cache-max-size; a joined "
-        "node's is its `join --hot-cache-max-size`), or use a more quantized model."
+        "node's is its `join --hot-cache-max-size`), use a more quantized model, or stream "
+        "the layers that do not fit from the SSD, slower: --weights-memory SIZE (on `serve`, "
+        "or each `join`) below the memory left for weights."
     )
     return PlanError("\n".join(lines), missing_bytes=missing, missing_by_node=over)
 
@@ -665,6 +701,15 @@ def _explain(
             f"est {c.ms(j, a, b):.3f} ms = {c.compute_ms(j, a, b):.3f} ms at {nd.speed:g} GB/s "
             f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
+        if n := c.streamed(j, a, b):
+            disk = c.prefix[b] - c.prefix[b - n]
+            out.append(
+                f"Layers [{b - n}, {b}) of {nd.name} stream from its SSD ({_b(disk)} read each "
+                f"step at {nd.disk_gbps:g} GB/s: {disk_ms(disk, nd.disk_gbps):.1f} ms a step, "
+                f"shared by every row of a batch): its --weights-memory "
+                f"{_b(nd.weights_cap)} holds the other {b - a - n} layers' "
+                f"{_b(c.held(j, a, b) - STREAM_BUFFERS * c.largest_layer)} and "
+                f"{STREAM_BUFFERS} streamed layers' buffers.")
     used = {j for j, _, _ in ranges}
     for j, nd in enumerate(nodes):
         if j not in used:

@@ -145,6 +145,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                  metrics_port: int = 0, engine_args: list[str] | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
                  speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0,
+                 weights_cap: int = 0,
                  orphan_grace: float = 0.0):
         self.secret = secret
         # A coordinator calls Health every heartbeat: silent this long (0: never checked), it
@@ -179,6 +180,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.metrics_port = metrics_port
         self.engine_args = list(engine_args or [])  # passed on to every worker
         self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
+        self.weights_cap = weights_cap  # its --weights-memory, for plans (0: none)
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
@@ -229,7 +231,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             node_id=self.node_id, version=__version__, node_nonce=n_nonce,
             proof=transcript.proof(self.secret, "node") if self.secret else b"",
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
-            rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes)
+            rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes,
+            weights_cap_bytes=self.weights_cap)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)
@@ -386,6 +389,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         world = max(1, request.world_size)
         argv = ["--model", request.model_path, "--model-id", model_id,
                 "--layers", f"{request.layer_start}:{request.layer_end or ''}",
+                "--streamed-layers", str(request.streamed_layers),
                 "--rank", str(request.rank), "--host", self.host,
                 "--plan-hash", request.plan_hash,
                 "--micro-batches", str(request.micro_batches),

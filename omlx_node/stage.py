@@ -34,6 +34,7 @@ from omlx_node.families import (
     layer_mask,
     mask_kind,
 )
+from omlx_node.layer_stream import LayerStream, StreamError
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
@@ -120,7 +121,10 @@ def _held(path: Path) -> str:
 class StageRunner:
     """Runs one contiguous slice of a model's layers on this node."""
 
-    def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None):
+    def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None,
+                 streamed: int = 0):
+        """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
+        least one layer of the range stays resident."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -134,6 +138,10 @@ class StageRunner:
                 f"{num_layers} layers"
             )
         is_first, is_last = layer_start == 0, end == num_layers
+        if not 0 <= streamed < end - layer_start:
+            raise StageError(
+                f"{streamed} streamed layers of the {end - layer_start} in [{layer_start}, "
+                f"{end}): at least one layer of a stage stays in memory, and none is negative")
 
         # A shard folder (omlx_node/weight_store.py) holds only some layers' tensors: the others
         # keep their random initialisation, which _check_loaded makes sure this stage never runs.
@@ -189,11 +197,29 @@ class StageRunner:
             _check_loaded(model, path, kept, (layer_start, end))
 
         target = compute_dtype(_weights_dtype(inner.layers[0]))
+        # Streamed layers leave the model while it is converted and read: their weights are
+        # read at each use instead (converted then as well), never here.
+        layers = inner.layers
+        kept = len(layers) - streamed
+        inner.layers = layers[:kept]
         if mx.default_device() == mx.cpu:
             # Quantized matmul on a CPU runs ~1 tok/s: dequantize there, keep it elsewhere.
             dequantize_model(model)
             model.set_dtype(target)
         mx.eval(model.parameters())
+        inner.layers = layers
+        self._stream: LayerStream | None = None
+        if streamed:
+            quantized = any(k.endswith(".scales") for k, _ in tree_flatten(
+                layers[kept].parameters()))
+            try:
+                self._stream = LayerStream(
+                    model, path, f"{anatomy.inner_path}.layers.",
+                    {layer_start + i: layers[i] for i in range(kept, len(layers))},
+                    None if quantized else target)
+            except (StreamError, ValueError) as e:
+                raise StageError(f"{path}: {e}") from e
+        self._kept = kept
         self._module = model
         self.layers = inner.layers
         self.embed_tokens = inner.get(anatomy.embed_key)
@@ -249,7 +275,14 @@ class StageRunner:
         return lambda x: layer(x, None, None)
 
     def nbytes(self) -> int:
-        return sum(v.nbytes for _, v in tree_flatten(self._module.parameters()))
+        """Bytes of the weights held in memory (streamed layers' are read at each use)."""
+        held = sum(v.nbytes for _, v in tree_flatten(self._module.parameters()))
+        return held - sum(v.nbytes for layer in self.layers[self._kept:]
+                          for _, v in tree_flatten(layer.parameters()))
+
+    @property
+    def streamed_layers(self) -> int:
+        return len(self.layers) - self._kept
 
     def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
         """Token ids (B, L) on the first stage, hidden states (B, L, D) on the others.
@@ -265,11 +298,15 @@ class StageRunner:
         else:
             h = x
         masks: dict[tuple[str, int], object] = {}
-        for layer, c in zip(self.layers, cache):
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             kind = mask_kind(c)
             if kind not in masks:
                 masks[kind] = layer_mask(h, c, self._departure)
-            h = layer(h, masks[kind], c)
+            if i < self._kept:
+                h = layer(h, masks[kind], c)
+            else:
+                h = self._stream.run(self.info.layer_start + i,
+                                     lambda: layer(h, masks[kind], c))
         if self._head is None:
             return h
         if last_only:

@@ -58,6 +58,7 @@ class WorkerConfig:
     model_id: str
     layer_start: int
     layer_end: int | None
+    streamed_layers: int = 0  # the range's last layers kept on disk (omlx_node/layer_stream.py)
     rank: int = 0
     peers: tuple[str, ...] = ()
     backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
@@ -315,7 +316,8 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     if config.world_size > 1:
         group = join_group(config)
         doorbells = link_doorbells(group, config.peers, config.init_timeout)
-    stage = StageRunner(config.model_path, config.layer_start, config.layer_end)
+    stage = StageRunner(config.model_path, config.layer_start, config.layer_end,
+                        config.streamed_layers)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics)
     try:

@@ -15,7 +15,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes")
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes", "weights_cap_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class HandshakeReply(_message.Message):
     SPEED_FIELD_NUMBER: _ClassVar[int]
     RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
     WORKER_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     node_nonce: bytes
@@ -34,7 +35,8 @@ class HandshakeReply(_message.Message):
     speed: float
     rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
     worker_cache_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ...) -> None: ...
+    weights_cap_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ..., weights_cap_bytes: _Optional[int] = ...) -> None: ...
 
 class RdmaPort(_message.Message):
     __slots__ = ("device", "uuid", "peer_uuid")
@@ -57,7 +59,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class LoadShardRequest(_message.Message):
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RDMA_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -82,7 +85,8 @@ class LoadShardRequest(_message.Message):
     micro_batches: int
     rdma_devices_json: str
     speculative: str
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
+    streamed_layers: int
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")

@@ -1,0 +1,209 @@
+"""Layers whose weights stay on the SSD: read just ahead of their turn, dropped after it.
+
+A stage whose layers do not all fit the node's memory keeps its last layers *streamed*. Their
+modules hold no weights between steps: at its turn in a forward pass a streamed layer gets its
+weights as fresh lazy loads of the model's own safetensors files (mx.load reads nothing until
+evaluated), passed through the family's own `sanitize` as mlx-lm's loader does, computes, and is
+evaluated at once, so its weights are read, used and released before the next streamed layer's
+are read: at most one streamed layer is resident at a time, beside the resident ones.
+
+Read-ahead: while a layer computes, a thread reads the next streamed layer's byte ranges (in
+order of the stage, wrapping to the first for the next step), which brings them into the page
+cache, so the lazy load that follows copies from memory rather than waiting on the SSD. Where
+the OS has posix_fadvise (Linux), a layer's pages are dropped from the page cache after its
+turn, so the cache does not quietly hold a second copy of what is streamed; macOS has no such
+call and reclaims those clean pages under pressure.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
+
+# Bytes one read-ahead call reads at a time (into one reused buffer: its contents are dropped).
+READ_BYTES = 8 << 20
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class StreamError(ValueError):
+    """A layer that cannot be streamed; the message says why."""
+
+
+@dataclass(frozen=True)
+class _Span:
+    file: Path
+    start: int  # absolute offsets in the file
+    end: int
+
+
+class LayerStream:
+    """The weights of `layers` (absolute layer index -> module) of the model at `path`, whose
+    parameters are named `{prefix}{index}.…`. `cast` is applied to each floating weight
+    (the stage's compute dtype), None to keep them as stored."""
+
+    def __init__(self, model: nn.Module, path: Path, prefix: str, layers: dict[int, nn.Module],
+                 cast: mx.Dtype | None) -> None:
+        self._layers = layers
+        self._prefix = prefix
+        self._cast = cast
+        # Some families' sanitize changes the model it is called on (gemma3 drops its head when
+        # the weights given lack one): it runs on a shallow copy, and only for a family whose
+        # files need it (_check finds out).
+        self._sanitize: Callable[[dict], dict] | None = (
+            (lambda w: copy.copy(model).sanitize(w)) if hasattr(model, "sanitize") else None)
+        self._sanitized = False
+        self._files: dict[int, list[Path]] = {i: [] for i in layers}
+        self._spans: dict[int, list[_Span]] = {i: [] for i in layers}
+        for f in weight_files(path):
+            header = read_header(f)
+            for name, info in header.tensors.items():
+                m = _LAYER.search(name)
+                if m is None or int(m.group(1)) not in layers:
+                    continue
+                i = int(m.group(1))
+                if f not in self._files[i]:
+                    self._files[i].append(f)
+                start, end = tensor_range(name, info, f)
+                self._spans[i].append(_Span(f, header.data_start + start,
+                                            header.data_start + end))
+        self._spans = {i: _merged(s) for i, s in self._spans.items()}
+        self._order = sorted(layers)
+        # What a layer's modules hold between turns: placeholders of the weights' shapes, lazy
+        # and never evaluated, so they take no memory.
+        self._idle: dict[int, list[tuple[str, mx.array]]] = {}
+        for i in self._order:
+            self._check(i)
+        # What the checks read went to MLX's buffer cache: give it back now. At each turn a
+        # layer's buffers are then reused by the next one's, of the same sizes.
+        mx.clear_cache()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="layer-read-ahead")
+        self._ahead: dict[int, Future] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the streamed layers' weights on disk."""
+        return sum(s.end - s.start for spans in self._spans.values() for s in spans)
+
+    def largest_layer_bytes(self) -> int:
+        return max((sum(s.end - s.start for s in spans) for spans in self._spans.values()),
+                   default=0)
+
+    def run(self, i: int, call: Callable[[], mx.array]) -> mx.array:
+        """`call()` (the layer's forward) with layer i's weights in place, evaluated; the
+        weights are released when it returns. Raises OSError when they cannot be read."""
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None:
+            ahead.result()  # a failed read raises here, for the requests of this step
+        layer = self._layers[i]
+        layer.update(tree_unflatten(self._weights(i)))
+        nxt = self._order[(self._order.index(i) + 1) % len(self._order)]
+        if nxt not in self._ahead:
+            self._ahead[nxt] = self._reader.submit(self._read_ahead, nxt)
+        try:
+            h = call()
+            mx.eval(h)
+        finally:
+            layer.update(tree_unflatten(self._idle[i]))
+            self._drop(i)
+        return h
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+
+    def _weights(self, i: int) -> list[tuple[str, mx.array]]:
+        raw: dict[str, mx.array] = {}
+        for f in self._files[i]:
+            raw.update((k, v) for k, v in mx.load(str(f)).items()
+                       if (m := _LAYER.search(k)) and int(m.group(1)) == i)
+        own = f"{self._prefix}{i}."
+        weights = self._sanitize(raw) if self._sanitized else raw
+        out = []
+        for k, v in weights.items():
+            if not k.startswith(own):
+                continue
+            if self._cast is not None and mx.issubdtype(v.dtype, mx.floating):
+                v = v.astype(self._cast)
+            out.append((k[len(own):], v))
+        return out
+
+    def _check(self, i: int) -> None:
+        """StreamError unless what a turn would give layer i equals, name by name and value by
+        value, what mlx-lm's loader gave it (read once here, one layer at a time); then the
+        module's weights are swapped for placeholders."""
+        loaded = dict(tree_flatten(self._layers[i].parameters()))
+        given = dict(self._weights(i))
+        differ = self._differ(given, loaded)
+        if differ and self._sanitize is not None and not self._sanitized:
+            self._sanitized = True
+            try:
+                given = dict(self._weights(i))
+            except (KeyError, IndexError, ValueError) as e:  # it wants the whole model's tensors
+                raise StreamError(f"layer {i} cannot be streamed: the family's sanitize needs "
+                                  f"more than one layer's weights ({e!r})") from None
+            differ = self._differ(given, loaded)
+        if differ:
+            raise StreamError(
+                f"layer {i} cannot be streamed: its weights as read from disk differ from what "
+                f"mlx-lm's loader gives it ({len(differ)} tensors, e.g. {differ[0]!r}); keep it "
+                f"resident (raise the node's weights memory or add a node)")
+        self._idle[i] = [(k, mx.zeros(v.shape, v.dtype)) for k, v in given.items()]
+        self._layers[i].update(tree_unflatten(self._idle[i]))
+
+    def _differ(self, given: dict[str, mx.array], loaded: dict[str, mx.array]) -> list[str]:
+        def as_run(v: mx.array) -> mx.array:
+            floating = self._cast is not None and mx.issubdtype(v.dtype, mx.floating)
+            return v.astype(self._cast) if floating else v
+
+        return sorted(set(given) ^ set(loaded)) or [
+            k for k in sorted(given) if given[k].shape != loaded[k].shape
+            or not mx.array_equal(given[k], as_run(loaded[k])).item()]
+
+    def _read_ahead(self, i: int) -> None:
+        buf = bytearray(READ_BYTES)
+        view = memoryview(buf)
+        for span in self._spans[i]:
+            with open(span.file, "rb", buffering=0) as f:
+                pos = span.start
+                f.seek(pos)
+                while pos < span.end:
+                    n = f.readinto(view[:min(READ_BYTES, span.end - pos)])
+                    if not n:
+                        raise OSError(f"{span.file}: ended at byte {pos} of the layer {i} "
+                                      f"weights it should hold up to {span.end}")
+                    pos += n
+
+    def _drop(self, i: int) -> None:
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for span in self._spans[i]:
+            try:
+                fd = os.open(span.file, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, span.start, span.end - span.start, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _merged(spans: list[_Span]) -> list[_Span]:
+    """Adjacent byte ranges of one file as one (a layer's tensors are usually stored together),
+    so read-ahead reads in large sequential runs."""
+    out: list[_Span] = []
+    for s in sorted(spans, key=lambda s: (str(s.file), s.start)):
+        if out and out[-1].file == s.file and out[-1].end == s.start:
+            out[-1] = _Span(s.file, out[-1].start, s.end)
+        else:
+            out.append(s)
+    return out
