@@ -9,7 +9,7 @@ the tail's shard worker (or its whole node agent) after some tokens, and measure
   token after the longest pause; tokens already in flight arrive before it),
 - and that the output equals an undisturbed run.
 
-    python bench/bench_failover.py [--model PATH] [--tiny] [--repeats 3] [--out bench/results]
+    python -m bench.failover [--model PATH] [--tiny] [--repeats 3] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -21,25 +21,13 @@ import platform
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from omlx_shared.child import omlx_command  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import RESULTS, free_port
+from omlx_shared.child import omlx_command
 
 
 def start_server(model: Path, home: Path) -> tuple[subprocess.Popen, str]:
@@ -109,7 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--kill-after", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="omlx-failover-"))
     if args.tiny:
@@ -137,12 +125,12 @@ def main() -> None:
         rows.append({"killed": target.replace("_pid", ""), "runs": runs, "median": med,
                      "all_identical": all(r["identical"] for r in runs)})
         print(target, json.dumps(med), "identical:", rows[-1]["all_identical"], flush=True)
-    tag = "tiny" if args.tiny else "default"
+    stem = "failover-tiny-cpu" if args.tiny else "failover-cpu"
     result = {"machine": f"{platform.processor() or platform.machine()} "
                          f"({os.cpu_count()} cores), {platform.system()}",
               "model": model.name, "repeats": args.repeats, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"failover_{tag}_cpu.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     md = [f"# Failover: time to the first token after a stage dies ({model.name})", "",
           f"- machine: {result['machine']}; 2-node pipeline on one machine (`serve --nodes 2`), "
           f"{args.repeats} runs each, medians", "",
@@ -153,7 +141,7 @@ def main() -> None:
         md.append(f"| {r['killed']} | {m['detect_s']:.2f} | {m['replan_s']:.2f} | "
                   f"{m['load_s']:.2f} | {m['first_token_after_kill_s']:.2f} | "
                   f"{r['all_identical']} |")
-    (args.out / f"failover_{tag}_cpu.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

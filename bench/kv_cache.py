@@ -32,10 +32,10 @@ prompt token, which is always run (the cache covers prompt[:-1]); an unaligned p
 up to block_size - 1 tokens on every hit. The model is the default store model (resolved with the
 user's own OMLX_CLUSTER_HOME before the temporary one is set).
 
-    python bench/bench_kv_cache.py                  # ~15 minutes on a 2-core CPU
-    python bench/bench_kv_cache.py --lengths 513 1025 --cold-repeats 1 1   # a quick dry run
+    python -m bench.kv_cache                  # ~15 minutes on a 2-core CPU
+    python -m bench.kv_cache --lengths 513 1025 --cold-repeats 1 1   # a quick dry run
 
-Results: bench/results/kv_cache_<tag>.json and .md (tag: cpu, h200, gpu, or --tag).
+Results: bench/results/kv-cache-<tag>.json and .md (tag: cpu, h200, gpu, or --tag).
 """
 
 from __future__ import annotations
@@ -55,12 +55,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-for p in (str(REPO), str(REPO / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bench_single_node import (  # noqa: E402
+from bench.common import (
+    REPO,
+    RESULTS,
     SERVER_START_TIMEOUT,
     Server,
     blas_of,
@@ -176,9 +173,8 @@ async def stream_ttft(client, base: str, prompt: list[int], max_tokens: int) -> 
 def parse_metrics(text: str) -> dict[str, float]:
     """{'name{label="v",...}': value} (labels sorted), without the labels naming the node's
     stage (IDENTITY_LABELS): each server here has one node of one stage."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from omlx_node.metrics import IDENTITY_LABELS
+    from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for family in text_string_to_metric_families(text):
@@ -280,7 +276,6 @@ def profile_restore(cache_dir: Path, block_size: int, prompt: list[int], can_dro
     import hashlib
 
     import mlx.core as mx
-
     from omlx_node.kv_cache import PrefixCache
 
     files = sorted(cache_dir.rglob("*.safetensors"))
@@ -370,7 +365,7 @@ def main() -> int:
     ap.add_argument("--hit-repeats", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--raw-read-bytes", type=int, default=GiB)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag")
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary home")
@@ -431,7 +426,7 @@ def main() -> int:
                     "phases": {}, "loadavg_start": os.getloadavg()}
     P = result["phases"]
     args.out.mkdir(parents=True, exist_ok=True)
-    partial = args.out / f"kv_cache_{tag}.partial.json"
+    partial = args.out / f"kv-cache-{tag}.partial.json"
 
     def save_partial() -> None:
         partial.write_text(json.dumps(result, indent=1))
@@ -586,11 +581,11 @@ def main() -> int:
                                                    else g["value"] <= g["goal"])
     result["omlx_published"] = OMLX_PUBLISHED
     result["bench_seconds"] = round(time.monotonic() - t_start, 1)
-    (args.out / f"kv_cache_{tag}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"kv_cache_{tag}.md").write_text(markdown(result))
+    (args.out / f"kv-cache-{tag}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"kv-cache-{tag}.md").write_text(markdown(result))
     partial.unlink(missing_ok=True)
     print(markdown(result))
-    log(f"wrote {args.out}/kv_cache_{tag}.json and .md ({result['bench_seconds']:.0f}s)")
+    log(f"wrote {args.out}/kv-cache-{tag}.json and .md ({result['bench_seconds']:.0f}s)")
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -27,14 +27,14 @@ full-length request at batch 1 and one full-length batch at every concurrency le
 first call of each shape JIT-compiles) before anything is timed. On a multi-GPU host set
 OMLX_NODE_DEVICES=0,1 so each stage (and each rank of the hop test) gets its own GPU.
 
-    python bench/bench_pipeline.py                               # the default model, CPU-sized
-    OMLX_NODE_DEVICES=0,1 python bench/bench_pipeline.py --random-llama-1b --repeats 5 \\
+    python -m bench.pipeline                               # the default model, CPU-sized
+    OMLX_NODE_DEVICES=0,1 python -m bench.pipeline --random-llama-1b --repeats 5 \\
         --decode-tokens 256 --conc-tokens 256 --warmup-tokens 256
     # the 4-GPU scaling run: 1, 2 and 4 stages, 8 / 32 / 64 streams, busy fraction per GPU
-    OMLX_NODE_DEVICES=0,1,2,3 python bench/bench_pipeline.py --random-llama 8b --stages 2 4 \\
+    OMLX_NODE_DEVICES=0,1,2,3 python -m bench.pipeline --random-llama 8b --stages 2 4 \\
         --concurrency 8 32 64 --repeats 3 --decode-tokens 64 --conc-tokens 64
 
-Results: bench/results/pipeline_<tag>.json and .md (tag: cpu, h200, h200x2, gpu, or --tag).
+Results: bench/results/pipeline-<tag>.json and .md (tag: cpu, h200, h200x2, gpu, or --tag).
 """
 
 from __future__ import annotations
@@ -54,13 +54,8 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bench_single_node import (  # noqa: E402
+from bench.common import (
+    RESULTS,
     Server,
     add_model_args,
     blas_of,
@@ -70,6 +65,7 @@ from bench_single_node import (  # noqa: E402
     select_model,
     stream_batch,
     stream_one,
+    with_repo_path,
 )
 
 SERVER_START_TIMEOUT = 240.0
@@ -84,7 +80,6 @@ def hop_rank(spec: dict) -> dict:
     its default device (as a stage's layers would) and answers with int32[rows] tokens, until a
     STOP step. The cases are interleaved in rounds, so drift and neighbours' load hit them alike."""
     import mlx.core as mx
-
     from omlx_node import wire
     from omlx_node.stage import compute_dtype
 
@@ -184,15 +179,14 @@ def hop_bench(hidden_size: int, dtype: str, args, node_env: dict, work: Path) ->
     devices = [d for d in os.environ.get("OMLX_NODE_DEVICES", "").split(",") if d]
     procs, results = [], []
     for rank in range(2):
-        env = dict(node_env)
+        env = with_repo_path(node_env)
         env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
         res = work / f"hop.{rank}.out.json"
         log = open(work / f"hop.{rank}.log", "wb")
         procs.append((subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--_child", "hop", "--_spec",
+            [sys.executable, "-m", "bench.pipeline", "--_child", "hop", "--_spec",
              str(spec_file), "--_result", str(res)], env=env, stdout=log,
             stderr=subprocess.STDOUT), res, log))
     deadline = time.monotonic() + args.hop_timeout + 30
@@ -600,7 +594,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", help="results file tag (default: cpu/h200/h200xN/gpu)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2],
                     help="pipeline lengths to compare with one stage, e.g. 2 4 (each >= 2)")
@@ -690,7 +684,7 @@ def main() -> int:
               "env": {"OMLX_NODE_DEVICES": os.environ.get("OMLX_NODE_DEVICES")},
               "hop": {}, "configs": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    partial = args.out / f"pipeline_{tag}.partial.json"
+    partial = args.out / f"pipeline-{tag}.partial.json"
 
     def save_partial() -> None:
         partial.write_text(json.dumps(result, indent=1))
@@ -747,11 +741,11 @@ def main() -> int:
 
     result["rows"] = summarize(result, args)
     result["bench_seconds"] = round(time.monotonic() - t_start, 1)
-    (args.out / f"pipeline_{tag}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"pipeline_{tag}.md").write_text(markdown(result, args))
+    (args.out / f"pipeline-{tag}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"pipeline-{tag}.md").write_text(markdown(result, args))
     partial.unlink(missing_ok=True)
     print(markdown(result, args))
-    print(f"wrote {args.out}/pipeline_{tag}.json and .md ({result['bench_seconds']:.0f}s)",
+    print(f"wrote {args.out}/pipeline-{tag}.json and .md ({result['bench_seconds']:.0f}s)",
           file=sys.stderr)
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

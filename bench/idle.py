@@ -13,7 +13,7 @@ measured from /proc/<pid>/stat ticks; then `--wakes` times: `--wake-idle` second
 flight and one request (TTFT after idling). Prints each process's idle CPU (% of one core; goal <=
 2) and the wake delay (TTFT after idling minus warm TTFT) in steps (goal <= 1).
 
-    python bench/bench_idle.py [--random-llama 1b] [--idle-seconds 30]
+    python -m bench.idle [--random-llama 1b] [--idle-seconds 30]
 """
 
 from __future__ import annotations
@@ -31,17 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.bench_single_node import (  # noqa: E402
+from bench.common import (
     RANDOM_LLAMAS,
     Server,
-    diag_model,
     free_port,
     idle_cpu,
     process_tree,
+    scratch_model,
     stream_one,
+    with_repo_path,
 )
 
 SECRET = "bench-idle-cluster-secret"
@@ -55,8 +53,7 @@ class JoinedCluster:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = work / "coordinator.log"
         self.logs, self.procs = [], []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env = with_repo_path(dict(os.environ))
         self._start([sys.executable, "-m", "omlx_cluster", "coordinator", "--model", str(model),
                      "--model-id", "bench", "--port", str(self.port), "--secret", SECRET,
                      "--no-discovery", "--log-level", "warning"],
@@ -188,7 +185,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-idle-") as tmp:
         work = Path(tmp)
-        model, vocab = diag_model(work, args.random_llama, 4 * (args.prompt + args.tokens),
+        model, vocab = scratch_model(work, args.random_llama, 4 * (args.prompt + args.tokens),
                                   num_layers=4)
         rng = random.Random(0)
         setups = {

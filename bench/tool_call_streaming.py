@@ -8,7 +8,7 @@ Every token comes with its logprobs, the held ones too, so each chunk's arrival 
 token's: the streamed time is the first chunk carrying argument text; the whole time is when
 the old parser, fed the same tokens at the same times, gives the call. Medians of `--runs`.
 
-    python bench/bench_tool_call_streaming.py [--runs 5] [--chars 450] [--out bench/results]
+    python -m bench.tool_call_streaming [--runs 5] [--chars 450] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.bench_single_node import Server, machine_info, machine_tag  # noqa: E402
-from omlx_coordinator.tokenizer import ChatTokenizer  # noqa: E402
-from omlx_coordinator.tool_calls import ToolCallFormat  # noqa: E402
-from tests.tiny_models import build_model, qwen_tokenizer  # noqa: E402
+from bench.common import (
+    RESULTS,
+    Server,
+    machine_info,
+    machine_tag,
+)
+from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.tool_calls import ToolCallFormat
+from tests.tiny_models import build_model, qwen_tokenizer
 
 
 class WholeCalls:
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--chars", type=int, default=900,
                     help="the string property's length (~500 tokens with this vocabulary)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     machine = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +152,7 @@ def main() -> None:
         "",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tool_call_streaming_{machine_tag(machine)}.md"
+    path = args.out / f"tool-call-streaming-{machine_tag(machine)}.md"
     path.write_text("\n".join(lines))
     print(f"wrote {path}")
 

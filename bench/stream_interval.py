@@ -10,10 +10,10 @@ speed drifts moves both alike (the idle server costs nothing meanwhile). Prints 
 rate ratio B/A and their median, and each side's CPU milliseconds per generated token, by
 process (from /proc), over its timed runs: what the messages cost the gateway and the worker.
 
-    python bench/bench_stream_interval.py --random-llama 1b --pairs 15     # GPU
-    python bench/bench_stream_interval.py --random-llama small --pairs 9   # CPU
+    python -m bench.stream_interval --random-llama 1b --pairs 15     # GPU
+    python -m bench.stream_interval --random-llama small --pairs 9   # CPU
 
-Results: bench/results/stream_interval_<tag>.json and .md.
+Results: bench/results/stream-interval-<tag>.json and .md.
 """
 
 from __future__ import annotations
@@ -27,16 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.bench_paired import paired  # noqa: E402
-from bench.bench_single_node import (  # noqa: E402
+from bench.common import (
+    RESULTS,
     SERVER_START_TIMEOUT,
     Server,
     add_model_args,
     fmt,
-    http_workloads,
     machine_info,
     machine_tag,
     ours_body,
@@ -44,6 +40,8 @@ from bench.bench_single_node import (  # noqa: E402
     proc_ticks,
     select_model,
 )
+from bench.load_client import http_workloads
+from bench.paired import paired
 
 
 class Side:
@@ -84,7 +82,7 @@ def main() -> int:
     ap.add_argument("--conc-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
     ap.add_argument("--work-dir", type=Path, help="scratch folder (default: a temp folder)")
     args = ap.parse_args()
@@ -152,8 +150,8 @@ def main() -> int:
               for name in sorted(set(cpu["A"]) | set(cpu["B"]))]
     md = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"stream_interval_{tag}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"stream_interval_{tag}.md").write_text(md)
+    (args.out / f"stream-interval-{tag}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"stream-interval-{tag}.md").write_text(md)
     print(md)
     return 0
 

@@ -7,7 +7,7 @@ the rebalancer's move; the time from the slowdown to the move; the longest pause
 and that every output equals an undisturbed run. The planner's prediction for the move is the
 throttled tok/s times the predicted bottleneck gain (current / best) the move was made on.
 
-    sudo python bench/bench_rebalance.py [--throttle 0.1] [--out bench/results]
+    sudo python -m bench.rebalance [--throttle 0.1] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
+from bench.common import RESULTS
 from tests.conftest import start_server
 from tests.test_rebalancer import (
     LIVE_FLAGS,
@@ -42,7 +39,7 @@ from tests.tiny_models import build_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--throttle", type=float, default=0.1, help="CPU share left to the node")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--machine", default=platform.node(), help="what to call this machine")
     args = ap.parse_args()
     if (why := cgroup_unavailable()) is not None:
@@ -98,8 +95,8 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rebalance_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "rebalance_cpu.md").write_text(f"""# Rebalance on one slowed stage ({args.machine})
+    (args.out / "rebalance-cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "rebalance-cpu.md").write_text(f"""# Rebalance on one slowed stage ({args.machine})
 
 Machine: {args.machine}, {result['cpus']} CPU cores, a VM shared with other engineers' work
 (numbers move with their load). {result['model']}, 3 local stages, {len(refs)} greedy streams;

@@ -26,11 +26,11 @@ repeat), so drift on a shared machine hits them alike. After each run with the c
 waits for the SSD writer to finish (`PrefixCache.flush`), so a run never pays for the previous run's
 writes.
 
-    python bench/bench_ttft.py                          # CPU: a small random llama, minutes
-    python bench/bench_ttft.py --random-llama 8b        # GPU: Llama-3-8B layers, bf16
-    python bench/bench_ttft.py --random-llama 8b --http
+    python -m bench.ttft                          # CPU: a small random llama, minutes
+    python -m bench.ttft --random-llama 8b        # GPU: Llama-3-8B layers, bf16
+    python -m bench.ttft --random-llama 8b --http
 
-Writes bench/results/ttft_<tag>.md and .json (tag: cpu, h200, gpu, or --tag).
+Writes bench/results/ttft-<tag>.md and .json (tag: cpu, h200, gpu, or --tag).
 """
 
 from __future__ import annotations
@@ -46,12 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.bench_single_node import (  # noqa: E402
+from bench.common import (
     LLAMA8B,
+    RESULTS,
     TINYLLAMA,
     MlxLmServer,
     Server,
@@ -363,7 +360,7 @@ def main() -> int:
                     help="with --http: seconds idle before each 'spaced' request (default: 1)")
     ap.add_argument("--machine", help="how the report names the machine")
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if max(args.lengths) + 2 > CONTEXT:
         ap.error(f"prompts longer than {CONTEXT - 2} tokens exceed the random llama's context")
@@ -373,7 +370,7 @@ def main() -> int:
     env = blas_env()
     if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
         # The library must be loaded when the process starts, as a shard worker's is.
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", "bench.ttft", *sys.argv[1:]], env)
 
     import mlx.core as mx
     import mlx_lm
@@ -413,8 +410,8 @@ def main() -> int:
 
 def write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"ttft_{result['tag']}.json").write_text(json.dumps(result, indent=2))
-    (out / f"ttft_{result['tag']}.md").write_text(markdown(result))
+    (out / f"ttft-{result['tag']}.json").write_text(json.dumps(result, indent=2))
+    (out / f"ttft-{result['tag']}.md").write_text(markdown(result))
 
 
 if __name__ == "__main__":

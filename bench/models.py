@@ -13,7 +13,7 @@ Every figure comes from real `omlx-cluster serve` processes on this machine, dri
 4. loading beside: model A's tok/s (8 streams) alone and while model B loads on the same
    node: the ratio should stay within 10%.
 
-    python bench/bench_models.py [--runs 3] [--out bench/results] [--machine NAME]
+    python -m bench.models [--runs 3] [--out bench/results] [--machine NAME]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import platform
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -31,13 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.conftest import start_server  # noqa: E402
-from tests.test_models_serving import one_fits  # noqa: E402
-from tests.tiny_models import build_model  # noqa: E402
+from bench.common import RESULTS
+from tests.conftest import start_server
+from tests.test_models_serving import one_fits
+from tests.tiny_models import build_model
 
 TOKENS = 48  # per request in the throughput parts
 
@@ -192,7 +188,7 @@ def part_loading_beside(work: Path, a: Path, b: Path, runs: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--machine", default=platform.node(), help="what to call this machine")
     ap.add_argument("--parts", nargs="+", default=["replicas", "routing", "switching",
                                                    "beside"])
@@ -215,15 +211,15 @@ def main() -> None:
         results["beside"] = part_loading_beside(work, a, b, args.runs)
         print("A while B loads:", json.dumps(results["beside"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "models_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "models_cpu.md").write_text(markdown(results))
+    (args.out / "models-cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "models-cpu.md").write_text(markdown(results))
 
 
 def markdown(r: dict) -> str:
     """The results as the table bench/results/ keeps, with the ratios each claim is about."""
     lines = [f"# Several models on one cluster ({r['machine']})", "",
              f"Medians of {r['runs']} runs; every figure from real `serve` processes over HTTP "
-             "on this machine (`python bench/bench_models.py`).", ""]
+             "on this machine (`python -m bench.models`).", ""]
     if "replicas" in r:
         x = r["replicas"]
         lines += ["## 2 replicas vs one 2-stage pipeline (same model, same 2 local nodes)", "",

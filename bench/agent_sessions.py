@@ -25,10 +25,11 @@ and the prompt tokens the server reported as cached, against the tokens that tur
 previous prompt plus its answer). Per session: completion time. Ratios against mlx_lm.server
 over the sessions' medians.
 
-    python bench/bench_agent_sessions.py                   # 4 x 6, CPU small random llama
-    python bench/bench_agent_sessions.py --sessions 16
+    python -m bench.agent_sessions                   # 4 x 6, CPU small random llama
+    python -m bench.agent_sessions --sessions 16
 
-Results: bench/results/agent_sessions_<tag>_<N>x<M>.json and .md.
+Results: bench/results/agent-sessions-<tag>.json and .md (agent-sessions-<N>x<M>-<tag> for
+another shape than 4 x 6).
 """
 
 from __future__ import annotations
@@ -46,23 +47,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bench_agents import agent_ready, agent_tools, sse_lines  # noqa: E402
-from bench_single_node import (  # noqa: E402
+from bench.common import (
+    RESULTS,
     SERVER_START_TIMEOUT,
     MlxLmServer,
     Server,
     add_model_args,
+    agent_ready,
+    agent_tools,
     machine_info,
     machine_tag,
     median,
     plain_env,
     select_model,
+    sse_lines,
+    with_repo_path,
 )
 
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "bench"}
@@ -311,9 +310,9 @@ def side_plain(model: Path, work: Path, args, env: dict) -> dict:
     spec, result = work / "plain.in.json", work / "plain.out.json"
     spec.write_text(json.dumps({"model": str(model), "args": {
         k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))}}))
-    env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, __file__, "--_plain", str(spec), "--_result", str(result)],
-                   env=env, check=True, timeout=args.timeout)
+    subprocess.run([sys.executable, "-m", "bench.agent_sessions", "--_plain", str(spec),
+                    "--_result", str(result)], env=with_repo_path(env), check=True,
+                   timeout=args.timeout)
     return json.loads(result.read_text())
 
 
@@ -401,7 +400,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
@@ -478,7 +477,8 @@ def main() -> int:
                         for k, ts in turns.items()},
               "bench_seconds": round(time.monotonic() - t_start, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"agent_sessions_{tag}_{args.sessions}x{args.turns}"
+    shape = "" if (args.sessions, args.turns) == (4, 6) else f"-{args.sessions}x{args.turns}"
+    stem = f"agent-sessions{shape}-{tag}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))

@@ -12,7 +12,7 @@ BLAS a node's shard worker gets (omlx_shared.blas).
 The model is a random llama with a large vocabulary and a small hidden size, so the head and the
 sampler, not the layers, are most of a step: where sampling costs show.
 
-    python bench/bench_sampling.py [--vocab 65536] [--hidden 128] [--tokens 128] [--repeats 3]
+    python -m bench.sampling [--vocab 65536] [--hidden 128] [--tokens 128] [--repeats 3]
                                    [--top-k 50] [--dtype float32]
 """
 
@@ -27,12 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 import mlx.core as mx
-
 from omlx_node.batcher import Batcher, Finish, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
@@ -84,7 +79,7 @@ def main() -> None:
     sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=args.top_k)
     env = blas_env()
     if env != dict(os.environ):  # the BLAS a node's shard worker runs with, preloaded at start
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", "bench.sampling", *sys.argv[1:]], env)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "m", "llama", num_layers=args.layers,

@@ -17,10 +17,10 @@ linked) with a context of --agent-prompt tokens and Qwen's tool-calling chat tem
 random llamas also get a byte-level BPE tokenizer of their vocabulary size (their word-level
 one cannot spell JSON). The timing, not the text, is what counts here.
 
-    python bench/bench_agents.py                      # the default model (SmolLM2-135M)
-    python bench/bench_agents.py --random-llama 8b    # random Llama-3-8B-shaped model (GPU)
+    python -m bench.agents                      # the default model (SmolLM2-135M)
+    python -m bench.agents --random-llama 8b    # random Llama-3-8B-shaped model (GPU)
 
-Results: bench/results/agents_<tag>.json and .md (tag: cpu, h200, gpu, or --tag).
+Results: bench/results/agents-<tag>.json and .md (tag: cpu, h200, gpu, or --tag).
 """
 
 from __future__ import annotations
@@ -31,41 +31,26 @@ import json
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from bench_single_node import (  # noqa: E402
+from bench.common import (
+    RESULTS,
     SERVER_START_TIMEOUT,
     Server,
     add_model_args,
+    agent_ready,
+    agent_tools,
     machine_info,
     median,
     select_model,
+    sse_lines,
 )
 
 NUMBERS_SCHEMA = {"type": "object", "required": ["numbers"], "additionalProperties": False,
                   "properties": {"numbers": {"type": "array", "items": {"type": "integer"},
                                              "minItems": 10000}}}
-
-
-def agent_tools() -> list[dict]:
-    """12 tools shaped like Claude Code's (name, description, JSON schema input)."""
-    names = ["Bash", "Edit", "Glob", "Grep", "LS", "MultiEdit", "NotebookEdit", "Read",
-             "TodoWrite", "WebFetch", "WebSearch", "Write"]
-    return [{"name": n, "description": f"{n}: " + "performs the operation it names. " * 20,
-             "input_schema": {"type": "object", "required": ["path"],
-                              "properties": {"path": {"type": "string", "description": "path"},
-                                             "content": {"type": "string"},
-                                             "limit": {"type": "integer", "minimum": 1}}}}
-            for n in names]
 
 
 def agent_system(tag: str, words: int) -> list[dict]:
@@ -75,61 +60,6 @@ def agent_system(tag: str, words: int) -> list[dict]:
     body = (filler * (words // len(filler.split()) + 1))
     return [{"type": "text", "text": f"Conversation {tag}."},
             {"type": "text", "text": body, "cache_control": {"type": "ephemeral"}}]
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "chat_template.jinja")
-
-
-def agent_ready(model: Path, tokens: int, work: Path) -> Path:
-    """A copy of `model` (weights linked, not copied) that an agent can use: a context of
-    `tokens`, Qwen's tool-calling chat template (tests/tiny_models.py: `<tool_call>` JSON
-    markup, so the tools Claude Code sends are rendered and parsed), and a byte-level BPE
-    tokenizer where the model's vocabulary cannot spell JSON (the random llamas' word-level
-    one). Timing, not text, is what counts here."""
-    from tests.tiny_models import QWEN_TEMPLATE, build_tokenizer
-
-    config = json.loads((model / "config.json").read_text())
-    word_level = json.loads((model / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
-    dest = work / f"{model.name}-agent{tokens}"
-    if not dest.exists():
-        dest.mkdir(parents=True)
-        for f in model.iterdir():
-            if f.name != "config.json" and not (word_level and f.name in TOKENIZER_FILES):
-                (dest / f.name).symlink_to(f.resolve())
-        if word_level:
-            stdlib = Path(sysconfig.get_paths()["stdlib"])
-            corpus = [f.read_text(errors="ignore") for f in sorted(stdlib.glob("*.py"))]
-            build_tokenizer(dest, vocab_size=int(config["vocab_size"]), corpus=corpus)
-            config["eos_token_id"] = 2  # <|im_end|>, the template's end of turn
-        # The template as its own file (transformers reads it before tokenizer_config's).
-        tok_config = dest / "tokenizer_config.json"
-        settings = json.loads(tok_config.read_text())
-        settings.pop("chat_template", None)
-        tok_config.unlink()  # links into the model's folder: write copies
-        tok_config.write_text(json.dumps(settings, indent=1))
-        (dest / "chat_template.jinja").unlink(missing_ok=True)
-        (dest / "chat_template.jinja").write_text(QWEN_TEMPLATE)
-        config["max_position_embeddings"] = max(tokens, int(config.get(
-            "max_position_embeddings") or 0))
-        (dest / "config.json").write_text(json.dumps(config, indent=1))
-    return dest
-
-
-async def sse_lines(client, url: str, body: dict, headers: dict | None = None):
-    """(arrival time, event name or None, parsed data) for each SSE event of a POST."""
-    async with client.stream("POST", url, json=body, headers=headers or {}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        event = None
-        async for line in r.aiter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                if line[6:] == "[DONE]":
-                    return
-                yield time.perf_counter(), event, json.loads(line[6:])
-                event = None
 
 
 async def chat_stream(client, base: str, max_tokens: int, constrained: bool, i: int) -> dict:
@@ -279,7 +209,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", help="results file tag (default: h200/gpu/cpu from the machine)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of the tok/s runs")
@@ -319,8 +249,8 @@ def main() -> int:
               "bench_seconds": round(time.monotonic() - t_start, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     tag += "" if args.part == "all" else f"_{args.part}"
-    (args.out / f"agents_{tag}.json").write_text(json.dumps(result, indent=1, default=str))
-    (args.out / f"agents_{tag}.md").write_text(markdown(result))
+    (args.out / f"agents-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+    (args.out / f"agents-{tag}.md").write_text(markdown(result))
     print(markdown(result))
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,7 +7,7 @@ admitted one completed, the gateway's memory bounded (its RSS before, at peak an
 the server serving afterwards; then the same number spread evenly over a few seconds. A refusal's latency is from the client connecting to the
 response's status line.
 
-    python bench/bench_overload.py [--requests 2000] [--max-batch 8] [--out bench/results]
+    python -m bench.overload [--requests 2000] [--max-batch 8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -17,20 +17,14 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.bench_single_node import Server, machine_info, machine_tag  # noqa: E402
-from tests.tiny_models import build_model  # noqa: E402
+from bench.common import Server, machine_info, machine_tag
+from tests.tiny_models import build_model
 
 REFUSED_WITHIN_MS = 100.0  # the issue's goal
 
@@ -133,7 +127,7 @@ def markdown(r: dict) -> str:
         f"Machine: {m['cpu']} ({m['cpu_count']} cores, shared), {m['platform']}, Python "
         f"{m['python']}; commit {m['git_commit']} plus this change. Tiny random llama "
         f"(4 layers, hidden 64), max_tokens {r['max_tokens']} each, ignore_eos; loopback, one "
-        "connection a request (`python bench/bench_overload.py --out bench/results`).",
+        "connection a request (`python -m bench.overload --out bench/results`).",
         "",
         "| | " + " | ".join(runs) + " |",
         "|---|" + "---|" * len(runs),
@@ -209,7 +203,7 @@ def main() -> int:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"overload_{machine_tag(result['machine'])}.md").write_text(text)
+        (args.out / f"overload-{machine_tag(result['machine'])}.md").write_text(text)
     ok = serves and all(x["other"] == 0 and x["all_completed"] for x in runs.values())
     return 0 if ok else 1
 

@@ -10,7 +10,7 @@ a valid ~30 MB body (one long string: a pasted file); bodies at the structure bo
 and arrays a request may hold), of invalid and of valid messages (the tiny model's context
 refuses the latter after validation).
 
-    python bench/bench_body_parsing.py [--runs 3] [--out bench/results]
+    python -m bench.body_parsing [--runs 3] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import asyncio
 import json
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -28,12 +27,9 @@ from pathlib import Path
 
 import httpx
 import orjson
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.bench_single_node import Server, machine_info  # noqa: E402
-from omlx_coordinator.request_body import MAX_CONTAINERS  # noqa: E402
-from tests.tiny_models import build_model  # noqa: E402
+from bench.common import RESULTS, Server, machine_info
+from omlx_coordinator.request_body import MAX_CONTAINERS
+from tests.tiny_models import build_model
 
 KEY = "sk-bench-body-parsing"
 FLOOD = b'{"model": "bench", "x": [' + b",".join([b'{"a":1}'] * 3_700_000) + b", NaN]}"
@@ -144,7 +140,7 @@ def orjson_parse_s(body: bytes) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-body-"))
     model = build_model(work / "tiny", "llama", num_layers=2, hidden_size=64, seed=0)
@@ -173,7 +169,7 @@ def main() -> None:
               "quiet_gap_p99_ms": base_gap, "rows": rows}
     lines = [f"# Request bodies and the event loop ({machine['cpu']}, {machine['cpu_count']} "
              f"cores, commit {machine['git_commit']})", "",
-             f"`python bench/bench_body_parsing.py --runs {args.runs}`: medians of {args.runs}. "
+             f"`python -m bench.body_parsing --runs {args.runs}`: medians of {args.runs}. "
              "A tiny model streams one request; a client polls /health every 10 ms.", "",
              f"With no body in flight: /health p99 {base_health:.1f} ms, stream gap p99 "
              f"{base_gap:.1f} ms.", "",
@@ -191,8 +187,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "body_parsing_cpu.md").write_text(text)
-    (args.out / "body_parsing_cpu.json").write_text(json.dumps(result, indent=1))
+    (args.out / "body-parsing-cpu.md").write_text(text)
+    (args.out / "body-parsing-cpu.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

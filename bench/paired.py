@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Paired benchmark: our server and raw mlx-lm measured in turns, so that both see the same host.
 
-`bench_single_node.py` runs each side whole, one after the other. On the H200 leases the host's
+`bench/single_node.py` runs each side whole, one after the other. On the H200 leases the host's
 speed drifts between them (raw mlx-lm's own batch-1 rate moved 1.5x from one round to the next),
 and a ratio of two sides measured minutes apart then says more about the host than about us.
 Here both sides stay up for the whole run: our server (`python -m omlx_cluster serve`) and a
@@ -20,15 +20,15 @@ Pairs, each workload `--pairs` times after `--warmup-runs` warm-ups of each side
 - ours sampled (temperature 0.8, top_p 0.95, top_k 50) against ours greedy, both through HTTP,
   at batch 1 and at 8 and 32 streams.
 
-The HTTP load comes from bench_single_node's client processes (started and connected before the
+The HTTP load comes from bench.load_client's processes (started and connected before the
 clock starts). Goals are issue 14's: aggregate >= 0.9x raw, batch 1 >= 0.95x, TTFT <= 1.1x raw's
 (a speed ratio >= 0.91), sampled >= 0.9x greedy.
 
-    python bench/bench_paired.py --random-llama 1b --pairs 5     # GPU: TinyLlama-shaped, bf16
-    python bench/bench_paired.py --random-llama 8b --pairs 5     # GPU: Llama-3-8B layers, bf16
-    python bench/bench_paired.py                                 # CPU: the small random llama
+    python -m bench.paired --random-llama 1b --pairs 5     # GPU: TinyLlama-shaped, bf16
+    python -m bench.paired --random-llama 8b --pairs 5     # GPU: Llama-3-8B layers, bf16
+    python -m bench.paired                                 # CPU: the small random llama
 
-Results: bench/results/paired_<tag>.json and .md.
+Results: bench/results/paired-<tag>.json and .md.
 """
 
 from __future__ import annotations
@@ -44,15 +44,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.bench_single_node import (  # noqa: E402
+from bench.common import (
     SERVER_START_TIMEOUT,
     Server,
     add_workload_args,
     fmt,
-    http_workloads,
     machine_info,
     machine_tag,
     median,
@@ -60,7 +56,9 @@ from bench.bench_single_node import (  # noqa: E402
     plain_env,
     raw_mlx_lm,
     select_model,
+    with_repo_path,
 )
+from bench.load_client import http_workloads
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 TTFT_GOAL = round(1 / 1.1, 2)  # TTFT <= 1.1x raw's, as a speed ratio
@@ -105,11 +103,10 @@ class RawSide:
     """The raw mlx-lm child, in the node's environment."""
 
     def __init__(self, model: Path, env: dict, log: Path):
-        env = dict(env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = with_repo_path(env)
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--_raw", str(model)],
+            [sys.executable, "-m", "bench.paired", "--_raw", str(model)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self.info = self._answer()["ready"]
 
@@ -332,13 +329,13 @@ def main() -> int:
                 "sampled_concurrency", "prompt_tokens", "ttft_prompts", "ttft_tokens",
                 "client_procs")} | {"server_args": args.server_arg},
             "bench_seconds": round(time.monotonic() - t_start, 1)}
-        (args.out / f"paired_{tag}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"paired-{tag}.json").write_text(json.dumps(result, indent=1))
         written["md"] = markdown(result)
-        (args.out / f"paired_{tag}.md").write_text(written["md"])
+        (args.out / f"paired-{tag}.md").write_text(written["md"])
 
     run_pairs(args, model, int(config["vocab_size"]), work, blas_env(), write)
     print(written["md"])
-    print(f"wrote {args.out}/paired_{tag}.json and .md", file=sys.stderr)
+    print(f"wrote {args.out}/paired-{tag}.json and .md", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,7 @@ the scan it replaced (every stop string's prefixes against the held tail, each t
 gateway's event loop: typical stop strings over prose, and an adversarial set (16 stop strings
 of 1,024 characters whose starts the output keeps matching). Medians of `--runs`.
 
-    python bench/bench_stop_strings.py [--tokens 2000] [--runs 5] [--out bench/results]
+    python -m bench.stop_strings [--tokens 2000] [--runs 5] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from omlx_coordinator.stop_strings import StopMatcher  # noqa: E402
+from omlx_coordinator.stop_strings import StopMatcher
 
 
 class ScanMatcher:
@@ -67,7 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=None, help="write stop_strings_<tag>.md here")
+    ap.add_argument("--out", type=Path, default=None, help="write stop-strings-<tag>.md here")
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
     lines = [f"# Stop-string matcher, ms a token ({args.tag})", "",
@@ -83,7 +81,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        (args.out / f"stop_strings_{args.tag}.md").write_text(text)
+        (args.out / f"stop-strings-{args.tag}.md").write_text(text)
     return 0
 
 
