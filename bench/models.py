@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 from bench.common import RESULTS
 from tests.conftest import start_server
-from tests.test_models_serving import one_fits
+from tests.helpers.serving import one_fits
 from tests.tiny_models import build_model
 
 TOKENS = 48  # per request in the throughput parts

@@ -25,13 +25,13 @@ from pathlib import Path
 import httpx
 from bench.common import RESULTS
 from tests.conftest import start_server
-from tests.test_rebalancer import (
+from tests.helpers.rebalance import (
     LIVE_FLAGS,
-    Streams,
     cgroup_unavailable,
     cpu_quota,
     references,
     status,
+    Streams,
 )
 from tests.tiny_models import build_model
 

@@ -40,7 +40,8 @@ from pathlib import Path
 import httpx
 from bench.common import REPO, RESULTS
 from tests.conftest import descendants, free_port
-from tests.test_coordinator_restart import launch, wait_until
+from tests.helpers.processes import launch
+from tests.helpers.waiting import wait_for
 from tests.tiny_models import QWEN_TEMPLATE, build_model
 
 KEY = "soak-" + secrets.token_urlsafe(24)
@@ -716,7 +717,7 @@ def main() -> None:
         for name in cluster.node_args:
             cluster.start_agent(name)
         cluster.start_coordinator()
-        wait_until(lambda: planned(cluster), "main planned over both nodes", 180)
+        wait_for(lambda: planned(cluster), 180, "main planned over both nodes")
         refs = references(cluster.url)
         print(f"references: {refs}", flush=True)
         layers = {n["id"]: [w["layers"] for w in n["workers"]]
