@@ -17,6 +17,7 @@ from omlx_shared.child import omlx_command
 from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
 from tests.tiny_models import build_model
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +48,13 @@ def http(ns: str, method: str, path: str, body: dict | None = None, timeout: flo
     return json.loads(r.stdout)
 
 
-def wait_for(ns: str, predicate, what: str, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    status = {}
-    while time.monotonic() < deadline:
+def status_when(ns: str, predicate, what: str, timeout: float = 60) -> dict:
+    """The coordinator's /cluster/status, read from `ns`, once `predicate` holds for it."""
+    def matching() -> dict | None:
         status = http(ns, "GET", "/cluster/status", timeout=5)["body"]
-        if status.get("nodes") is not None and predicate(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}: {status}")
+        return status if status.get("nodes") is not None and predicate(status) else None
+
+    return wait_for(matching, timeout, what, interval=0.3)
 
 
 def complete(ns: str) -> dict:
@@ -118,9 +117,9 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
                           tmp_path / "rogue.log", secret=OTHER_SECRET)
             procs.append(rogue)
 
-            status = wait_for(ns, lambda s: alive_ids(s) == {"mac-a", "mac-b"} and s["ready"]
-                              and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
-                              "both nodes to join and be planned")
+            status = status_when(ns, lambda s: alive_ids(s) == {"mac-a", "mac-b"} and s["ready"]
+                                 and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
+                                 "both nodes to join and be planned")
             assert "rogue" not in {n["id"] for n in status["nodes"]}
             # Each node measured its speed when it joined; the planner weighs the split by it.
             assert all(n["speed_gbps"] > 0.01 for n in status["nodes"]), status["nodes"]
@@ -142,8 +141,8 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             served = status["epoch"]
             t0 = time.monotonic()
             os.kill(nodes["mac-b"].pid, signal.SIGKILL)
-            status = wait_for(ns, lambda s: s["ready"] and alive_ids(s) == {"mac-a"}
-                              and s["epoch"] > served, "re-plan without mac-b", timeout=30)
+            status = status_when(ns, lambda s: s["ready"] and alive_ids(s) == {"mac-a"}
+                                 and s["epoch"] > served, "re-plan without mac-b", timeout=30)
             assert time.monotonic() - t0 < 15
             mac_a = next(n for n in status["nodes"] if n["id"] == "mac-a")
             assert mac_a["layers"] == [0, 4]
@@ -158,22 +157,22 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             while http(ns, "GET", "/health", timeout=5)["status"] == 0:  # until it listens
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            wait_for(ns, lambda s: "mac-a" in alive_ids(s), "mac-a to be admitted again",
-                     timeout=30)
+            status_when(ns, lambda s: "mac-a" in alive_ids(s), "mac-a to be admitted again",
+                        timeout=30)
             # Measured in the coordinator's own log: from waiting for nodes to the admission
             # (this test's polling from inside the namespace is slower than that).
             log = (tmp_path / "coordinator2.log").read_text()
             assert seconds_between(log, "waiting for nodes", "node mac-a") < 5, log
-            wait_for(ns, lambda s: s["ready"], "a plan after the restart")
+            status_when(ns, lambda s: s["ready"], "a plan after the restart")
             assert complete(ns)["body"]["choices"][0]["text"] == reference
 
             # A node that cannot use multicast registers directly.
             procs.append(start(ns, ["join", "--name", "mac-c", "--port", "50064",
                                     "--no-announce", "--coordinator", f"127.0.0.1:{PORT}"],
                                tmp_path / "mac-c.log"))
-            status = wait_for(ns, lambda s: alive_ids(s) == {"mac-a", "mac-c"} and s["ready"]
-                              and all(n["layers"] for n in s["nodes"] if n["alive"]),
-                              "mac-c to register and be planned")
+            status = status_when(ns, lambda s: alive_ids(s) == {"mac-a", "mac-c"} and s["ready"]
+                                 and all(n["layers"] for n in s["nodes"] if n["alive"]),
+                                 "mac-c to register and be planned")
             assert complete(ns)["body"]["choices"][0]["text"] == reference
         finally:
             stop(procs)
