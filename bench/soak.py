@@ -17,7 +17,7 @@ pipeline over both nodes. For `--minutes`:
 
 Writes soak-cpu.md, soak-cpu.svg and soak-cpu.json under --out. Not part of the test suite.
 
-    python bench/soak.py --minutes 30 [--clients 4] [--seed 1] [--out bench/results]
+    python -m bench.soak --minutes 30 [--clients 4] [--seed 1] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,13 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.conftest import descendants, free_port  # noqa: E402
-from tests.test_coordinator_restart import launch, wait_until  # noqa: E402
-from tests.tiny_models import QWEN_TEMPLATE, build_model  # noqa: E402
+from bench.common import REPO, RESULTS
+from tests.conftest import descendants, free_port
+from tests.helpers.processes import launch
+from tests.helpers.waiting import wait_for
+from tests.tiny_models import QWEN_TEMPLATE, build_model
 
 KEY = "soak-" + secrets.token_urlsafe(24)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -690,7 +687,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=180, help="seconds a request may take")
     ap.add_argument("--gap-min", type=float, default=20)
     ap.add_argument("--gap-max", type=float, default=60)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="omlx-soak-"))
@@ -720,7 +717,7 @@ def main() -> None:
         for name in cluster.node_args:
             cluster.start_agent(name)
         cluster.start_coordinator()
-        wait_until(lambda: planned(cluster), "main planned over both nodes", 180)
+        wait_for(lambda: planned(cluster), 180, "main planned over both nodes")
         refs = references(cluster.url)
         print(f"references: {refs}", flush=True)
         layers = {n["id"]: [w["layers"] for w in n["workers"]]

@@ -16,7 +16,7 @@ On a Linux CPU run it as a node's worker runs: with OpenBLAS preloaded (omlx_sha
 MLX's own reference BLAS is compute bound, where k+1 positions cost k+1 times one and no draft
 pays ("auto" then stays off; `verify_cost` is printed).
 
-    python bench/speculative.py --model default --tokens 256 --runs 3
+    python -m bench.speculative --model default --tokens 256 --runs 3
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main() -> int:
         f"costs {cost:.2f} of one (verify_cost; auto drafts up to 2.0).", "",
         "| mode | decode tok/s | vs off | acceptance | same tokens as off |",
         "|---|---|---|---|---|", *rows, "",
-        "Command: `python bench/speculative.py --model default "
+        "Command: `python -m bench.speculative --model default "
         f"--tokens {args.tokens} --runs {args.runs}`", ""])
     print(report)
     print("the answer begins:", repr(tok.decode(outputs["off"])[:300]))

@@ -12,7 +12,7 @@ Where the engine's steps come faster than the session's stream interval (a small
 fast device), the handler holds them and sends the steps of one interval as one message: fewer
 messages, fewer wake-ups of the handler and gRPC's threads in the worker, fewer events for the
 gateway to read and stream (on an H200 at batch 1, a third less gateway CPU a token:
-bench/bench_stream_interval.py). A sequence's first token and its end are never held
+bench/stream_interval.py). A sequence's first token and its end are never held
 (`Outbox.urgent`): a client waits for those.
 
 Requests are read on a thread of their own while the handler writes. A sequence's events read

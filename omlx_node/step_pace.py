@@ -3,7 +3,7 @@
 An iteration runs one decode step for the running rows and then one prefill chunk. With a fixed
 chunk (512 tokens on a CPU) every decoding stream waited for the whole chunk each step: on the
 2-core CPU a 512-token chunk took 10-40 decode steps' time, and a session decoding while others
-prefilled kept 4-9% of its plain decode rate (bench/results/agent_sessions_cpu_4x6.md). An agent
+prefilled kept 4-9% of its plain decode rate (bench/agent_sessions.py, before pacing). An agent
 waits for its whole turn, the first token and then every other one, so the prefill of one turn
 must not stop the decoding of the others.
 

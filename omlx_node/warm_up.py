@@ -2,9 +2,9 @@
 
 MLX builds a kernel the first time a process runs it (on CUDA it compiles it, unless the
 machine's kernel cache holds it already). A fresh engine's first burst of 8 streams on an H200
-waited ~1.2 s for its first tokens, the next bursts ~40 ms
-(bench/results/diag_first_burst_h200_1b.md); on a 2-core CPU a fresh worker's first request
-waited ~15 ms more than its next ones, ~3 ms once warmed up (bench/results/first_request_cpu.md).
+waited ~1.2 s for its first tokens, the next bursts ~40 ms; on a 2-core CPU a fresh worker's
+first request waited ~15 ms more than its next ones, ~3 ms once warmed up
+(bench/results/first-request-cpu.md).
 Unpaid at load, that lands on whoever sends the first request after a load, a re-plan or a
 failover: an agent's next turn.
 """

@@ -21,7 +21,7 @@ _HASH_DOMAIN = b"omlx-kv-v1\0"
 # blocks of it: with 256-token blocks each turn prefilled up to 255 re-sent tokens again (the
 # prompt's partial block and the model's own answer). 16 keeps the loss under 1% of a
 # 1,500-token agent prompt; what more, smaller blocks cost is measured in
-# bench/results/block_size_cpu.md.
+# bench/results/block-size-cpu.md.
 DEFAULT_BLOCK_SIZE = 16
 
 

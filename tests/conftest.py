@@ -217,6 +217,13 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def model(tiny_model_path: Path) -> Path:
+    """The model a test runs unless its module defines a `model` of its own: the tiny llama,
+    built once a session."""
+    return tiny_model_path
+
+
+@pytest.fixture(scope="session")
 def server_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("omlx-home")
 

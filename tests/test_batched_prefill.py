@@ -9,7 +9,7 @@ from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageRunner
-from tests.test_engine import drain, reference
+from tests.helpers.engine import drain, reference
 from tests.tiny_models import build_model
 
 

@@ -10,15 +10,13 @@ import socket
 import struct
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
-from tests.test_pipeline import pipeline
-from tests.tiny_models import build_model
+from tests.helpers.pipeline import pipeline
 
 # linux/connector.h and linux/cn_proc.h
 NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC = 11, 1, 1
@@ -81,11 +79,6 @@ def exit_codes():
     finally:
         sock.close()
         reader.join(5)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("stop") / "tiny-stop", "llama", num_layers=4)
 
 
 def test_sigterm_stops_every_rank_with_code_0(model):

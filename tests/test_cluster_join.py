@@ -16,16 +16,11 @@ import pytest
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
-from tests.tiny_models import build_model
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 PORT = 8500  # inside the namespace: nothing else listens there
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("join") / "tiny-join", "llama", num_layers=4)
 
 
 def http(ns: str, method: str, path: str, body: dict | None = None, timeout: float = 60) -> dict:
@@ -47,20 +42,18 @@ def http(ns: str, method: str, path: str, body: dict | None = None, timeout: flo
     return json.loads(r.stdout)
 
 
-def wait_for(ns: str, predicate, what: str, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    status = {}
-    while time.monotonic() < deadline:
+def status_when(ns: str, predicate, what: str, timeout: float = 60) -> dict:
+    """The coordinator's /cluster/status, read from `ns`, once `predicate` holds for it."""
+    def matching() -> dict | None:
         status = http(ns, "GET", "/cluster/status", timeout=5)["body"]
-        if status.get("nodes") is not None and predicate(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}: {status}")
+        return status if status.get("nodes") is not None and predicate(status) else None
+
+    return wait_for(matching, timeout, what, interval=0.3)
 
 
-def complete(ns: str) -> dict:
+def complete(ns: str, model: Path) -> dict:
     return http(ns, "POST", "/v1/completions", {
-        "model": "tiny-join", "prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0,
+        "model": model.name, "prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0,
         "ignore_eos": True})
 
 
@@ -118,9 +111,9 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
                           tmp_path / "rogue.log", secret=OTHER_SECRET)
             procs.append(rogue)
 
-            status = wait_for(ns, lambda s: alive_ids(s) == {"mac-a", "mac-b"} and s["ready"]
-                              and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
-                              "both nodes to join and be planned")
+            status = status_when(ns, lambda s: alive_ids(s) == {"mac-a", "mac-b"} and s["ready"]
+                                 and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
+                                 "both nodes to join and be planned")
             assert "rogue" not in {n["id"] for n in status["nodes"]}
             # Each node measured its speed when it joined; the planner weighs the split by it.
             assert all(n["speed_gbps"] > 0.01 for n in status["nodes"]), status["nodes"]
@@ -128,7 +121,7 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             # the planner counts beside each stage's weights and KV.
             assert {n["id"]: n["worker_cache_bytes"] for n in status["nodes"]} == {
                 "mac-a": 1 << 30, "mac-b": 64 << 20}
-            r = complete(ns)
+            r = complete(ns, model)
             assert r["status"] == 200, r
             reference = r["body"]["choices"][0]["text"]
             coordinator_log = (tmp_path / "coordinator.log").read_text()
@@ -142,12 +135,12 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             served = status["epoch"]
             t0 = time.monotonic()
             os.kill(nodes["mac-b"].pid, signal.SIGKILL)
-            status = wait_for(ns, lambda s: s["ready"] and alive_ids(s) == {"mac-a"}
-                              and s["epoch"] > served, "re-plan without mac-b", timeout=30)
+            status = status_when(ns, lambda s: s["ready"] and alive_ids(s) == {"mac-a"}
+                                 and s["epoch"] > served, "re-plan without mac-b", timeout=30)
             assert time.monotonic() - t0 < 15
             mac_a = next(n for n in status["nodes"] if n["id"] == "mac-a")
             assert mac_a["layers"] == [0, 4]
-            assert complete(ns)["body"]["choices"][0]["text"] == reference
+            assert complete(ns, model)["body"]["choices"][0]["text"] == reference
 
             # The coordinator restarts: the node is admitted again within 5 s.
             stop([coord])
@@ -158,23 +151,23 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             while http(ns, "GET", "/health", timeout=5)["status"] == 0:  # until it listens
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            wait_for(ns, lambda s: "mac-a" in alive_ids(s), "mac-a to be admitted again",
-                     timeout=30)
+            status_when(ns, lambda s: "mac-a" in alive_ids(s), "mac-a to be admitted again",
+                        timeout=30)
             # Measured in the coordinator's own log: from waiting for nodes to the admission
             # (this test's polling from inside the namespace is slower than that).
             log = (tmp_path / "coordinator2.log").read_text()
             assert seconds_between(log, "waiting for nodes", "node mac-a") < 5, log
-            wait_for(ns, lambda s: s["ready"], "a plan after the restart")
-            assert complete(ns)["body"]["choices"][0]["text"] == reference
+            status_when(ns, lambda s: s["ready"], "a plan after the restart")
+            assert complete(ns, model)["body"]["choices"][0]["text"] == reference
 
             # A node that cannot use multicast registers directly.
             procs.append(start(ns, ["join", "--name", "mac-c", "--port", "50064",
                                     "--no-announce", "--coordinator", f"127.0.0.1:{PORT}"],
                                tmp_path / "mac-c.log"))
-            status = wait_for(ns, lambda s: alive_ids(s) == {"mac-a", "mac-c"} and s["ready"]
-                              and all(n["layers"] for n in s["nodes"] if n["alive"]),
-                              "mac-c to register and be planned")
-            assert complete(ns)["body"]["choices"][0]["text"] == reference
+            status = status_when(ns, lambda s: alive_ids(s) == {"mac-a", "mac-c"} and s["ready"]
+                                 and all(n["layers"] for n in s["nodes"] if n["alive"]),
+                                 "mac-c to register and be planned")
+            assert complete(ns, model)["body"]["choices"][0]["text"] == reference
         finally:
             stop(procs)
 
@@ -191,7 +184,7 @@ def test_no_node_means_a_clear_503(model, tmp_path):
             while (r["status"] == 0 or (r.get("body") or {}).get("error", {}).get("code")
                    == "model_not_ready") and time.monotonic() < deadline:
                 time.sleep(0.2)
-                r = complete(ns)
+                r = complete(ns, model)
             assert r["status"] == 503
             assert "no node has joined yet" in r["body"]["error"]["message"]
         finally:

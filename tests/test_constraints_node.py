@@ -3,17 +3,13 @@ mlx-lm's own generation, and a two-stage pipeline (separate worker processes) ag
 
 from __future__ import annotations
 
-import json
 import queue
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-import jsonschema
 import llguidance
 import mlx.core as mx
 import numpy as np
@@ -30,27 +26,12 @@ from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
-from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
-from proto import omlx_pb2_grpc as pb_grpc
-from tests.conftest import free_port
-from tests.test_engine import drain, reference
-from tests.test_pipeline import run_concurrently
+from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
+from tests.helpers.pipeline import run_concurrently
 from tests.tiny_models import build_model
+from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "n", "ok"],
-    "additionalProperties": False,
-}
-# No free whitespace: a random model would otherwise fill its budget with it.
-GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
-    SCHEMA, defaults={"whitespace_flexible": False})
 BAD_GRAMMAR = llguidance.LLMatcher.grammar_from_lark("start: undefined_rule")
 PENALTIES = [
     {"repetition_penalty": 1.5},
@@ -81,30 +62,6 @@ def penalized_reference(model, ids: list[int], n: int, **penalties) -> list[int]
                                             logits_processors=make_logits_processors(**penalties))]
     mx.synchronize()
     return out
-
-
-def reference_logprobs(model, ids: list[int], n: int, **penalties) -> list[tuple[int, mx.array]]:
-    """mlx-lm's greedy tokens with the log-softmax vector each was chosen from."""
-    out = [(int(t), lp) for t, lp in generate_step(
-        mx.array(ids), model, max_tokens=n, logits_processors=make_logits_processors(**penalties))]
-    mx.synchronize()
-    return out
-
-
-def assert_logprobs_match(got: list, ref: list[tuple[int, mx.array]], k: int) -> None:
-    """`got`: (token, logprob, top ids, top logprobs) per token."""
-    assert [g[0] for g in got] == [t for t, _ in ref]
-    for (tok, lp, ids, lps), (_, vec) in zip(got, ref):
-        assert lp == pytest.approx(vec[tok].item(), abs=1e-4)
-        order = mx.argsort(-vec)[:k].tolist()
-        assert list(ids) == order
-        assert list(lps) == pytest.approx(vec[mx.array(order, dtype=mx.int32)].tolist(), abs=1e-4)
-
-
-def parse(tok, tokens: list[int]) -> dict:
-    value = json.loads(tok.decode(tokens))
-    jsonschema.validate(value, SCHEMA)
-    return value
 
 
 def test_constrained_rows_follow_the_schema_and_leave_the_batch_alone(batcher, mlx_lm_model):
@@ -255,35 +212,6 @@ def test_admission_records_cost_only_what_rows_ask():
 
 
 # ---- a two-stage pipeline --------------------------------------------------------------------
-
-
-@contextmanager
-def two_stages(head: Path, tail: Path, micro_batches: int):
-    """A pipeline of two `omlx-cluster worker`s, layer 0 on `head`'s folder and layer 1 on
-    `tail`'s; yields the head's ShardWorker stub."""
-    peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(folder), "--model-id", "m", "--rank", str(r),
-        "--layers", f"{r}:{r + 1}", "--peers", peers, "--plan-hash", "0123456789abcdef",
-        "--micro-batches", str(micro_batches), "--prefill-chunk", "8"), f"rank {r}")
-        for r, folder in enumerate((head, tail))]
-    try:
-        port = [w.wait_ready(120) for w in workers][0]["port"]
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.ShardWorkerStub(channel)
-    finally:
-        for w in workers:
-            w.stop()
-
-
-def generate(stub, ids: list[int], max_tokens: int, **fields) -> list[pb.TokenChunk]:
-    return list(stub.Generate(pb.GenerateRequest(
-        request_id=str(time.monotonic_ns()), prompt_tokens=ids, max_tokens=max_tokens,
-        **fields), timeout=120))
-
-
-def tokens_of(chunks: list[pb.TokenChunk]) -> list[int]:
-    return [t for c in chunks for t in c.tokens]
 
 
 def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(model_path, batcher,

@@ -5,7 +5,6 @@ their models after --orphan-grace and keep running."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -15,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_shared.child import omlx_command
-from tests.cluster_secret import SECRET
 from tests.conftest import alive, descendants, free_port
 from tests.tiny_models import build_model
+from tests.helpers.processes import launch
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +32,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
             for i, name in enumerate(MODELS)}
 
 
-def launch(args: list[str], home: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMLX_CLUSTER_HOME=str(home), OMLX_CLUSTER_SECRET=SECRET)
-    return subprocess.Popen(omlx_command(*args), stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=env)
-
-
 def status(url: str) -> dict:
     try:
         r = httpx.get(f"{url}/cluster/status", timeout=5)
         return r.json() if r.status_code == 200 else {}
     except httpx.HTTPError:
         return {}
-
-
-def wait_until(predicate, what: str, timeout: float) -> float:
-    """Polls `predicate` until true; returns when (monotonic)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return time.monotonic()
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def planned_over_both(url: str) -> bool:
@@ -96,7 +79,7 @@ def settled_count(pid: int) -> int:
         counts.append(len(descendants(pid)))
         return len(counts) > 15 and len(set(counts[-15:])) == 1
 
-    wait_until(steady, "the node's processes to settle", 60)
+    wait_for(steady, 60, "the node's processes to settle")
     return counts[-1]
 
 
@@ -115,7 +98,7 @@ def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):
     try:
         coordinator = launch(coordinator_args, home, tmp_path / "coordinator.log")
         procs.append(coordinator)
-        wait_until(lambda: planned_over_both(url), "both nodes planned", 120)
+        wait_for(lambda: planned_over_both(url), 120, "both nodes planned")
         reference = {m: complete(url, m) for m in MODELS}  # the second loads on demand
         s = status(url)
         assert all(len(n["layers"]) for n in s["nodes"]), s
@@ -142,7 +125,7 @@ def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):
         t0 = time.monotonic()
         coordinator = launch(coordinator_args, home, tmp_path / "coordinator2.log")
         procs.append(coordinator)
-        wait_until(lambda: planned_over_both(url), "a plan over both nodes again", 30)
+        wait_for(lambda: planned_over_both(url), 30, "a plan over both nodes again")
         assert {m: complete(url, m) for m in MODELS} == reference
         assert time.monotonic() - t0 < 30
         assert {name: settled_count(p.pid) for name, p in nodes.items()} == before
@@ -155,8 +138,8 @@ def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):
         coordinator.wait(10)
         killed = time.monotonic()
         for name, p in nodes.items():
-            wait_until(lambda: (tmp_path / f"{name}.log").read_text().count(
-                "no coordinator has called") == 1, f"node {name} to unload", ORPHAN_GRACE + 30)
+            wait_for(lambda: (tmp_path / f"{name}.log").read_text().count(
+                "no coordinator has called") == 1, ORPHAN_GRACE + 30, f"node {name} to unload")
         assert time.monotonic() - killed >= ORPHAN_GRACE / 2  # (heartbeats lag under load)
         for name, p in nodes.items():
             # Only the standby worker is left, waiting for a plan.

@@ -7,79 +7,31 @@ from __future__ import annotations
 import json
 import math
 import plistlib
-import shutil
 import subprocess
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.conftest import _stop, free_port, start_server
+from tests.conftest import start_server
+from tests.helpers.prometheus import (
+    DEPLOY,
+    NEEDS_PROMETHEUS,
+    PROMTOOL,
+    READY_TIMEOUT,
+    SCRAPE_SECONDS,
+    prometheus_config,
+    run_prometheus,
+)
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
 KEY = "prometheus-test-key"
-SCRAPE_SECONDS = 1
-READY_TIMEOUT = 60.0  # Prometheus up and every target scraped
 DATA_TIMEOUT = 90.0  # every dashboard query answered with data
-NEEDS_PROMETHEUS = pytest.mark.skipif(
-    PROMETHEUS is None or PROMTOOL is None,
-    reason="needs Prometheus and promtool on the PATH (Debian: apt-get install prometheus)")
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
     dash = json.loads((DEPLOY / "grafana" / "omlx-cluster.json").read_text())
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
-
-
-def prometheus_config(gateway: str, key_file: Path) -> dict:
-    """The shipped prometheus.yml, pointed at this machine's gateway and scraping faster."""
-    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval=f"{SCRAPE_SECONDS}s",
-                            evaluation_interval=f"{SCRAPE_SECONDS}s")
-    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert set(jobs) == {"omlx-gateway", "omlx-nodes"}
-    jobs["omlx-gateway"]["static_configs"] = [{"targets": [gateway]}]
-    (sd,) = jobs["omlx-nodes"]["http_sd_configs"]
-    assert sd["url"].endswith("/cluster/prometheus-targets")
-    sd.update(url=f"http://{gateway}/cluster/prometheus-targets", refresh_interval="1s")
-    sd["authorization"]["credentials_file"] = str(key_file)
-    jobs["omlx-gateway"]["authorization"]["credentials_file"] = str(key_file)
-    return config
-
-
-@contextmanager
-def run_prometheus(config: dict, work: Path, port: int | None = None):
-    """The `prometheus` binary on a loopback port (`port`, default a free one), its data in
-    `work` (never the system's service); yields its base URL."""
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = port or free_port()
-    log = open(work / "prometheus.log", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"Prometheus did not start:\n{(work / 'prometheus.log').read_text()}")
-        yield url
-    finally:
-        _stop(proc)
 
 
 def query(prometheus: str, expr: str) -> list[dict]:

@@ -15,7 +15,6 @@ from omlx_shared.child import omlx_command
 from omlx_shared.link_probe import ProbeError, run_rank
 from tests.cluster_secret import SECRET
 from tests.sshd import free_port, free_port_pair, start_sshd
-from tests.tiny_models import build_model
 
 MAC_ONLY = {"macos", "thunderbolt", "rdma", "wired-limit", "sleep", "firewall"}
 
@@ -23,11 +22,6 @@ MAC_ONLY = {"macos", "thunderbolt", "rdma", "wired-limit", "sleep", "firewall"}
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     yield from start_sshd(tmp_path_factory.mktemp("sshd"))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("doctor") / "tiny-doctor", "llama", num_layers=4)
 
 
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

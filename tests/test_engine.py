@@ -7,7 +7,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 from omlx_node.batcher import Batcher, Finish, SeqRequest
 from omlx_node.kv_cache import PrefixCache
@@ -15,6 +14,7 @@ from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageError, StageRunner
 from tests.tiny_models import build_model
+from tests.helpers.engine import drain, reference
 
 PROMPTS = [
     "The capital of France is",
@@ -28,33 +28,6 @@ PROMPTS = [
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
 def family_model(request, tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp(request.param), request.param, num_layers=4)
-
-
-def reference(model, ids: list[int], n: int) -> list[int]:
-    """mlx-lm's single-sequence greedy generation."""
-    out = []
-    for tok, _ in generate_step(mx.array(ids), model, max_tokens=n):
-        out.append(int(tok))
-    mx.synchronize()
-    return out
-
-
-def drain(batcher: Batcher, seqs, max_steps: int = 10_000) -> list[tuple[list[int], Finish]]:
-    for _ in range(max_steps):
-        if batcher.idle:
-            break
-        batcher.step()
-    results = []
-    for s in seqs:
-        toks, fin = [], None
-        while not s.events.empty():
-            ev = s.events.get_nowait()
-            if isinstance(ev, Finish):
-                fin = ev
-            else:
-                toks.append(ev)
-        results.append((toks, fin))
-    return results
 
 
 def test_stage_split_matches_whole_model(family_model):

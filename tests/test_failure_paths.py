@@ -35,9 +35,9 @@ from omlx_node.weight_store import FREE_SPACE_MARGIN_BYTES, WeightError, WeightS
 from omlx_shared import auth
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
-from tests.test_kv_tiers import BS, files, make_pc, metric, synthetic_cache
-from tests.test_weight_transfer import (
-    SECRET,
+from tests.helpers.kv import BS, files, make_pc, metric, synthetic_cache
+from tests.cluster_secret import SECRET
+from tests.helpers.weights import (
     _can_mount,
     admitted,
     agent_process,
@@ -46,11 +46,6 @@ from tests.test_weight_transfer import (
     push,
 )
 from tests.tiny_models import build_model, serving
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("fp") / "tiny-fp", "llama", num_layers=4)
 
 
 @pytest.fixture(scope="module")

@@ -223,7 +223,7 @@ def test_restored_window_layers_trim_as_a_pipeline_stage_does(tiny):
 ])
 @pytest.mark.slow
 def test_live_two_stage_pipeline_8_streams(family, micro_batches, tmp_path):
-    from tests.test_pipeline import generate, pipeline, run_concurrently
+    from tests.helpers.pipeline import generate, pipeline, run_concurrently
 
     path = build_model(tmp_path / family, family, num_layers=LAYERS)
     model, tok = load(str(path))

@@ -12,9 +12,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -24,9 +21,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_shared.blas import blas_env
 from tests.conftest import Server, parse_metrics, start_server
 from tests.tiny_models import build_model
+from tests.helpers.reference import _decode_after, mlx_lm_greedy
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,28 +40,6 @@ TEXT_PROMPTS = [
     "I am fine, thank",
 ]
 LONG_PROMPT = "The capital of France is Paris. The capital of Italy is Rome. " * 45
-
-# Runs in a subprocess with the node's environment (same BLAS), so the numerics are the node's.
-_REFERENCE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    model, _ = load(sys.argv[1])
-    prompts, n = json.loads(sys.stdin.read()), int(sys.argv[2])
-    out = [[t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)] for ids in prompts]
-    print("REFERENCE " + json.dumps(out))
-""")
-
-
-def mlx_lm_greedy(model_path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """mlx-lm's own greedy generation (generate_step, argmax sampler) of n tokens per prompt."""
-    r = subprocess.run([sys.executable, "-c", _REFERENCE_SCRIPT, str(model_path), str(n)],
-                       input=json.dumps(prompts), capture_output=True, text=True, timeout=180,
-                       env=blas_env())
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("REFERENCE "))
-    return json.loads(line[len("REFERENCE "):])
 
 
 # ---- fixtures ------------------------------------------------------------------------------------
@@ -93,25 +69,6 @@ def reference(tiny_model_path: Path, tok) -> dict[tuple[int, ...], list[int]]:
 def _chat_ids(tok, messages: list[dict]) -> list[int]:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def _decode_after(tok, prompt: list[int], gen: list[int]) -> str:
-    """The text `gen` adds after `prompt`: decoded in context, as the prompt continues."""
-    full = tok.decode(prompt + gen, skip_special_tokens=True)
-    head = tok.decode(prompt, skip_special_tokens=True)
-    assert full.startswith(head), (head, full)
-    return full[len(head):]
-
-
-def _wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _idle(server: Server) -> bool:
@@ -463,11 +420,11 @@ def _assert_generation_stopped(server: Server, endpoint: str, before: tuple, lim
     """The gateway counted a disconnect, the node cancelled the sequence and went idle, well
     before it could have generated `limit` tokens, and generates nothing more."""
     disc0, canc0, tok0 = before
-    _wait_for(lambda: _cancel_counters(server, endpoint)[0] >= disc0 + 1, 15,
+    wait_for(lambda: _cancel_counters(server, endpoint)[0] >= disc0 + 1, 15,
               f"omlx_requests_total{{endpoint={endpoint},outcome=disconnected}} to move")
-    _wait_for(lambda: _cancel_counters(server, endpoint)[1] >= canc0 + 1, 15,
+    wait_for(lambda: _cancel_counters(server, endpoint)[1] >= canc0 + 1, 15,
               "the node to cancel the sequence")
-    _wait_for(lambda: _idle(server), 15, "the gateway and the node to become idle")
+    wait_for(lambda: _idle(server), 15, "the gateway and the node to become idle")
     _, _, tok1 = _cancel_counters(server, endpoint)
     assert tok1 - tok0 < limit, "the node generated the whole completion anyway"
     time.sleep(0.5)
@@ -484,7 +441,7 @@ def _quick_request_works(client: openai.OpenAI, server: Server) -> None:
 
 def test_client_closing_a_stream_cancels_generation(server: Server,
                                                     client: openai.OpenAI) -> None:
-    _wait_for(lambda: _idle(server), 15, "an idle server")
+    wait_for(lambda: _idle(server), 15, "an idle server")
     before = _cancel_counters(server, "completions")
     limit = 1900
     body = {"model": server.model_id, "prompt": "Hello world! How are", "max_tokens": limit,
@@ -504,7 +461,7 @@ def test_client_closing_a_stream_cancels_generation(server: Server,
 
 
 def test_chat_stream_closed_by_openai_client(server: Server, client: openai.OpenAI) -> None:
-    _wait_for(lambda: _idle(server), 15, "an idle server")
+    wait_for(lambda: _idle(server), 15, "an idle server")
     before = _cancel_counters(server, "chat")
     limit = 1900
     stream = client.chat.completions.create(
@@ -520,7 +477,7 @@ def test_chat_stream_closed_by_openai_client(server: Server, client: openai.Open
 
 def test_non_streaming_client_timeout_cancels_generation(server: Server,
                                                          client: openai.OpenAI) -> None:
-    _wait_for(lambda: _idle(server), 15, "an idle server")
+    wait_for(lambda: _idle(server), 15, "an idle server")
     before = _cancel_counters(server, "completions")
     limit = 1900
     body = {"model": server.model_id, "prompt": "Hello world! How are", "max_tokens": limit,
@@ -531,7 +488,7 @@ def test_non_streaming_client_timeout_cancels_generation(server: Server,
     _quick_request_works(client, server)
 
     # The openai client's own timeout, likewise.
-    _wait_for(lambda: _idle(server), 15, "an idle server")
+    wait_for(lambda: _idle(server), 15, "an idle server")
     before = _cancel_counters(server, "completions")
     short = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
@@ -617,7 +574,7 @@ def test_an_idle_client_connection_outlives_the_clients_own_keep_alive(server: S
 
 
 def test_metrics_names_and_counters(server: Server, client: openai.OpenAI, tok) -> None:
-    _wait_for(lambda: _idle(server), 15, "an idle server")
+    wait_for(lambda: _idle(server), 15, "an idle server")
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in ("omlx_prompt_tokens_total", "omlx_tokens_predicted_total",
                  "omlx_time_to_first_token_seconds_bucket",

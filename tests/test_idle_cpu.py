@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from tests.conftest import Server, descendants, start_server
-from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +24,6 @@ WINDOW_SECONDS = 3.0
 # may still be busy when the server turns healthy: give them this long to settle.
 SETTLE_SECONDS = 60.0
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("idle") / "tiny-idle", "llama", num_layers=4)
 
 
 def cpu_ticks(pid: int) -> int | None:

@@ -24,9 +24,9 @@ from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
-from tests.test_constraints_node import GRAMMAR, generate, parse, tokens_of, two_stages
-from tests.test_engine import drain, reference
-from tests.test_pipeline import run_concurrently
+from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
+from tests.helpers.engine import drain, reference
+from tests.helpers.pipeline import run_concurrently
 from tests.tiny_models import build_model
 
 PROMPTS = ["Hello world", "The capital of France is", "x", "def add(a, b):\n    return"]

@@ -16,7 +16,7 @@ import omlx_node.kv_cache.host_copy as host_copy
 from omlx_node.kv_cache import device_tier
 from omlx_node.kv_cache.blocks import Block
 from omlx_node.stage import StageRunner
-from tests.test_kv_tiers import (
+from tests.helpers.kv import (
     BS,
     cached_logits,
     cold_logits,

@@ -17,7 +17,7 @@ import pytest
 
 from omlx_coordinator.api.common import SEND_GRACE_SECONDS
 from tests.conftest import start_server
-from tests.test_models_serving import (
+from tests.helpers.serving import (
     CACHE_FLAGS,
     card,
     complete,
@@ -26,8 +26,8 @@ from tests.test_models_serving import (
     prompts_for,
     stream,
     two_models,
-    wait_for,
 )
+from tests.helpers.waiting import wait_for
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow

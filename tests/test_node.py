@@ -3,13 +3,8 @@ contract (proto/omlx.proto)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -24,32 +19,12 @@ from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import parse_metrics
 from tests.tiny_models import build_model
+from tests.helpers.node import running_node
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("node-model"), "qwen3", num_layers=3)
-
-
-@contextmanager
-def running_node(folder: Path, *flags: str) -> Iterator[tuple[subprocess.Popen,
-                                                              pb_grpc.NodeAgentStub]]:
-    """`omlx-cluster node` with `flags`, started in `folder`; it must shut down cleanly (every
-    worker stopped, no abort)."""
-    ready = folder / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omlx_cluster", "node", "--port", "0", "--ready-file",
-         str(ready), *flags])
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None, "node exited during start-up"
-        assert time.monotonic() < deadline, "node did not start"
-        time.sleep(0.05)
-    channel = grpc.insecure_channel(f"127.0.0.1:{json.loads(ready.read_text())['port']}")
-    yield proc, pb_grpc.NodeAgentStub(channel)
-    channel.close()
-    proc.terminate()
-    assert proc.wait(15) == 0
 
 
 @pytest.fixture(scope="module")

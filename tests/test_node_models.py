@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
-from tests.test_node import running_node
+from tests.helpers.node import running_node
 from tests.tiny_models import build_model
 
 PROMPT = "The capital of France is"

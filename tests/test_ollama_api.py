@@ -28,7 +28,7 @@ from omlx_coordinator.model_config import ModelConfig
 from omlx_coordinator.served_model import ServedModel
 from tests.conftest import Server, start_server
 from tests.in_process_gateway import app_for, ask
-from tests.test_gateway import mlx_lm_greedy
+from tests.helpers.reference import mlx_lm_greedy
 from tests.tiny_models import build_model, qwen_tokenizer
 
 KEY = "sk-ollama-test"

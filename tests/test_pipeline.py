@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
-import grpc
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -17,9 +13,8 @@ from openai import OpenAI
 
 from omlx_shared.child import ChildError, ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
-from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
-from tests.tiny_models import build_model
+from tests.helpers.pipeline import generate, pipeline, run_concurrently
 
 PROMPTS = [
     "The capital of France is",
@@ -34,11 +29,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("pipe") / "tiny-pipe", "llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
 def references(model) -> dict[str, list[int]]:
     ref_model, tok = load(str(model))
     out = {}
@@ -47,51 +37,6 @@ def references(model) -> dict[str, list[int]]:
                                                     max_tokens=20)]
     mx.synchronize()
     return out
-
-
-@contextmanager
-def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
-             extra: tuple[str, ...] = ()):
-    """Starts one `omlx-cluster worker` per stage (with `extra` flags); yields the head's
-    ShardWorker stub."""
-    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in split)
-    bounds = [sum(split[:i]) for i in range(len(split) + 1)]
-    workers = [
-        ChildProcess(omlx_command(
-            "worker", "--model", str(model), "--model-id", "m", "--rank", str(r),
-            "--layers", f"{bounds[r]}:{bounds[r + 1]}", "--peers", peers,
-            "--plan-hash", "0123456789abcdef", "--micro-batches", str(micro_batches),
-            "--prefill-chunk", "8", "--init-timeout", str(init_timeout), *extra), f"rank {r}")
-        for r in range(len(split))]
-    try:
-        infos = [w.wait_ready(120) for w in workers]
-        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
-        yield pb_grpc.ShardWorkerStub(channel), workers
-        channel.close()
-    finally:
-        for w in workers:
-            w.stop()
-
-
-def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
-    chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
-                                                   prompt_tokens=ids, max_tokens=max_tokens),
-                                timeout=120))
-    return [t for c in chunks for t in c.tokens], chunks[-1].finish_reason
-
-
-def run_concurrently(fn, items: list) -> list:
-    results = [None] * len(items)
-
-    def one(i):
-        results[i] = fn(items[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results
 
 
 @pytest.mark.parametrize("split, micro_batches", [

@@ -9,8 +9,7 @@ from mlx_lm import load
 from omlx_node.batcher import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.prefill_order import shared_start, waits_for_ahead
-from tests.test_engine import drain, reference
-from tests.test_prefix_store_timing import engine
+from tests.helpers.engine import drain, engine, reference
 from tests.tiny_models import build_model
 
 

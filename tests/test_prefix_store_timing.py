@@ -11,14 +11,10 @@ from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageRunner
-from tests.test_engine import drain, reference
+from tests.helpers.engine import drain, engine, reference
 from tests.tiny_models import build_model
 
 BLOCK = 4
-
-
-def engine(path, cache: PrefixCache, chunk: int = 512) -> Batcher:
-    return Batcher(StageRunner(path), NodeMetrics(), prefill_chunk=chunk, prefix_cache=cache)
 
 
 def step_until(batcher: Batcher, done, limit: int = 200) -> None:

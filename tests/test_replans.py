@@ -21,6 +21,7 @@ from omlx_coordinator.cluster import NODE_BACK_SECONDS, ClusterOptions
 from tests.cluster_secret import SECRET
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, serving
+from tests.helpers.waiting import wait_for
 
 PROMPT = [5, 9, 13, 17, 21]
 N = 8
@@ -66,15 +67,6 @@ def replica(server: Server, model: str) -> dict:
 def worker_pid(server: Server, model: str, node: str) -> int:
     n = next(n for n in status(server)["nodes"] if n["id"] == node)
     return next(w["pid"] for w in n["workers"] if w["model"] == model)
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow

@@ -27,8 +27,7 @@ from omlx_node.speculation import (
 )
 from omlx_shared.speculative_modes import check_mode
 from omlx_node.stage import StageRunner
-from tests.test_constraints_node import assert_logprobs_match, reference_logprobs
-from tests.test_engine import drain, reference
+from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
 from tests.tiny_models import build_model
 
 # Repetitive: a random model's greedy output soon loops, and prompt lookup drafts the loop.
@@ -270,7 +269,7 @@ def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):
     token): it decodes one token a step in the drafting rows' passes, and its output is what
     it is in a batcher that never drafts, following the schema."""
     from omlx_node.constraints import Grammars
-    from tests.test_constraints_node import GRAMMAR, parse
+    from tests.helpers.constraints import GRAMMAR, parse
 
     model, tok = mlx_lm_model
     prompt = tok.encode(TEXT)

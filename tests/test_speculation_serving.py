@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import start_server
-from tests.test_node import running_node
+from tests.helpers.node import running_node
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """A serving process's full garbage collections skip what it loaded at start: the gateway, the
 node agent and the model's shard worker freeze their startup heap (omlx_shared/heap.py), so a
 full collection walks only what requests made since, not every module, model and tokenizer
-object. Unfrozen, such a collection paused a 2-core machine's gateway or engine for 50-190 ms
-(bench/diag_gc.py measures it)."""
+object. Unfrozen, such a collection paused a 2-core machine's gateway or engine for 50-190 ms:
+a pause every stream of the process waits out."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import random_key
 from omlx_node.stage import StageRunner
 from omlx_node.warm_up import warm_up
-from tests.test_engine import drain, reference
+from tests.helpers.engine import drain, reference
 from tests.tiny_models import build_model
 
 # Plain attention, sliding windows beside full layers, linear attention, MLA latents.

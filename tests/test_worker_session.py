@@ -22,7 +22,7 @@ from omlx_coordinator.generation import RETRIABLE
 from omlx_coordinator.worker_session import WorkerSession
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
-from tests.test_node import running_node
+from tests.helpers.node import running_node
 from tests.tiny_models import build_model
 
 PROMPTS = ["The capital of France is", "One two three", "def main():", "Hello"]

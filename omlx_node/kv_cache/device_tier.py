@@ -3,7 +3,7 @@ engine computes.
 
 On a GPU with memory of its own (MLX on CUDA allocates managed memory) a block in the RAM tier is
 a poor hit: its host arrays must move back to the device page by page. Measured on an H200 (the
-8B llama, `bench/diag_kv_device.py`), restoring 8192 tokens from RAM took 742 ms and the first
+8B llama, bench/results/kv-device-h200.md), restoring 8192 tokens from RAM took 742 ms and the first
 step over them another 120 ms, where prefilling the prompt again took 220 ms; from a copy kept on
 the device it took 9 ms. Agents send the previous turn's whole conversation again, so the hits
 that matter most are of the prompts stored last: those this tier keeps.

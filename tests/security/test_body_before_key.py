@@ -3,7 +3,7 @@ before its body is read, and the connection closed; a body is parsed once, by or
 one in the parser process, so the event loop every stream shares keeps answering.
 
 The bounds below (seconds) are far above what these take; they tell a stalled event loop from
-a served one, they do not measure (bench/bench_body_parsing.py does)."""
+a served one, they do not measure (bench/body_parsing.py does)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""Pipelines of `omlx-cluster worker` processes driven over gRPC, one stub call at a time or
+several at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+
+from omlx_shared.child import ChildProcess, omlx_command
+from proto import omlx_pb2 as pb
+from proto import omlx_pb2_grpc as pb_grpc
+from tests.conftest import free_port
+
+
+@contextmanager
+def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
+             extra: tuple[str, ...] = ()):
+    """Starts one `omlx-cluster worker` per stage (with `extra` flags); yields the head's
+    ShardWorker stub."""
+    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in split)
+    bounds = [sum(split[:i]) for i in range(len(split) + 1)]
+    workers = [
+        ChildProcess(omlx_command(
+            "worker", "--model", str(model), "--model-id", "m", "--rank", str(r),
+            "--layers", f"{bounds[r]}:{bounds[r + 1]}", "--peers", peers,
+            "--plan-hash", "0123456789abcdef", "--micro-batches", str(micro_batches),
+            "--prefill-chunk", "8", "--init-timeout", str(init_timeout), *extra), f"rank {r}")
+        for r in range(len(split))]
+    try:
+        infos = [w.wait_ready(120) for w in workers]
+        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
+        yield pb_grpc.ShardWorkerStub(channel), workers
+        channel.close()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
+    chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
+                                                   prompt_tokens=ids, max_tokens=max_tokens),
+                                timeout=120))
+    return [t for c in chunks for t in c.tokens], chunks[-1].finish_reason
+
+
+def run_concurrently(fn, items: list) -> list:
+    results = [None] * len(items)
+
+    def one(i):
+        results[i] = fn(items[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
