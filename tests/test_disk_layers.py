@@ -8,7 +8,7 @@ import pytest
 
 from omlx_coordinator.disk_layers import STREAM_BUFFERS, streamed_layers
 from omlx_coordinator.planner import GiB, NodeSpec, PlanError, make_plan
-from tests.test_planner import uniform_layout
+from tests.helpers.layouts import uniform_layout
 
 KW = dict(os_reserve_bytes=0, context_tokens=1024, max_sequences=1)
 

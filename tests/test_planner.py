@@ -32,6 +32,7 @@ from omlx_coordinator.planner import (
     parse_size,
     ram_proportional_split,
 )
+from tests.helpers.layouts import uniform_layout
 
 MiB = 1 << 20
 RESERVE = 1 * GiB
@@ -184,19 +185,6 @@ def test_order_search_matches_brute_force_over_permutations():
         given = brute_force(lay, nodes, RESERVE, kv_tokens)
         if given:
             assert plan.bottleneck_ms <= given[0] * (1 + 1e-9)
-
-
-def uniform_layout(L: int = 32, layer: int = 1 * GiB, tied: bool = False) -> ModelLayout:
-    return ModelLayout(
-        model_id="uniform",
-        num_layers=L,
-        layer_bytes=(layer,) * L,
-        embed_bytes=512 * MiB,
-        head_bytes=0 if tied else 512 * MiB,
-        norm_bytes=16 * 1024,
-        tied_embeddings=tied,
-        kv_bytes_per_token_per_layer=4096,
-    )
 
 
 def test_beats_ram_proportional_split_with_a_slow_big_node():
