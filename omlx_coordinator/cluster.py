@@ -77,6 +77,7 @@ class Member:
     alive: bool = True
     last_seen: float = 0.0
     answering_since: float | None = None  # lost, but answering every heartbeat since then
+    lost_before: bool = False  # lost at least once: it may come back holding a stale plan
     health: pb.HealthReply | None = None
     # Its Thunderbolt ports with RDMA, from its handshake (none off macOS).
     rdma_ports: list[pb.RdmaPort] = field(default_factory=list)
@@ -378,7 +379,7 @@ class Cluster:
             except (grpc.aio.AioRpcError, ConnectionError) as e:
                 if exited or now - m.last_seen > NODE_LOST_SECONDS:
                     log.warning("node %s (%s) lost: %s", m.name, m.agent.address, e)
-                    m.alive, m.health = False, None
+                    m.alive, m.health, m.lost_before = False, None, True
                     lost.add(m.name)
 
         await asyncio.gather(*(beat(m) for m in self.members))

@@ -40,8 +40,10 @@ LOST_BOUND_SECONDS = NODE_LOST_SECONDS + 4 * HEARTBEAT_SECONDS + 5.0
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("partition") / "main", "llama", num_layers=4)
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("partition")
+    return {name: build_model(root / name, "llama", num_layers=4, seed=i)
+            for i, name in enumerate(("main", "side"))}
 
 
 class Api:
@@ -60,10 +62,10 @@ class Api:
                 return {}
         return self.pool.submit(get).result(timeout=30)
 
-    def complete(self) -> str:
+    def complete(self, model: str = "main") -> str:
         def post() -> str:
             r = httpx.post(f"{self.url}/v1/completions", headers=self.headers, timeout=120,
-                           json={"model": "main", "prompt": PROMPT, "max_tokens": TOKENS,
+                           json={"model": model, "prompt": PROMPT, "max_tokens": TOKENS,
                                  "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
@@ -88,6 +90,13 @@ class Api:
             return "".join(received)
         return self.pool.submit(run)
 
+    def unload(self, model: str) -> None:
+        def post() -> None:
+            r = httpx.post(f"{self.url}/cluster/models/{model}/unload", headers=self.headers,
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        self.pool.submit(post).result(timeout=90)
+
     def nodes(self) -> dict[str, dict]:
         return {n["id"]: n for n in self.status().get("nodes") or []}
 
@@ -97,11 +106,16 @@ class Api:
         return s.get("ready") is True and stages == names
 
 
-def workers_of(api: Api, node: str) -> list[dict]:
-    return [w for w in api.nodes().get(node, {}).get("workers") or [] if w["model"] == "main"]
+    def replicas_ready(self, model: str) -> list[bool]:
+        return [r["ready"] for m in self.status().get("models") or [] if m["id"] == model
+                for r in m["replicas"]]
 
 
-def test_a_cut_node_is_lost_replanned_around_and_rejoins(model, tmp_path):
+def workers_of(api: Api, node: str, model: str = "main") -> list[dict]:
+    return [w for w in api.nodes().get(node, {}).get("workers") or [] if w["model"] == model]
+
+
+def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
     skip_unless_netns()
     procs: list[subprocess.Popen] = []
     with namespace("omlx-hub") as hub, namespace("omlx-b") as nb:
@@ -123,13 +137,18 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(model, tmp_path):
 
         try:
             launch(hub, "coordinator", "coordinator", "--host", lk.a_ip, "--port", str(PORT),
-                   "--no-discovery", "--os-reserve", "1GiB", "--model", f"main={model}")
+                   "--no-discovery", "--os-reserve", "1GiB", "--replicas", "side=2",
+                   *(f for name, path in models.items() for f in ("--model", f"{name}={path}")))
             join(hub, "a", lk.a_ip)
             b = join(nb, "b", lk.b_ip)
             with in_namespace(hub) as pool:
                 api = Api(pool, f"http://{coordinator_at}")
                 wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b", 180)
                 reference = api.complete()
+                # Two replicas of side, one a node: b's is lost with it, and comes back.
+                side = api.complete("side")
+                assert api.replicas_ready("side") == [True, True]
+                assert len(workers_of(api, "b", "side")) == 1
                 processes_b = settled_count(b.pid)
 
                 # A slow link: heartbeats and tokens wait in a queue, nobody is lost.
@@ -140,7 +159,7 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(model, tmp_path):
                 assert all(n["alive"] for n in api.nodes().values())
 
                 # Cut mid-stream: b is lost within the bound, the stream resumes on a alone.
-                stale = {w["pid"] for w in workers_of(api, "b")}
+                stale = {w["pid"] for m in ("main", "side") for w in workers_of(api, "b", m)}
                 received = []
                 streamed = api.stream(received)
                 wait_until(lambda: len(received) >= 5, "the stream's first tokens", 60)
@@ -153,16 +172,32 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(model, tmp_path):
                 assert len(received) > at_cut, "the stream had ended before the cut"
                 assert api.planned_over({"a"})
                 assert api.complete() == reference
+                assert api.replicas_ready("side").count(True) == 1
+                assert api.complete("side") == side
 
                 # Healed: b registers again, one plan over both, its stale worker replaced.
                 shape(lk)
                 wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
                            120)
                 assert api.complete() == reference
+                wait_until(lambda: api.replicas_ready("side") == [True, True],
+                           "side's replica on b again", 60)
+                assert api.complete("side") == side
                 assert settled_count(b.pid) == processes_b
-                now = workers_of(api, "b")
-                assert len(now) == 1 and now[0]["pid"] not in stale, (stale, now)
+                now = workers_of(api, "b") + workers_of(api, "b", "side")
+                assert len(now) == 2 and not stale & {w["pid"] for w in now}, (stale, now)
                 assert not stale & descendants(b.pid), "a worker of the stale plan lives on"
+
+                # Unloaded while b is cut off: b's worker of it goes once b is back.
+                shape(lk, *CUT)
+                wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
+                           LOST_BOUND_SECONDS)
+                api.unload("side")
+                shape(lk)
+                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
+                           120)
+                wait_until(lambda: not workers_of(api, "b", "side"), "b's side worker gone", 30)
+                assert api.complete("side") == side
         finally:
             for p in procs:
                 if p.poll() is None:
