@@ -42,6 +42,10 @@ NODE_LOST_SECONDS = 3.0  # a node that has not answered for this long is gone
 # be planned in and out, each time a pause for every stream, and planned in by its calibrated
 # speed, not the slowness it was lost for.
 NODE_BACK_SECONDS = 30.0
+# A member's client replaced when the node is admitted again stays open this long: a recovery
+# that read it before (a plan's members are read before their loads) then fails as a call to a
+# lost node does, and retries, instead of raising on a closed channel.
+REPLACED_CLIENT_SECONDS = 60.0
 
 
 @dataclass
@@ -119,7 +123,8 @@ class Cluster:
         # (two models recovering from one failure) would be given the same ports and join each
         # other's groups.
         self.plan_loads = asyncio.Lock()
-        self._reactions: set[asyncio.Task] = set()  # on_joined calls under way
+        # on_joined calls under way, replaced clients to close
+        self._reactions: set[asyncio.Task] = set()
         # Stages (member names in rank order) whose automatic jaccl group failed to form, and
         # why: they go straight to ring until one of them joins again.
         self.jaccl_failed: dict[tuple[str, ...], str] = {}
@@ -278,7 +283,7 @@ class Cluster:
                 member = Member(node_id, agent, None)
                 self.members.append(member)
             else:
-                await member.agent.close()
+                self._react(_close_later(member.agent))
                 member.agent = agent
             member.alive, member.last_seen = True, time.monotonic()
         member.weights_error = ""
@@ -399,3 +404,10 @@ class Cluster:
             await m.agent.close()
         await asyncio.gather(*(asyncio.to_thread(m.process.stop) for m in self.members
                                if m.process is not None))
+
+
+async def _close_later(agent: AgentClient) -> None:
+    try:
+        await asyncio.sleep(REPLACED_CLIENT_SECONDS)
+    finally:
+        await agent.close()

@@ -8,6 +8,7 @@ the same output."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,16 +17,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS
+from omlx_coordinator.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS, Cluster, ClusterOptions
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.conftest import descendants
 from tests.netns import CUT, in_namespace, link, namespace, netns_popen, shape, skip_unless_netns
 from tests.netns import slow as slow_link
 from tests.test_coordinator_restart import settled_count, wait_until
+from tests.test_weight_transfer import agent_process
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -208,3 +211,31 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(5)
+
+
+def test_a_client_replaced_on_readmission_fails_as_a_lost_node_does(tmp_path):
+    """A node admitted again (back from a partition, or restarted on the same address) gets a
+    new client; a recovery still holding the old one must see an RPC error it retries, not
+    grpc's UsageError for a closed channel (the soak's "a recovery failed ... Channel is
+    closed")."""
+    with agent_process(tmp_path / "a", "mac-a") as (_, address):
+        async def main() -> BaseException | None:
+            cluster = Cluster(ClusterOptions(nodes=0, secret=SECRET))
+            try:
+                member = await cluster.add_remote(address, "mac-a")
+                old = member.agent
+                member.alive = False  # as the heartbeat leaves a node it lost
+                assert await cluster.add_remote(address, "mac-a") is member
+                assert member.agent is not old and member.alive
+                try:
+                    await old.health()
+                except Exception as e:  # noqa: BLE001 - which error is the point
+                    return e
+                return None
+            finally:
+                await cluster.stop()
+
+        error = asyncio.run(main())
+    # Its session was replaced by the new admission: refused, as a lost node's call fails.
+    assert isinstance(error, grpc.aio.AioRpcError), repr(error)
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
