@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,11 +38,23 @@ log = logging.getLogger(__name__)
 NODE_START_TIMEOUT_SECONDS = 120.0
 HEARTBEAT_SECONDS = 0.5
 NODE_LOST_SECONDS = 3.0  # a node that has not answered for this long is gone
+# ... of the coordinator's own time: while its event loop was stalled (CPU-bound work on it, or
+# the whole machine starved, as under a heavy load) it could not hear a node, and a node that
+# answers late after that stall is not lost for it. Up to this much of such stalls is taken off
+# a node's silence: a node is lost within NODE_LOST_SECONDS + STALL_BUDGET_SECONDS of wall time
+# however busy the coordinator is.
+STALL_BUDGET_SECONDS = 10.0
+STALL_PROBE_SECONDS = 0.2  # how often the loop's lateness is measured
+STALL_MIN_SECONDS = 0.25  # lateness below this is scheduling noise, not a stall
 # A lost node answering again is a member again once it has answered every heartbeat this long:
 # one that is only intermittently responsive (a machine throttled or swapping) would otherwise
 # be planned in and out, each time a pause for every stream, and planned in by its calibrated
 # speed, not the slowness it was lost for.
 NODE_BACK_SECONDS = 30.0
+# A member's client replaced when the node is admitted again stays open this long: a recovery
+# that read it before (a plan's members are read before their loads) then fails as a call to a
+# lost node does, and retries, instead of raising on a closed channel.
+REPLACED_CLIENT_SECONDS = 60.0
 
 
 @dataclass
@@ -79,6 +92,7 @@ class Member:
     alive: bool = True
     last_seen: float = 0.0
     answering_since: float | None = None  # lost, but answering every heartbeat since then
+    lost_before: bool = False  # lost at least once: it may come back holding a stale plan
     health: pb.HealthReply | None = None
     # Its Thunderbolt ports with RDMA, from its handshake (none off macOS).
     rdma_ports: list[pb.RdmaPort] = field(default_factory=list)
@@ -120,7 +134,8 @@ class Cluster:
         # (two models recovering from one failure) would be given the same ports and join each
         # other's groups.
         self.plan_loads = asyncio.Lock()
-        self._reactions: set[asyncio.Task] = set()  # on_joined calls under way
+        # on_joined calls under way, replaced clients to close
+        self._reactions: set[asyncio.Task] = set()
         # Stages (member names in rank order) whose automatic jaccl group failed to form, and
         # why: they go straight to ring until one of them joins again.
         self.jaccl_failed: dict[tuple[str, ...], str] = {}
@@ -135,6 +150,9 @@ class Cluster:
         # waits for them (gathered).
         self.known = KnownNodes(data_home() / FILE_NAME) if self.options.nodes == 0 else None
         self.expected: set[str] = set()  # members before the restart, not back yet
+        # The event loop's stalls (when each ended, how long), the last STALL_BUDGET_SECONDS
+        # and NODE_LOST_SECONDS of them: what a node's silence is excused.
+        self._stalls: deque[tuple[float, float]] = deque()
         self._started_at = time.monotonic()
 
     def local_budget(self) -> int:
@@ -279,7 +297,7 @@ class Cluster:
                 member = Member(node_id, agent, None)
                 self.members.append(member)
             else:
-                await member.agent.close()
+                self._react(_close_later(member.agent))
                 member.agent = agent
             member.alive, member.last_seen = True, time.monotonic()
         member.weights_error = ""
@@ -333,11 +351,33 @@ class Cluster:
     async def _monitor(self) -> None:
         """Heartbeats; on_lost checks every plan at each (it starts a recovery without waiting
         for it)."""
+        stalls = asyncio.create_task(self._watch_stalls())
+        try:
+            while True:
+                await asyncio.sleep(HEARTBEAT_SECONDS)
+                lost = await self.check_members()
+                if self.on_lost is not None:
+                    await self.on_lost(lost)
+        finally:
+            stalls.cancel()
+
+    async def _watch_stalls(self) -> None:
+        """Records how late a short sleep wakes: the time the loop could run nothing."""
         while True:
-            await asyncio.sleep(HEARTBEAT_SECONDS)
-            lost = await self.check_members()
-            if self.on_lost is not None:
-                await self.on_lost(lost)
+            t0 = time.monotonic()
+            await asyncio.sleep(STALL_PROBE_SECONDS)
+            now = time.monotonic()
+            late = now - t0 - STALL_PROBE_SECONDS
+            if late >= STALL_MIN_SECONDS:
+                self._stalls.append((now, late))
+            while self._stalls and now - self._stalls[0][0] > (NODE_LOST_SECONDS
+                                                               + STALL_BUDGET_SECONDS):
+                self._stalls.popleft()
+
+    def _silence(self, m: Member, now: float) -> float:
+        """How long `m` has not answered, less the coordinator's own stalls since (bounded)."""
+        stalled = sum(late for at, late in self._stalls if at > m.last_seen)
+        return now - m.last_seen - min(stalled, STALL_BUDGET_SECONDS)
 
     def _react(self, call: Awaitable[None]) -> None:
         task = asyncio.ensure_future(call)
@@ -378,9 +418,9 @@ class Cluster:
                 m.health = await m.agent.health(timeout=HEARTBEAT_SECONDS * 2)
                 m.last_seen = now
             except (grpc.aio.AioRpcError, ConnectionError) as e:
-                if exited or now - m.last_seen > NODE_LOST_SECONDS:
+                if exited or self._silence(m, time.monotonic()) > NODE_LOST_SECONDS:
                     log.warning("node %s (%s) lost: %s", m.name, m.agent.address, e)
-                    m.alive, m.health = False, None
+                    m.alive, m.health, m.lost_before = False, None, True
                     lost.add(m.name)
 
         await asyncio.gather(*(beat(m) for m in self.members))
@@ -400,3 +440,10 @@ class Cluster:
             await m.agent.close()
         await asyncio.gather(*(asyncio.to_thread(m.process.stop) for m in self.members
                                if m.process is not None))
+
+
+async def _close_later(agent: AgentClient) -> None:
+    try:
+        await asyncio.sleep(REPLACED_CLIENT_SECONDS)
+    finally:
+        await agent.close()

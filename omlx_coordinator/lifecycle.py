@@ -40,6 +40,9 @@ PRESSURE_EVICT_SECONDS = 10.0  # at most one eviction for memory pressure this o
 # prefix: to the replica holding the longest prefix (else the least loaded); round-robin: in
 # turn, ignoring the caches (what a plain load balancer in front of the replicas would do).
 ROUTING_MODES = ("prefix", "round-robin")
+# A stale worker's pipeline peers are gone: it may be blocked on one and never run its SIGTERM
+# handler, so do not wait long (it holds the cluster's plan lock meanwhile).
+STALE_GRACE = 1.0
 NO_NODES = "no node has joined yet: run `omlx-cluster join` on a Mac with this cluster's secret"
 
 
@@ -422,8 +425,12 @@ class ModelManager:
 
     async def _on_joined(self, member: Member) -> None:
         """A node joined: the models with one replica re-plan over it, once any load in
-        progress is done (a load that began before the join would not see it); the main model,
-        not loaded yet for want of nodes, loads now."""
+        progress is done (a load that began before the join would not see it), and a replica
+        down since its node was lost loads again; the main model, not loaded yet for want of
+        nodes, loads now. A node lost before first gives up the workers of plans it was lost
+        from."""
+        if member.lost_before:
+            await self._drop_stale(member)
         async with self.loading:
             for m in self.models:
                 ds = self.replicas[m.name]
@@ -434,11 +441,37 @@ class ModelManager:
                         log.info("node %s joined; the plan of %s stays", member.name, m.name)
                         continue
                     await ds[0].recover(f"node {member.name} joined", always=True)
+                elif m.state == LOADED:
+                    for d in ds:
+                        if not d.ready and not d.unloaded:
+                            await d.recover(f"node {member.name} joined")
         if self.models[0].state == UNLOADED:
             try:
                 await self.ensure_loaded(self.models[0], evict=False)
             except NoCapacity as e:
                 log.error("cannot serve %s: %s", self.models[0].name, e)
+
+    async def _drop_stale(self, member: Member) -> None:
+        """Unloads the workers on `member` that no current plan placed there: a node lost and
+        back still runs the plan it was lost from, which no request reaches any more, on
+        memory the planner counts as free (and whose pipeline peers are gone)."""
+        async with self.cluster.plan_loads:  # no load in flight: every worker is a plan's
+            try:
+                health = await member.agent.health()
+            except grpc.aio.AioRpcError:
+                return  # lost again: it comes back through here
+            current = {(d.model.name, d.holding.plan_hash) for d in self.deployments()
+                       if d.holding is not None and member.name in d.held_bytes()}
+            stale = [w for w in health.workers if (w.model_id, w.plan_hash) not in current]
+            for w in stale:
+                log.warning("node %s is back with a worker of %s from plan %s, no longer "
+                            "current: unloading it", member.name, w.model_id, w.plan_hash)
+            results = await asyncio.gather(*(member.agent.unload_shard(w.model_id, STALE_GRACE)
+                                              for w in stale), return_exceptions=True)
+            for w, r in zip(stale, results):
+                if isinstance(r, BaseException):
+                    log.warning("unloading the stale worker of %s on %s: %s", w.model_id,
+                                member.name, r)
 
     async def _watch(self) -> None:
         """Idle TTLs, and memory pressure."""

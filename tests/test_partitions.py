@@ -1,0 +1,241 @@
+"""Partitions between the coordinator and a `join` node, made with network namespaces: node b
+lives in a namespace of its own, joined to the coordinator's (and node a's) by a veth pair, and
+`tc` on that pair slows or drops every packet while a greedy stream runs over a 2-stage
+pipeline. A slow link loses nobody and changes no token; a cut one has b declared lost within
+the heartbeat bound, the stream resumed on a alone with the same tokens, and once the link
+heals b joins again: one plan over both, its old worker replaced (none left of the stale plan),
+the same output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from omlx_coordinator.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS, Cluster, ClusterOptions
+from omlx_shared.child import omlx_command
+from tests.cluster_secret import SECRET
+from tests.conftest import descendants
+from tests.netns import CUT, in_namespace, link, namespace, netns_popen, shape, skip_unless_netns
+from tests.netns import slow as slow_link
+from tests.test_coordinator_restart import settled_count, wait_until
+from tests.test_weight_transfer import agent_process
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+KEY = "partition-test-key-2f7c1d9a4b6e8f03"  # the gateway listens off loopback: keyed
+PORT, AGENT_PORT = 8000, 7100  # fresh namespaces: every port is free
+TOKENS = 400  # long enough that the cut lands mid-stream
+PROMPT = [5, 6, 7, 8]
+# Lost within this of the cut: the heartbeat's bound (a call times out after two beats, and a
+# node is lost once silent NODE_LOST_SECONDS), with room for a machine shared with other work.
+LOST_BOUND_SECONDS = NODE_LOST_SECONDS + 4 * HEARTBEAT_SECONDS + 5.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("partition")
+    return {name: build_model(root / name, "llama", num_layers=4, seed=i)
+            for i, name in enumerate(("main", "side"))}
+
+
+class Api:
+    """The gateway, called from threads inside its namespace."""
+
+    def __init__(self, pool: ThreadPoolExecutor, url: str):
+        self.pool, self.url = pool, url
+        self.headers = {"Authorization": f"Bearer {KEY}"}
+
+    def status(self) -> dict:
+        def get() -> dict:
+            try:
+                r = httpx.get(f"{self.url}/cluster/status", headers=self.headers, timeout=5)
+                return r.json() if r.status_code == 200 else {}
+            except httpx.HTTPError:
+                return {}
+        return self.pool.submit(get).result(timeout=30)
+
+    def complete(self, model: str = "main") -> str:
+        def post() -> str:
+            r = httpx.post(f"{self.url}/v1/completions", headers=self.headers, timeout=120,
+                           json={"model": model, "prompt": PROMPT, "max_tokens": TOKENS,
+                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        return self.pool.submit(post).result(timeout=150)
+
+    def stream(self, received: list[str]) -> Future:
+        """A greedy stream; `received` grows by each chunk's text as it arrives. The future's
+        result: the whole text, or the error event's message."""
+        def run() -> str:
+            body = {"model": "main", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{self.url}/v1/completions", headers=self.headers,
+                              json=body, timeout=httpx.Timeout(120, read=60)) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return f"error: {event['error']}"
+                    received.append(event["choices"][0]["text"])
+            return "".join(received)
+        return self.pool.submit(run)
+
+    def unload(self, model: str) -> None:
+        def post() -> None:
+            r = httpx.post(f"{self.url}/cluster/models/{model}/unload", headers=self.headers,
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        self.pool.submit(post).result(timeout=90)
+
+    def nodes(self) -> dict[str, dict]:
+        return {n["id"]: n for n in self.status().get("nodes") or []}
+
+    def planned_over(self, names: set[str]) -> bool:
+        s = self.status()
+        stages = {n["id"] for n in s.get("nodes") or [] if n["alive"] and n["layers"]}
+        return s.get("ready") is True and stages == names
+
+
+    def replicas_ready(self, model: str) -> list[bool]:
+        return [r["ready"] for m in self.status().get("models") or [] if m["id"] == model
+                for r in m["replicas"]]
+
+
+def workers_of(api: Api, node: str, model: str = "main") -> list[dict]:
+    return [w for w in api.nodes().get(node, {}).get("workers") or [] if w["model"] == model]
+
+
+def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
+    skip_unless_netns()
+    procs: list[subprocess.Popen] = []
+    with namespace("omlx-hub") as hub, namespace("omlx-b") as nb:
+        lk = link(hub, nb)
+        coordinator_at = f"{lk.a_ip}:{PORT}"
+        env = dict(os.environ, OMLX_CLUSTER_SECRET=SECRET, OMLX_CLUSTER_API_KEY=KEY)
+
+        def launch(ns: str, name: str, *args: str) -> subprocess.Popen:
+            p = netns_popen(ns, omlx_command(*args), stdout=open(tmp_path / f"{name}.log", "wb"),
+                            stderr=subprocess.STDOUT,
+                            env=dict(env, OMLX_CLUSTER_HOME=str(tmp_path / f"home-{name}")))
+            procs.append(p)
+            return p
+
+        def join(ns: str, name: str, host: str) -> subprocess.Popen:
+            return launch(ns, name, "join", "--name", name, "--host", host, "--port",
+                          str(AGENT_PORT), "--no-announce", "--coordinator", coordinator_at,
+                          "--speed", "1", "--hot-cache-max-size", "64MiB")
+
+        try:
+            launch(hub, "coordinator", "coordinator", "--host", lk.a_ip, "--port", str(PORT),
+                   "--no-discovery", "--os-reserve", "1GiB", "--replicas", "side=2",
+                   *(f for name, path in models.items() for f in ("--model", f"{name}={path}")))
+            join(hub, "a", lk.a_ip)
+            b = join(nb, "b", lk.b_ip)
+            with in_namespace(hub) as pool:
+                api = Api(pool, f"http://{coordinator_at}")
+                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b", 180)
+                reference = api.complete()
+                # Two replicas of side, one a node: b's is lost with it, and comes back.
+                side = api.complete("side")
+                assert api.replicas_ready("side") == [True, True]
+                assert len(workers_of(api, "b", "side")) == 1
+                processes_b = settled_count(b.pid)
+
+                # A slow link: heartbeats and tokens wait in a queue, nobody is lost.
+                received: list[str] = []
+                shape(lk, *slow_link("256kbit"))
+                assert api.stream(received).result(timeout=180) == reference
+                shape(lk)
+                assert all(n["alive"] for n in api.nodes().values())
+
+                # Cut mid-stream: b is lost within the bound, the stream resumes on a alone.
+                stale = {w["pid"] for m in ("main", "side") for w in workers_of(api, "b", m)}
+                received = []
+                streamed = api.stream(received)
+                wait_until(lambda: len(received) >= 5, "the stream's first tokens", 60)
+                shape(lk, *CUT)
+                cut_at, at_cut = time.monotonic(), len(received)
+                lost_at = wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
+                                     LOST_BOUND_SECONDS)
+                assert lost_at - cut_at < LOST_BOUND_SECONDS
+                assert streamed.result(timeout=180) == reference
+                assert len(received) > at_cut, "the stream had ended before the cut"
+                assert api.planned_over({"a"})
+                assert api.complete() == reference
+                assert api.replicas_ready("side").count(True) == 1
+                assert api.complete("side") == side
+
+                # Healed: b registers again, one plan over both, its stale worker replaced.
+                shape(lk)
+                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
+                           120)
+                assert api.complete() == reference
+                wait_until(lambda: api.replicas_ready("side") == [True, True],
+                           "side's replica on b again", 60)
+                assert api.complete("side") == side
+                assert settled_count(b.pid) == processes_b
+                now = workers_of(api, "b") + workers_of(api, "b", "side")
+                assert len(now) == 2 and not stale & {w["pid"] for w in now}, (stale, now)
+                assert not stale & descendants(b.pid), "a worker of the stale plan lives on"
+
+                # Unloaded while b is cut off: b's worker of it goes once b is back.
+                shape(lk, *CUT)
+                wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
+                           LOST_BOUND_SECONDS)
+                api.unload("side")
+                shape(lk)
+                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
+                           120)
+                wait_until(lambda: not workers_of(api, "b", "side"), "b's side worker gone", 30)
+                assert api.complete("side") == side
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+
+def test_a_client_replaced_on_readmission_fails_as_a_lost_node_does(tmp_path):
+    """A node admitted again (back from a partition, or restarted on the same address) gets a
+    new client; a recovery still holding the old one must see an RPC error it retries, not
+    grpc's UsageError for a closed channel (the soak's "a recovery failed ... Channel is
+    closed")."""
+    with agent_process(tmp_path / "a", "mac-a") as (_, address):
+        async def main() -> BaseException | None:
+            cluster = Cluster(ClusterOptions(nodes=0, secret=SECRET))
+            try:
+                member = await cluster.add_remote(address, "mac-a")
+                old = member.agent
+                member.alive = False  # as the heartbeat leaves a node it lost
+                assert await cluster.add_remote(address, "mac-a") is member
+                assert member.agent is not old and member.alive
+                try:
+                    await old.health()
+                except Exception as e:  # noqa: BLE001 - which error is the point
+                    return e
+                return None
+            finally:
+                await cluster.stop()
+
+        error = asyncio.run(main())
+    # Its session was replaced by the new admission: refused, as a lost node's call fails.
+    assert isinstance(error, grpc.aio.AioRpcError), repr(error)
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
