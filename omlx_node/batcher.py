@@ -54,6 +54,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
+from omlx_node.draft_model import DraftModel
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics, StageProfile
 from omlx_node.prefill_order import waits_for_ahead
@@ -73,6 +74,7 @@ from omlx_node.sampling import (
 from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
+from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_shared.token_ids import outside_vocabulary
 
 log = logging.getLogger(__name__)
@@ -817,7 +819,8 @@ class Batcher(Engine):
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  grammars: Grammars | None = None, speculative: str = "auto"):
-        """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto")."""
+        """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
+        the draft model is loaded here)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -831,8 +834,11 @@ class Batcher(Engine):
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
         # Drafts need every layer's cache trimmable to a row's accepted tokens.
-        self.speculator = (Speculator(speculative, stage, metrics)
-                           if self.state.batchable else None)
+        self.speculator = None
+        if self.state.batchable:
+            path = draft_path(check_mode(speculative))
+            drafter = DraftModel(path, stage).proposer if path else None
+            self.speculator = Speculator(speculative, stage, metrics, drafter=drafter)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch

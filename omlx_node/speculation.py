@@ -12,6 +12,8 @@ Drafts come from a `Proposer`:
   is the draft. An agent that rewrites a file it just read gets most of it drafted for free.
 - `PredictionProposer`: OpenAI's predicted outputs; the draft is looked up in the text the
   client predicted (the file being edited), starting at its beginning.
+- a draft model's (`omlx_node.draft_model`, `--speculative draft=PATH`): a small model of the
+  same tokenizer, with each row in its own KV cache, drafts greedily.
 
 Acceptance keeps the target's output exactly: greedy rows keep the draft's longest prefix that
 equals the argmax at each position (the same tokens as decoding one by one, up to the rounding
@@ -34,7 +36,7 @@ where k+1 positions cost at most AUTO_MAX_COST one-position steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -54,7 +56,7 @@ from omlx_node.sampling import (
     unpack_logprobs,
 )
 from omlx_node.stage import StageRunner
-from omlx_shared.speculative_modes import check_mode
+from omlx_shared.speculative_modes import check_mode, draft_path
 
 DRAFT_TOKENS = 4  # k: the most a row drafts in one step
 # Speculation steps aside above this many rows: a batch's step grows less bound by reading
@@ -268,10 +270,15 @@ class Speculator:
     /metrics shows."""
 
     def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
-                 k: int = DRAFT_TOKENS, max_rows: int = MAX_ROWS):
-        """`stage`: the model, whose step cost "auto" measures."""
+                 k: int = DRAFT_TOKENS, max_rows: int = MAX_ROWS,
+                 drafter: Callable[[], Proposer] | None = None):
+        """`stage`: the model, whose step cost "auto" measures; `drafter`: makes a row's
+        draft model proposer ("draft=PATH" modes: omlx_node.draft_model)."""
         self.k, self.max_rows, self.metrics = k, max_rows, metrics
-        self.on = check_mode(mode) == "ngram"
+        self.drafter = drafter if draft_path(check_mode(mode)) else None
+        if draft_path(mode) and drafter is None:
+            raise ValueError(f"speculative mode {mode!r} needs its draft model loaded")
+        self.on = mode == "ngram" or self.drafter is not None
         if mode == "auto":
             cost = verify_cost(stage, k)
             self.on = cost <= AUTO_MAX_COST
@@ -294,10 +301,12 @@ class Speculator:
 
     def proposer(self, prediction: Sequence[int]) -> Proposer | None:
         """A new row's proposer, while speculation is on: its prediction's when it sent one,
-        else prompt lookup."""
+        else the draft model's where there is one, else prompt lookup."""
         if not self.on:
             return None
-        return PredictionProposer(prediction) if prediction else NgramProposer()
+        if prediction:
+            return PredictionProposer(prediction)
+        return self.drafter() if self.drafter is not None else NgramProposer()
 
     def draft(self, proposer: Proposer | None, stats: SpecStats, sampler: RowSampler,
               tokens: Sequence[int], output: Sequence[int], room: int) -> list[int]:
