@@ -179,3 +179,25 @@ def test_a_draft_of_another_tokenizer_or_none_is_refused(models, tmp_path):
         check_mode("draft=")
     with pytest.raises(ValueError, match="mlx-lm 0.32 loads no model family's multi-token"):
         check_mode("mtp")
+
+
+def test_the_plan_counts_the_draft_on_the_first_stage(models):
+    """The draft model's weights are held beside the first stage's layers: a plan counts them
+    there (and a node too small for both refuses the pair)."""
+    from omlx_coordinator.model_layout import read_layout, with_draft
+    from omlx_coordinator.planner import NodeSpec, PlanError, make_plan
+
+    plain = read_layout(models["target"])
+    layout = with_draft(plain, models["early"])
+    assert layout.draft_bytes == read_layout(models["early"]).total_weight_bytes > 0
+    nodes = [NodeSpec("a", 1 << 30, speed=100.0), NodeSpec("b", 1 << 30, speed=100.0)]
+    kw = {"os_reserve_bytes": 0, "context_tokens": 16, "max_sequences": 1, "split": [2, 1]}
+    first, second = make_plan(layout, nodes, **kw).stages
+    base_first, base_second = make_plan(plain, nodes, **kw).stages
+    assert first.weight_bytes - base_first.weight_bytes == layout.draft_bytes
+    assert second.weight_bytes == base_second.weight_bytes
+    need = make_plan(plain, nodes[:1], os_reserve_bytes=0, context_tokens=16,
+                     max_sequences=1).stages[0].memory_bytes
+    with pytest.raises(PlanError):
+        make_plan(layout, [NodeSpec("a", need + layout.draft_bytes // 2, speed=100.0)],
+                  os_reserve_bytes=0, context_tokens=16, max_sequences=1)
