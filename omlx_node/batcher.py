@@ -837,8 +837,11 @@ class Batcher(Engine):
         self.speculator = None
         if self.state.batchable:
             path = draft_path(check_mode(speculative))
-            drafter = DraftModel(path, stage).proposer if path else None
-            self.speculator = Speculator(speculative, stage, metrics, drafter=drafter)
+            draft = DraftModel(path, stage) if path else None
+            self.speculator = Speculator(
+                speculative, stage, metrics, max_batch=max_batch,
+                drafter=draft.proposer if draft else None,
+                draft_share=draft.nbytes() / stage.nbytes() if draft else 0.0)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
@@ -993,7 +996,7 @@ class Batcher(Engine):
         """Whether this step verifies drafts: a row may draft, and the batch is small enough
         that a draft's extra positions cost less than the steps they save."""
         return self.speculator is not None and self.speculator.wanted(
-            [s.spec for s in self._batch if s.proposer is not None])
+            [s.spec for s in self._batch if s.proposer is not None], len(self._batch))
 
     def _speculative_step(self) -> None:
         """Streams `_y`'s tokens first (a draft follows them), then runs every row's input and

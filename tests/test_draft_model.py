@@ -14,6 +14,7 @@ import pytest
 from mlx_lm import load
 
 from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node import speculation
 from omlx_node.draft_model import DraftError, DraftModel
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
@@ -21,7 +22,7 @@ from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
 from tests.test_constraints_node import assert_logprobs_match, reference_logprobs
 from tests.test_engine import drain, reference
-from tests.test_speculation import TEXT, run_one
+from tests.test_speculation import FLAT, TEXT, run_one
 from tests.tiny_models import CORPUS, build_model, truncated_model
 
 
@@ -53,6 +54,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "alien": build_model(root / "alien", "llama", num_layers=1,
                              corpus=[c[::-1] for c in CORPUS]),
     }
+
+
+@pytest.fixture(autouse=True)
+def flat_costs(monkeypatch):
+    """A weight-bound device's curve, and a free draft model: rows draft k_max tokens while
+    their drafts stand (test_speculation tests the policy on measured curves)."""
+    monkeypatch.setattr(speculation, "position_costs", lambda stage: FLAT)
+    monkeypatch.setattr(speculation, "best_k", lambda alpha, costs, k_max, share: k_max)
 
 
 @pytest.fixture(scope="module")
