@@ -12,7 +12,7 @@ from pathlib import Path
 from omlx_cluster import validators
 from omlx_cluster.api_keys import add_api_key_flags
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
-from omlx_shared.speculative_modes import check_mode
+from omlx_shared.speculative_modes import check_mode, draft_path
 
 log = logging.getLogger("omlx_cluster")
 
@@ -126,10 +126,14 @@ def add_hot_cache_flag(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def _speculative_mode(value: str) -> str:
+    """A speculation mode, a draft model's folder made absolute (the worker runs elsewhere)."""
     try:
-        return check_mode(value)
+        mode = check_mode(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    if folder := draft_path(mode):
+        return f"draft={Path(folder).expanduser().resolve()}"
+    return mode
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
