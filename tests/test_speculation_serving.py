@@ -3,7 +3,13 @@ without one, the usage fields that count the prediction, and the node's /metrics
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import grpc
+import httpx
 import mlx.core as mx
 import openai
 import pytest
@@ -84,6 +90,23 @@ def test_a_draft_model_drafts_through_the_server(server, tiny_model_path, tmp_pa
         assert stopped.choices[0].message.content == text[:text.index(stop)]
         assert stopped.choices[0].finish_reason == "stop"
         metrics = drafting.node_metrics()
+        # The gateway shows what its agent last probed: status, and its own /metrics.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = httpx.get(drafting.url + "/cluster/status", timeout=10).json()
+            [spec] = status["models"][0]["speculative"] or [None]
+            if spec is not None:
+                break
+            time.sleep(0.5)
+        assert spec is not None, status["models"][0]
+        assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_step"] > 1
+        gateway = drafting.metrics()  # (its model and node labels left out)
+        assert gateway["omlx_model_speculative_acceptance_rate"] == 1.0
+        assert gateway["omlx_model_speculative_tokens_per_step"] > 1
+        shown = subprocess.run([sys.executable, "-m", "omlx_cluster", "status", "--url",
+                                drafting.url], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": "200"})
+        assert "speculative decoding, 100% of drafted tokens stood" in shown.stdout, shown
     drafted = metrics['omlx_node_speculative_draft_tokens_total{source="draft"}']
     accepted = metrics['omlx_node_speculative_accepted_tokens_total{source="draft"}']
     assert drafted == accepted > 0
