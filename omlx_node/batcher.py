@@ -872,6 +872,12 @@ class Batcher(Engine):
     def _prefill_step(self) -> int:
         """Runs one prefill chunk; returns its tokens."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
+        if self.speculator is not None:
+            for seq, start, n in plan:
+                # A draft model computes the prompt alongside: its first draft waits for none.
+                seq.proposer = seq.proposer or self.speculator.proposer(seq.req.prediction)
+                if seq.proposer is not None:
+                    seq.proposer.feed(seq.to_prefill[:start + n])
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
@@ -897,7 +903,7 @@ class Batcher(Engine):
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
             for s in ready:
-                if self.speculator is not None:
+                if self.speculator is not None and s.proposer is None:
                     s.proposer = self.speculator.proposer(s.req.prediction)
                 # One whose sampler cannot be made rides a stand-in's until its error is out.
                 sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)

@@ -6,8 +6,9 @@ model's own KV cache (a one-row cache of plain KVCaches). A step's draft is gree
 model's argmax, fed back k-1 times. Its cache then holds the row's tokens and all but the last
 drafted one; at the next step the row's tokens say how many of those stood, and the cache is
 trimmed back to them (the rejected ones never stay), then fed what is new (the target's own
-token, a prompt's tokens on the first step), as mlx-lm's speculative_generate_step keeps its
-draft cache in step. A deterministic draft is what the target's rejection sampling
+token), as mlx-lm's speculative_generate_step keeps its draft cache in step. A prompt is
+computed alongside the target's prefill chunks (`feed`), so the first draft waits for none of
+it. A deterministic draft is what the target's rejection sampling
 (omlx_node.speculation.verify_sampled) needs to keep sampled rows exactly on the target's
 distribution; greedy rows keep exactly the target's tokens whatever the draft says.
 
@@ -108,6 +109,17 @@ class DraftProposer(Proposer):
         self.held: list[int] = []  # the tokens the cache holds, in order
         self.known = 0  # of them, how many are the row's own (the rest were drafted)
 
+    def feed(self, tokens: Sequence[int]) -> None:
+        self._compute(tokens[len(self.held):])
+        self.held, self.known = list(tokens), len(tokens)
+
+    def _compute(self, tokens: Sequence[int]) -> None:
+        """Runs `tokens` into the cache (what follows what it holds), a chunk a pass."""
+        for start in range(0, len(tokens), DRAFT_PREFILL_CHUNK):
+            piece = list(tokens[start:start + DRAFT_PREFILL_CHUNK])
+            self.model.stage(mx.array([piece]), self.cache, last_only=True)
+            mx.eval([c.state for c in self.cache])
+
     def propose(self, tokens: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         if k <= 0:
             return []
@@ -120,10 +132,7 @@ class DraftProposer(Proposer):
             for c in self.cache:
                 c.trim(len(self.held) - keep)
         new = list(tokens[keep:])
-        for start in range(0, len(new) - 1, DRAFT_PREFILL_CHUNK):
-            piece = new[start:min(start + DRAFT_PREFILL_CHUNK, len(new) - 1)]
-            self.model.stage(mx.array([piece]), self.cache, last_only=True)
-            mx.eval([c.state for c in self.cache])
+        self._compute(new[:-1])
         draft: list[int] = []
         y, fed = new[-1], 0
         for _ in range(k):

@@ -151,6 +151,10 @@ class Proposer:
         """Up to k tokens that may follow `tokens` (the row's prompt then its `output`)."""
         raise NotImplementedError
 
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Takes the row's prompt as far as it is prefilled (`tokens`, all of it so far): a
+        proposer that computes on it (a draft model) does so alongside the prefill."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup over the row's own tokens, prompt and output."""

@@ -107,6 +107,9 @@ def test_drafts_are_the_draft_models_own_greedy_tokens(models):
     draft_lm, tok = load(str(models["short"]))
     proposer = DraftModel(models["short"], StageRunner(models["target"])).proposer()
     tokens = tok.encode(TEXT)
+    proposer.feed(tokens[:9])  # a prompt's first chunks, computed alongside its prefill
+    proposer.feed(tokens[:17])
+    assert proposer.cache[0].offset == 17
     for cut, k in ((20, 4), (23, 4), (22, 3), (40, 4), (41, 1)):
         assert proposer.propose(tokens[:cut], [], k) == reference(draft_lm, tokens[:cut], k)
         assert proposer.cache[0].offset == len(proposer.held)
