@@ -212,16 +212,18 @@ def many_streams(args, tok, stage: StageRunner, cache: PrefixCache, streams: int
                  drafts: dict[str, Path]) -> list[str]:
     """`streams` concurrent streams of a 40-line edit under off, ngram and draft-small."""
     prompt = prompt_tokens(tok, source_file(40))
-    rows, base = [], 0.0
-    for mode in ("off", "ngram", "draft-small"):
-        batcher = Batcher(stage, NodeMetrics(), prefix_cache=cache, max_batch=max(streams, 64),
-                          speculative=speculative_mode(mode, drafts))
-        run_streams(batcher, prompt, 4, 1)  # the prompt into the prefix cache
-        rate = statistics.median(run_streams(batcher, prompt, args.tokens, streams)
-                                 for _ in range(args.runs))
-        base = base or rate
-        spec = batcher.speculator
-        print(f"{streams} streams {mode}: {rate:.1f} tok/s", flush=True)
+    engines = {mode: Batcher(stage, NodeMetrics(), prefix_cache=cache,
+                             max_batch=max(streams, 64), speculative=speculative_mode(mode, drafts))
+               for mode in ("off", "ngram", "draft-small")}
+    run_streams(engines["off"], prompt, 4, 1)  # the prompt into the prefix cache
+    rates: dict[str, list[float]] = {m: [] for m in engines}
+    for r in range(args.runs):  # modes interleaved: each median sees the same load
+        for mode, batcher in engines.items():
+            rates[mode].append(run_streams(batcher, prompt, args.tokens, streams))
+            print(f"run {r}, {streams} streams {mode}: {rates[mode][-1]:.1f} tok/s", flush=True)
+    rows, base = [], statistics.median(rates["off"])
+    for mode, batcher in engines.items():
+        rate, spec = statistics.median(rates[mode]), batcher.speculator
         rows.append(f"| {mode} | {rate:.1f} | {rate / base:.2f}x | "
                     f"{spec.max_rows if spec is not None and spec.on else '-'} |")
     return [f"{streams} concurrent streams: prompt {len(prompt)} tokens, {args.tokens} tokens "
