@@ -7,7 +7,15 @@ answer (checked token for token against "off"):
 - ngram: prompt lookup drafts (omlx_node.speculation);
 - prediction: the file as OpenAI's predicted output (the text an editor sends);
 - ceiling: the answer itself as the prediction (the "off" run's tokens): every draft stands,
-  so this is the mechanism's best, k+1 tokens a step at the cost of one step of k+1 positions.
+  so this is the mechanism's best, k+1 tokens a step at the cost of one step of k+1 positions;
+- draft-self: the model as its own draft model (--speculative draft=PATH): every draft stands,
+  each drafted token paid with a pass of the draft, the draft-model mechanism's ceiling;
+- draft-small: the model's first --draft-layers layers (then its norm and head) as the draft,
+  a smaller model of the same tokenizer built on the spot.
+--streams 8,32 then runs that many concurrent streams of a shorter edit (one prompt, restored
+from the prefix cache) under off, ngram and draft-small: aggregate decode tok/s from the moment
+every stream has its first token; speculation should step aside there (the measured crossover,
+`max_rows`), never below 0.95x of off.
 Decode tok/s is (tokens - 1) / (last token - first token) of one request alone in the engine
 (no prefill in it), the median of --runs runs a mode, modes interleaved run by run. The engines
 share one prefix cache: the prompt is prefilled once, then restored.
@@ -17,6 +25,7 @@ MLX's own reference BLAS is compute bound, where k+1 positions cost k+1 times on
 pays ("auto" then stays off; `verify_cost` is printed).
 
     python -m bench.speculative --model default --tokens 256 --runs 3
+    python -m bench.speculative --model default --modes none --streams 8,32 --tokens 24
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +48,7 @@ from omlx_node.kv_cache import PrefixCache  # noqa: E402
 from omlx_node.metrics import NodeMetrics  # noqa: E402
 from omlx_node.speculation import verify_cost  # noqa: E402
 from omlx_node.stage import StageRunner  # noqa: E402
+from tests.tiny_models import truncated_model  # noqa: E402
 
 OLD, NEW = "total_count", "item_total"
 
@@ -82,6 +93,32 @@ def run(batcher: Batcher, prompt: list[int], n: int, prediction: tuple[int, ...]
     return tokens, rate, seq.spec
 
 
+def run_streams(batcher: Batcher, prompt: list[int], n: int, streams: int) -> float:
+    """Aggregate decode tok/s of `streams` concurrent requests of `prompt`: tokens streamed
+    after every stream had its first one, over the time since."""
+    seqs = [batcher.submit(SeqRequest(f"s{i}", prompt, n)) for i in range(streams)]
+    got, t0, after = [0] * streams, 0.0, 0
+    for _ in range(1_000_000):
+        if batcher.idle:
+            break
+        batcher.step()
+        for i, seq in enumerate(seqs):
+            while not seq.events.empty():
+                if not isinstance(seq.events.get_nowait(), Finish):
+                    got[i] += 1
+                    after += bool(t0)
+        if not t0 and all(got):
+            t0 = time.perf_counter()
+    return after / (time.perf_counter() - t0) if t0 and after else 0.0
+
+
+def speculative_mode(mode: str, drafts: dict[str, Path]) -> str:
+    """What a bench mode serves with."""
+    if mode in drafts:
+        return f"draft={drafts[mode]}"
+    return "off" if mode == "off" else "ngram"
+
+
 def commit() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                           text=True).stdout.strip()
@@ -95,6 +132,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the markdown table here")
     ap.add_argument("--machine", default="CPU; shared with other jobs",
                     help="what ran it, for the report (default: the shared CPU)")
+    ap.add_argument("--modes", default="off,ngram,prediction,ceiling,draft-self,draft-small",
+                    help="batch-1 modes, comma-separated ('none': skip batch 1)")
+    ap.add_argument("--draft-layers", type=int, default=8,
+                    help="layers of the draft-small model (the model's first ones)")
+    ap.add_argument("--streams", default="", help="concurrent stream counts, e.g. 8,32")
     args = ap.parse_args()
     if args.model == "default":
         from omlx_shared.default_model import pull_default
@@ -104,17 +146,42 @@ def main() -> int:
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(path)
-    text = source_file()
-    prompt = prompt_tokens(tok, text)
-    prediction = tuple(tok.encode(f"```python\n{text}```", add_special_tokens=False))
+    tmp = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    drafts = {"draft-self": path,
+              "draft-small": truncated_model(path, tmp / "draft", args.draft_layers)}
     stage = StageRunner(path)
     cost = verify_cost(stage)
     print(f"a step of 5 positions costs {cost:.2f} of one (one layer's MLP)", flush=True)
     cache = PrefixCache("bench", (0, stage.info.num_layers), block_size=64,
                         hot_max_bytes=4 << 30)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    report = [f"# Speculative decoding, edit workload ({path.name})", "",
+              f"Machine: {machine} ({args.machine}). Commit {commit()}. BLAS: "
+              f"{os.environ.get('LD_PRELOAD') or 'MLX reference'}; a step of 5 positions "
+              f"costs {cost:.2f} of one (verify_cost; auto drafts up to 2.0). draft-small: "
+              f"the model's first {args.draft_layers} layers.", ""]
+    modes = [m for m in args.modes.split(",") if m and m != "none"]
+    if modes:
+        report += batch_one(args, tok, stage, cache, modes, drafts)
+    for streams in [int(x) for x in args.streams.split(",") if x]:
+        report += many_streams(args, tok, stage, cache, streams, drafts)
+    report += ["Command: `python " + " ".join(sys.argv) + "`", ""]
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def batch_one(args, tok, stage: StageRunner, cache: PrefixCache, modes: list[str],
+              drafts: dict[str, Path]) -> list[str]:
+    """Batch-1 decode of the 300-line edit under each mode; the report's table."""
+    text = source_file()
+    prompt = prompt_tokens(tok, text)
+    prediction = tuple(tok.encode(f"```python\n{text}```", add_special_tokens=False))
     engines = {mode: Batcher(stage, NodeMetrics(), prefix_cache=cache,
-                             speculative="off" if mode == "off" else "ngram")
-               for mode in ("off", "ngram", "prediction", "ceiling")}
+                             speculative=speculative_mode(mode, drafts))
+               for mode in dict.fromkeys(["off", *modes])}
     rates: dict[str, list[float]] = {m: [] for m in engines}
     stats, outputs = {}, {}
     for r in range(args.runs):
@@ -134,23 +201,35 @@ def main() -> int:
         same = outputs[mode] == outputs["off"]
         acc = f"{s.accepted / s.drafted:.2f}" if s.drafted else "-"
         rows.append(f"| {mode} | {med:.1f} | {med / base:.2f}x | {acc} | {same} |")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
-    report = "\n".join([
-        f"# Speculative decoding, batch 1, edit workload ({path.name})", "",
-        f"Machine: {machine} ({args.machine}). Commit {commit()}. "
-        f"Prompt {len(prompt)} tokens (a {len(text.splitlines())}-line file), "
-        f"{args.tokens} tokens decoded, median of {args.runs} runs a mode, interleaved. "
-        f"BLAS: {os.environ.get('LD_PRELOAD') or 'MLX reference'}; a step of 5 positions "
-        f"costs {cost:.2f} of one (verify_cost; auto drafts up to 2.0).", "",
-        "| mode | decode tok/s | vs off | acceptance | same tokens as off |",
-        "|---|---|---|---|---|", *rows, "",
-        "Command: `python -m bench.speculative --model default "
-        f"--tokens {args.tokens} --runs {args.runs}`", ""])
-    print(report)
     print("the answer begins:", repr(tok.decode(outputs["off"])[:300]))
-    if args.out:
-        args.out.write_text(report)
-    return 0
+    return [f"Batch 1: prompt {len(prompt)} tokens (a {len(text.splitlines())}-line file), "
+            f"{args.tokens} tokens decoded, median of {args.runs} runs a mode, interleaved.",
+            "", "| mode | decode tok/s | vs off | acceptance | same tokens as off |",
+            "|---|---|---|---|---|", *rows, ""]
+
+
+def many_streams(args, tok, stage: StageRunner, cache: PrefixCache, streams: int,
+                 drafts: dict[str, Path]) -> list[str]:
+    """`streams` concurrent streams of a 40-line edit under off, ngram and draft-small."""
+    prompt = prompt_tokens(tok, source_file(40))
+    engines = {mode: Batcher(stage, NodeMetrics(), prefix_cache=cache,
+                             max_batch=max(streams, 64), speculative=speculative_mode(mode, drafts))
+               for mode in ("off", "ngram", "draft-small")}
+    run_streams(engines["off"], prompt, 4, 1)  # the prompt into the prefix cache
+    rates: dict[str, list[float]] = {m: [] for m in engines}
+    for r in range(args.runs):  # modes interleaved: each median sees the same load
+        for mode, batcher in engines.items():
+            rates[mode].append(run_streams(batcher, prompt, args.tokens, streams))
+            print(f"run {r}, {streams} streams {mode}: {rates[mode][-1]:.1f} tok/s", flush=True)
+    rows, base = [], statistics.median(rates["off"])
+    for mode, batcher in engines.items():
+        rate, spec = statistics.median(rates[mode]), batcher.speculator
+        rows.append(f"| {mode} | {rate:.1f} | {rate / base:.2f}x | "
+                    f"{spec.max_rows if spec is not None and spec.on else '-'} |")
+    return [f"{streams} concurrent streams: prompt {len(prompt)} tokens, {args.tokens} tokens "
+            f"each, aggregate decode tok/s, median of {args.runs} runs.", "",
+            "| mode | decode tok/s | vs off | speculates up to (rows) |", "|---|---|---|---|",
+            *rows, ""]
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ def status_command(args: argparse.Namespace) -> int:
     if len(body.get("models") or []) > 1 or any(len(m["replicas"]) > 1
                                                  for m in body.get("models") or []):
         console.print(_models_table(body["models"]))
+    for m in body.get("models") or []:
+        for spec in m.get("speculative") or []:
+            console.print(f"{m['id']} on {spec['node']}: speculative decoding, "
+                          f"{spec['acceptance_rate']:.0%} of drafted tokens stood, "
+                          f"{spec['tokens_per_step']:.2f} tokens a drafting step", markup=False)
     # What each node's own checks found wrong with its machine, and the fix.
     for n in body["nodes"]:
         for c in n.get("checks") or []:

@@ -12,7 +12,7 @@ from pathlib import Path
 from omlx_cluster import validators
 from omlx_cluster.api_keys import add_api_key_flags
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
-from omlx_shared.speculative_modes import MODES
+from omlx_shared.speculative_modes import check_mode, draft_path
 
 log = logging.getLogger("omlx_cluster")
 
@@ -125,6 +125,17 @@ def add_hot_cache_flag(p: argparse.ArgumentParser, help: str) -> None:
                    help=f"{help} (default: 1GiB)")
 
 
+def _speculative_mode(value: str) -> str:
+    """A speculation mode, a draft model's folder made absolute (the worker runs elsewhere)."""
+    try:
+        mode = check_mode(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if folder := draft_path(mode):
+        return f"draft={Path(folder).expanduser().resolve()}"
+    return mode
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-memory", type=validators.size, default=0, metavar="SIZE",
                    help="most memory a node's shard workers keep for weights, e.g. 24GiB; a "
@@ -137,13 +148,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=validators.positive, default=64, metavar="N",
                    help="most sequences decoding at once on a node; more wait in a queue "
                         "(default: 64)")
-    p.add_argument("--speculative", choices=MODES, default="auto",
+    p.add_argument("--speculative", type=_speculative_mode, default="auto",
+                   metavar="off|ngram|auto|draft=PATH",
                    help="speculative decoding on a single-node model: ngram drafts a "
                         "sequence's next tokens from its own prompt and output (prompt lookup) "
-                        "and verifies them in one step, auto is ngram today, off decodes one "
-                        "token a step; a request's OpenAI `prediction` drafts whatever this "
-                        "says; a model's speculative in --models-config wins; pipelines of "
-                        "several stages never speculate (default: auto)")
+                        "and verifies them in one step, auto is ngram where the node measures "
+                        "that a wider step is cheap, draft=PATH drafts with the small model in "
+                        "folder PATH (same tokenizer; loaded beside the model on the node that "
+                        "runs it), off decodes one token a step; a request's OpenAI "
+                        "`prediction` drafts unless off; a model's speculative in "
+                        "--models-config wins; pipelines of several stages never speculate "
+                        "(default: auto)")
     p.add_argument("--stream-interval", type=validators.milliseconds, default=20.0, metavar="MS",
                    help="where a node decodes faster than this, the tokens of one interval go "
                         "to the gateway as one message (a third less gateway CPU a token at "

@@ -510,11 +510,17 @@ class ModelManager:
     def describe(self, model: ServedModel) -> dict:
         """A model's state, replicas, where their stages run and their memory."""
         footprints: dict[str, dict] = {}
+        speculative: list[dict] = []  # each replica head's, as its agent last probed it
         for m in self.cluster.members:
             for w in m.health.workers if m.health else ():
                 if w.model_id == model.name:
                     footprints[m.name] = {"footprint_bytes": w.footprint_bytes,
                                           "mlx_active_bytes": w.mlx_active_bytes}
+                    if w.rank == 0 and w.speculative_tokens_per_step:
+                        speculative.append({
+                            "node": m.name,
+                            "acceptance_rate": round(w.speculative_acceptance_rate, 4),
+                            "tokens_per_step": round(w.speculative_tokens_per_step, 3)})
         return {
             "id": model.name, "aliases": list(model.config.aliases),
             "state": "pinned" if model.pinned and model.state == LOADED else model.state,
@@ -523,6 +529,7 @@ class ModelManager:
             "idle_seconds": round(model.idle_seconds(), 1), "loads": model.loads,
             "load_seconds": round(model.load_seconds, 3), "loaded_at": model.loaded_at or None,
             "error": model.error or None,
+            "speculative": speculative,
             "replicas": [{"replica": d.replica, "ready": d.ready, "status": d.status,
                           "epoch": d.epoch, "inflight": d.inflight, "requests": d.requests,
                           "stages": [{"node": s.node, "layers": [s.layer_start, s.layer_end],

@@ -138,6 +138,12 @@ class ModelsCollector:
                                       labels=["model", "node"])
         active = GaugeMetricFamily("omlx_model_mlx_active_bytes", "MLX active memory of the "
                                    "model's worker on a node", labels=["model", "node"])
+        accepted = GaugeMetricFamily("omlx_model_speculative_acceptance_rate", "Drafted tokens "
+                                     "that stood on the model's head worker on a node, since "
+                                     "it started", labels=["model", "node"])
+        per_step = GaugeMetricFamily("omlx_model_speculative_tokens_per_step", "Tokens a "
+                                     "drafting sequence got per step there, mean since it "
+                                     "started", labels=["model", "node"])
         held = GaugeMetricFamily("omlx_model_queue_held", "Requests of the model the gateway "
                                  "holds, decoding or waiting (n choices count n)", labels=["model"])
         bound = GaugeMetricFamily("omlx_model_queue_limit", "Its bound (--max-queue): past it "
@@ -182,12 +188,15 @@ class ModelsCollector:
             for w in h.workers:
                 footprint.add_metric([w.model_id, node.name], w.footprint_bytes)
                 active.add_metric([w.model_id, node.name], w.mlx_active_bytes)
+                if w.rank == 0:
+                    accepted.add_metric([w.model_id, node.name], w.speculative_acceptance_rate)
+                    per_step.add_metric([w.model_id, node.name], w.speculative_tokens_per_step)
             if h.memory_total_bytes:
                 available.add_metric([node.name], h.memory_available_bytes)
                 total.add_metric([node.name], h.memory_total_bytes)
                 pressure.add_metric([node.name], PRESSURE_LEVELS.get(h.memory_pressure, 0))
         yield from (loaded, state, leases, pinned, loads, unloads, load_s, footprint, active,
-                    available, total, pressure, held, bound, unread, running, waiting)
+                    accepted, per_step, available, total, pressure, held, bound, unread, running, waiting)
 
 
 def prometheus_targets(nodes: list[dict], plans: list[tuple[str, Plan]]) -> list[dict]:

@@ -12,7 +12,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     ttl = 1800                     # seconds idle before it is unloaded (0: never)
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
-    speculative = "off"            # off, ngram or auto (default: the node's --speculative)
+    speculative = "off"            # off, ngram, auto or draft=PATH (default: the node's --speculative)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from omlx_shared.speculative_modes import MODES
+from omlx_shared.speculative_modes import MODES, check_mode
 
 Replicas = int | str  # a count, or "auto"
 
@@ -59,9 +59,11 @@ class ModelConfig:
                                                and self.max_queue >= 1):
             raise ModelConfigError(f"model {self.name}: max_queue must be a positive integer, "
                                    f"got {self.max_queue!r}")
-        if self.speculative and self.speculative not in MODES:
-            raise ModelConfigError(f"model {self.name}: speculative must be one of "
-                                   f"{', '.join(MODES)}, got {self.speculative!r}")
+        if self.speculative:
+            try:
+                check_mode(self.speculative)
+            except ValueError as e:
+                raise ModelConfigError(f"model {self.name}: {e}") from e
 
 
 def parse_model_arg(text: str) -> tuple[str | None, str]:
@@ -187,7 +189,7 @@ def from_file(path: Path) -> list[ModelConfig]:
                               ("name", isinstance(t.get("name", ""), str), "a string"),
                               ("pin", isinstance(t.get("pin", False), bool), "true or false"),
                               ("speculative", isinstance(t.get("speculative", ""), str),
-                               f"a string: {', '.join(MODES)}"),
+                               f"a string: {', '.join(MODES)} or draft=PATH"),
                               ("aliases", isinstance(aliases, list)
                                and all(isinstance(a, str) for a in aliases),
                                'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omlx_shared.model_families import refusal
@@ -69,7 +69,8 @@ class ModelLayout:
     layer_kv, when given, says per layer what its cache costs (sliding-window, linear-attention
     and MLA layers differ); empty, every layer is full attention. layer_stream_bytes, when
     given, is what a decode step streams of each layer (MoE: the active experts' share); empty,
-    all of layer_bytes.
+    all of layer_bytes. draft_bytes: a draft model's weights (`speculative = "draft=PATH"`),
+    held beside the first stage's layers in its worker.
     """
 
     model_id: str
@@ -82,6 +83,7 @@ class ModelLayout:
     kv_bytes_per_token_per_layer: int
     layer_kv: tuple[LayerKV, ...] = ()
     layer_stream_bytes: tuple[int, ...] = ()
+    draft_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layer_bytes):
@@ -102,7 +104,8 @@ class ModelLayout:
     @property
     def total_weight_bytes(self) -> int:
         """Every tensor mlx-lm keeps of the checkpoint, each counted once."""
-        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
+        return (sum(self.layer_bytes) + self.embed_bytes + self.head_bytes + self.norm_bytes
+                + self.draft_bytes)
 
     def kv_bytes(self, layer: int, tokens: int) -> int:
         """What layer `layer`'s cache holds for one sequence of `tokens` tokens."""
@@ -247,6 +250,12 @@ def read_layout(
         layer_kv=layer_kv if any(c != LayerKV(kv) for c in layer_kv) else (),
         layer_stream_bytes=tuple(stream_bytes) if stream_bytes != layer_bytes else (),
     )
+
+
+def with_draft(layout: ModelLayout, draft: Path) -> ModelLayout:
+    """`layout` with the weights of the draft model in folder `draft` counted on its first
+    stage; ValueError where that folder cannot be read as a model."""
+    return replace(layout, draft_bytes=read_layout(draft).total_weight_bytes)
 
 
 def _active_expert_share(setting) -> float:

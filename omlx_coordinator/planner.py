@@ -249,7 +249,7 @@ class _Costs:
         lay = self.layout
         w = self.prefix[k] - self.prefix[i]
         if i == 0:
-            w += lay.embed_bytes
+            w += lay.embed_bytes + lay.draft_bytes
         if k == self.L:
             w += lay.norm_bytes
             if not lay.tied_embeddings:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
 from omlx_coordinator.admission import DEFAULT_MAX_QUEUE, NODE_DEFAULT_BATCH, Admission
 from omlx_coordinator.priority import PriorityGate
 from omlx_coordinator.model_config import ModelConfig
-from omlx_coordinator.model_layout import ModelLayout, read_layout
+from omlx_coordinator.model_layout import ModelLayout, read_layout, with_draft
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.weight_transfer import WeightSource
+from omlx_shared.speculative_modes import draft_path
+
+log = logging.getLogger(__name__)
 
 # What /v1/models and `status` show of a model.
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
@@ -41,6 +45,12 @@ class ServedModel:
         self.vocab_size = (_text_setting(settings, "vocab_size")
                            or len(self.tokenizer.tokenizer))
         self.layout: ModelLayout = read_layout(path, model_id=config.name)
+        if draft := draft_path(config.speculative):
+            try:  # the draft's folder is the head node's; here too with `serve`
+                self.layout = with_draft(self.layout, Path(draft))
+            except ValueError as e:
+                log.warning("model %s: its draft model's memory is not planned for: %s",
+                            self.name, e)
         self.state = UNLOADED
         self.pinned = config.pinned
         # Idle seconds before it is unloaded (0: never): the config's, until a request sets it

@@ -49,6 +49,8 @@ PROBE_TIMEOUT_SECONDS = 0.5  # a worker whose /metrics is slower keeps its last 
 # The gauge the worker exports MLX's active memory as (omlx_node/metrics.py: importing that
 # module would load MLX into the agent).
 MLX_ACTIVE_METRIC = "omlx_node_mlx_active_bytes"
+ACCEPTANCE_METRIC = "omlx_node_speculative_acceptance_rate"
+TOKENS_PER_STEP_METRIC = "omlx_node_speculative_tokens_per_step"
 ORPHAN_CHECK_SECONDS = 1.0  # how often a node looks whether its coordinator is still there
 ABANDON_CHECK_SECONDS = 0.5  # how often a load waiting for another looks whether it was dropped
 
@@ -69,19 +71,22 @@ def reachable(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
-def scrape_gauge(url: str, name: str) -> float | None:
-    """The first sample of gauge `name` on a Prometheus text endpoint; None if the endpoint
-    does not answer in time or lacks it."""
-    query = urllib.parse.urlencode({"name[]": name})  # that gauge alone: a cheap render
+def scrape_gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The first sample of each of gauges `names` on a Prometheus text endpoint (one request);
+    those the endpoint lacks, or all when it does not answer in time, are left out."""
+    query = urllib.parse.urlencode([("name[]", n) for n in names])  # those alone: cheap
     try:
         with urllib.request.urlopen(f"{url}?{query}", timeout=PROBE_TIMEOUT_SECONDS) as response:
             text = response.read().decode(errors="replace")
     except (OSError, http.client.HTTPException):  # a worker busy, exiting or stopped
-        return None
+        return {}
+    found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+        for name in names:
+            if (name not in found and line.startswith(name)
+                    and line[len(name):len(name) + 1] in ("{", " ")):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def stop_process(child: ChildProcess, grace: float) -> bool:
@@ -102,6 +107,8 @@ class Worker:
     metrics_port: int  # the port its /metrics bound
     footprint_bytes: int = 0  # as last probed
     mlx_active_bytes: int = 0
+    acceptance_rate: float = 0.0  # speculative decoding's, as last probed
+    tokens_per_step: float = 0.0
 
     def probe(self, host: str) -> None:
         """Reads its real footprint and MLX's active memory (from its own /metrics: only the
@@ -112,10 +119,13 @@ class Worker:
         except OSError:  # macOS refused, or it has exited
             reading = None
         self.footprint_bytes = reading[1] if reading and self.process.alive() else 0
-        active = scrape_gauge(f"http://{reachable(host)}:{self.metrics_port}/metrics",
-                              MLX_ACTIVE_METRIC) if self.metrics_port else None
-        if active is not None:
-            self.mlx_active_bytes = int(active)
+        read = scrape_gauges(f"http://{reachable(host)}:{self.metrics_port}/metrics",
+                             (MLX_ACTIVE_METRIC, ACCEPTANCE_METRIC, TOKENS_PER_STEP_METRIC)
+                             ) if self.metrics_port else {}
+        if MLX_ACTIVE_METRIC in read:
+            self.mlx_active_bytes = int(read[MLX_ACTIVE_METRIC])
+        self.acceptance_rate = read.get(ACCEPTANCE_METRIC, self.acceptance_rate)
+        self.tokens_per_step = read.get(TOKENS_PER_STEP_METRIC, self.tokens_per_step)
 
     def status(self) -> pb.WorkerStatus:
         alive, r, q = self.process.alive(), self.reply, self.request
@@ -126,7 +136,9 @@ class Worker:
             layer_start=r.layer_start, layer_end=r.layer_end, num_layers=r.num_layers,
             rank=q.rank, world_size=max(1, q.world_size), plan_hash=q.plan_hash,
             footprint_bytes=self.footprint_bytes if alive else 0,
-            mlx_active_bytes=self.mlx_active_bytes if alive else 0)
+            mlx_active_bytes=self.mlx_active_bytes if alive else 0,
+            speculative_acceptance_rate=self.acceptance_rate,
+            speculative_tokens_per_step=self.tokens_per_step)
 
 
 def machine_memory_fields() -> dict:

@@ -54,6 +54,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
+from omlx_node.draft_model import DraftModel
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics, StageProfile
 from omlx_node.prefill_order import waits_for_ahead
@@ -73,6 +74,7 @@ from omlx_node.sampling import (
 from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
+from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_shared.token_ids import outside_vocabulary
 
 log = logging.getLogger(__name__)
@@ -817,7 +819,8 @@ class Batcher(Engine):
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  grammars: Grammars | None = None, speculative: str = "auto"):
-        """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto")."""
+        """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
+        the draft model is loaded here)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -831,8 +834,14 @@ class Batcher(Engine):
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
         # Drafts need every layer's cache trimmable to a row's accepted tokens.
-        self.speculator = (Speculator(speculative, stage, metrics)
-                           if self.state.batchable else None)
+        self.speculator = None
+        if self.state.batchable:
+            path = draft_path(check_mode(speculative))
+            draft = DraftModel(path, stage) if path else None
+            self.speculator = Speculator(
+                speculative, stage, metrics, max_batch=max_batch,
+                drafter=draft.proposer if draft else None,
+                draft_share=draft.nbytes() / stage.nbytes() if draft else 0.0)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
@@ -863,6 +872,13 @@ class Batcher(Engine):
     def _prefill_step(self) -> int:
         """Runs one prefill chunk; returns its tokens."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
+        if self.speculator is not None and len(self._batch) < self.speculator.max_rows:
+            for seq, start, n in plan:
+                # A draft model computes the prompt alongside: its first draft waits for none.
+                # (Not while the batch is too large to speculate: it may never draft.)
+                seq.proposer = seq.proposer or self.speculator.proposer(seq.req.prediction)
+                if seq.proposer is not None:
+                    seq.proposer.feed(seq.to_prefill[:start + n])
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
@@ -888,7 +904,7 @@ class Batcher(Engine):
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
             for s in ready:
-                if self.speculator is not None:
+                if self.speculator is not None and s.proposer is None:
                     s.proposer = self.speculator.proposer(s.req.prediction)
                 # One whose sampler cannot be made rides a stand-in's until its error is out.
                 sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)
@@ -987,7 +1003,7 @@ class Batcher(Engine):
         """Whether this step verifies drafts: a row may draft, and the batch is small enough
         that a draft's extra positions cost less than the steps they save."""
         return self.speculator is not None and self.speculator.wanted(
-            [s.spec for s in self._batch if s.proposer is not None])
+            [s.spec for s in self._batch if s.proposer is not None], len(self._batch))
 
     def _speculative_step(self) -> None:
         """Streams `_y`'s tokens first (a draft follows them), then runs every row's input and

@@ -95,6 +95,16 @@ def row_costs(fn: Callable, width: int, dtype: str,
     return out
 
 
+def step_cost(costs: dict[int, float], rows: int) -> float:
+    """A step's cost at `rows`, interpolated from a measured curve of at least two points
+    (extrapolated along its last segment past its end)."""
+    pts = sorted(costs.items())
+    for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            break
+    return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+
 def node_speed(cache: Path, recalibrate: bool = False, timeout: float = 120.0) -> float:
     """This machine's speed in GB/s for the planner: measured once in a child process (a node
     agent never runs MLX itself) and kept in `cache` for the next join; 0.0 (uncalibrated) if

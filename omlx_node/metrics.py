@@ -309,6 +309,10 @@ class NodeMetrics:
             "omlx_node_speculative_row_steps",
             "Steps of one row that verified a draft (each gives its accepted tokens + 1)",
             ["source"], registry=r)
+        self.spec_max_rows = Gauge(
+            "omlx_node_speculative_max_rows",
+            "Most rows a step may hold and still speculate, measured at start-up (0: off)",
+            registry=r)
         Gauge("omlx_node_speculative_acceptance_rate",
               "Accepted / drafted tokens since start (0 before any draft)",
               registry=r).set_function(lambda: self._spec[1] / max(self._spec[0], 1))

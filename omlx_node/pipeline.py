@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from omlx_node import wire
 from omlx_node.batcher import Engine, Finish, Sequence, StageState, advance_each
+from omlx_node.calibrate import step_cost
 from omlx_node.constraints import Grammars, Verdict
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
@@ -59,16 +60,6 @@ MICRO_BATCH_PENALTY = 0.25
 # Queued sequences looked up beyond the room the batch has now: their lookups' round trips
 # through the pipeline are done by the time a slot frees.
 LOOKUP_AHEAD = 2
-
-
-def step_cost(costs: dict[int, float], rows: int) -> float:
-    """A step's cost at `rows`, interpolated from a measured curve of at least two points
-    (extrapolated along its last segment past its end)."""
-    pts = sorted(costs.items())
-    for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
-        if rows <= r1:
-            break
-    return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
 
 def micro_batches_worth(costs: dict[int, float], rows: int, k_max: int) -> int:

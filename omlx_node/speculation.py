@@ -12,6 +12,8 @@ Drafts come from a `Proposer`:
   is the draft. An agent that rewrites a file it just read gets most of it drafted for free.
 - `PredictionProposer`: OpenAI's predicted outputs; the draft is looked up in the text the
   client predicted (the file being edited), starting at its beginning.
+- a draft model's (`omlx_node.draft_model`, `--speculative draft=PATH`): a small model of the
+  same tokenizer, with each row in its own KV cache, drafts greedily.
 
 Acceptance keeps the target's output exactly: greedy rows keep the draft's longest prefix that
 equals the argmax at each position (the same tokens as decoding one by one, up to the rounding
@@ -23,25 +25,31 @@ Which rows draft: unconstrained, unpenalised rows that are greedy or unseeded (a
 matcher and a penalty's history would have to follow every drafted token, and a seeded row's
 tokens must not depend on whether its batch was small enough to speculate); the others decode
 one token a step, in the same pass.
-Speculation steps aside when the batch holds more than `max_rows` rows: a batch that size is
-bound by compute rather than by reading the weights, and extra positions cost what they save.
-Where even one row's k+1 positions cost several times one position (a CPU whose matrix
-products are compute bound), no draft pays: "auto" measures that at start-up
-(`verify_cost`, one layer's MLP, as micro-batching measures its cost curve) and drafts only
-where k+1 positions cost at most AUTO_MAX_COST one-position steps.
+
+How much a row drafts adapts to it: each row keeps a running estimate of the share of its
+drafted tokens that stand (alpha, recent steps weighing most), and drafts the k (1..k_max)
+that gives the most tokens per unit of cost: a step of k+1 positions gives
+1 + alpha + ... + alpha^k tokens and costs what the start-up curve says k+1 positions cost
+(plus, with a draft model, k of its passes). Speculation steps aside when the batch holds more
+rows than `max_rows`, the crossover measured at start-up as micro-batching measures its cost
+curve (`position_costs`, one layer's MLP on 1 to 256 positions): the most rows B whose
+B(k+1) positions cost at most AUTO_MAX_COST times B positions. Past it a step is bound by
+compute rather than by reading the weights, and drafts cost what they save. Where not even
+one row's k+1 positions are that cheap (a CPU whose matrix products are compute bound), no
+draft pays: "auto" stays off; "ngram" and "draft=PATH" still draft one row at a time.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from omlx_node.calibrate import row_costs
+from omlx_node.calibrate import row_costs, step_cost
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import (
     Logprob,
@@ -54,21 +62,23 @@ from omlx_node.sampling import (
     unpack_logprobs,
 )
 from omlx_node.stage import StageRunner
-from omlx_shared.speculative_modes import check_mode
+from omlx_shared.speculative_modes import check_mode, draft_path
 
-DRAFT_TOKENS = 4  # k: the most a row drafts in one step
-# Speculation steps aside above this many rows: a batch's step grows less bound by reading
-# the weights with every row, and k more positions a row start to cost what they save. A fixed
-# guess, not yet a measured crossover (docs/speculative.md).
-MAX_ROWS = 4
+DRAFT_TOKENS = 4  # k_max: the most a row drafts in one step
 NGRAM_MAX, NGRAM_MIN = 3, 1
-# "auto" drafts where a step of k+1 positions costs at most this many steps of one: then a
-# row whose drafts stand about half the time (k=4: 3 tokens a step) still gains.
+# A step of B rows speculates while B(k+1) positions cost at most this many steps of B: then a
+# row whose drafts stand about half the time (k=4: about 2 tokens a step) still gains.
 AUTO_MAX_COST = 2.0
+# What the start-up cost curve measures, in positions of one step (rows times width).
+COST_POSITIONS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256)
 # A row whose draft all failed waits 2, 4, ... up to this many steps before it drafts again:
 # a step that may draft waits for the row's last token (no overlap with the step before), so
 # a text that prompt lookup does not predict should not pay that, nor the wasted positions.
 MAX_BACKOFF = 16
+# A row's acceptance estimate: each step's counts weigh this much less at the next; it starts
+# as PRIOR_HITS of PRIOR_TRIES drafted tokens standing.
+DECAY = 0.8
+PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +90,38 @@ def verify_cost(stage: StageRunner, k: int = DRAFT_TOKENS) -> float:
     costs = row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
                       rows=(1, k + 1))
     return costs[k + 1] / costs[1]
+
+
+def position_costs(stage: StageRunner) -> dict[int, float]:
+    """Seconds one layer's MLP takes on 1 to 256 positions (COST_POSITIONS, as far as a
+    second's budget goes): what a step of that many positions costs on this device."""
+    return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
+                     rows=COST_POSITIONS, budget_seconds=1.0)
+
+
+def crossover(costs: dict[int, float], k: int, limit: int) -> int:
+    """The most rows (up to `limit`) a step may hold and still speculate: the largest B whose
+    B(k+1) positions cost at most AUTO_MAX_COST times B positions; 0 when one row's do not."""
+    rows = 0
+    while rows < limit and (step_cost(costs, (rows + 1) * (k + 1))
+                            <= AUTO_MAX_COST * step_cost(costs, rows + 1)):
+        rows += 1
+    return rows
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step gives a row that drafts k tokens each standing with probability alpha
+    (given those before it stood): 1 + alpha + ... + alpha^k."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
+def best_k(alpha: float, costs: dict[int, float], k_max: int, draft_share: float) -> int:
+    """The draft length (1..k_max) with the most tokens per unit of cost for a row of
+    acceptance alpha: k+1 positions cost costs' k+1 over its 1, plus k draft-model passes of
+    `draft_share` of a target pass each (0 for prompt lookup)."""
+    one = step_cost(costs, 1)
+    return max(range(1, k_max + 1), key=lambda k: (
+        expected_tokens(alpha, k) / (step_cost(costs, k + 1) / one + draft_share * k), -k))
 
 
 def lookup(corpus: np.ndarray, end: int, suffix: np.ndarray, k: int, after: int = 0
@@ -108,6 +150,10 @@ class Proposer:
     def propose(self, tokens: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the row's prompt then its `output`)."""
         raise NotImplementedError
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Takes the row's prompt as far as it is prefilled (`tokens`, all of it so far): a
+        proposer that computes on it (a draft model) does so alongside the prefill."""
 
 
 class NgramProposer(Proposer):
@@ -268,21 +314,40 @@ class Speculator:
     /metrics shows."""
 
     def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
-                 k: int = DRAFT_TOKENS, max_rows: int = MAX_ROWS):
-        """`stage`: the model, whose step cost "auto" measures."""
-        self.k, self.max_rows, self.metrics = k, max_rows, metrics
-        self.on = check_mode(mode) == "ngram"
+                 k: int = DRAFT_TOKENS, max_rows: int | None = None,
+                 drafter: Callable[[], Proposer] | None = None, draft_share: float = 0.0,
+                 costs: dict[int, float] | None = None, max_batch: int = 64):
+        """`stage`: the model, whose cost curve is measured here unless `costs` gives it;
+        `max_rows`: the crossover, else measured; `drafter`: makes a row's draft model
+        proposer ("draft=PATH" modes: omlx_node.draft_model), whose pass costs `draft_share`
+        of the target's."""
+        self.k, self.metrics, self.draft_share = k, metrics, draft_share
+        self.drafter = drafter if draft_path(check_mode(mode)) else None
+        if draft_path(mode) and drafter is None:
+            raise ValueError(f"speculative mode {mode!r} needs its draft model loaded")
+        self.on = mode != "off"
+        self.costs = costs or ({1: 1.0, 2: 1.0} if mode == "off" else position_costs(stage))
+        measured = crossover(self.costs, k, max_batch)
         if mode == "auto":
-            cost = verify_cost(stage, k)
-            self.on = cost <= AUTO_MAX_COST
-            log.info("speculative decoding %s: a step of %d positions costs %.1f of one "
-                     "(auto drafts up to %.1f)", "on" if self.on else "off", k + 1, cost,
-                     AUTO_MAX_COST)
+            self.on = measured > 0
+        # An explicit mode drafts at least one row at a time, whatever the curve says.
+        self.max_rows = max_rows if max_rows is not None else max(measured, 1)
+        if self.on:
+            log.info("speculative decoding on (%s): up to %d rows a step; %d positions cost "
+                     "%.1f of one", mode, self.max_rows, k + 1,
+                     step_cost(self.costs, k + 1) / step_cost(self.costs, 1))
+        elif mode == "auto":
+            log.info("speculative decoding off: a step of %d positions costs %.1f of one "
+                     "(auto drafts up to %.1f)", k + 1,
+                     step_cost(self.costs, k + 1) / step_cost(self.costs, 1), AUTO_MAX_COST)
+        if metrics is not None:
+            metrics.spec_max_rows.set(self.max_rows if self.on else 0)
 
-    def wanted(self, stats: list[SpecStats]) -> bool:
-        """Whether a step of rows with these stats (those that have a proposer) may draft: a
-        batch small enough, and a row not backing off. Counts the step off each row's wait."""
-        if len(stats) > self.max_rows:
+    def wanted(self, stats: list[SpecStats], rows: int) -> bool:
+        """Whether a step of `rows` rows, these of which (`stats`) have a proposer, may draft:
+        a batch small enough, and a row not backing off. Counts the step off each row's
+        wait."""
+        if rows > self.max_rows:
             return False
         ready = False
         for s in stats:
@@ -294,28 +359,36 @@ class Speculator:
 
     def proposer(self, prediction: Sequence[int]) -> Proposer | None:
         """A new row's proposer, while speculation is on: its prediction's when it sent one,
-        else prompt lookup."""
+        else the draft model's where there is one, else prompt lookup."""
         if not self.on:
             return None
-        return PredictionProposer(prediction) if prediction else NgramProposer()
+        if prediction:
+            return PredictionProposer(prediction)
+        return self.drafter() if self.drafter is not None else NgramProposer()
 
     def draft(self, proposer: Proposer | None, stats: SpecStats, sampler: RowSampler,
               tokens: Sequence[int], output: Sequence[int], room: int) -> list[int]:
-        """A row's draft for this step: none for a row under a grammar or penalties (their
-        state would have to follow each drafted token), for a seeded sampled row (its tokens
-        depend on its seed alone, and a step that verifies a draft spends its key otherwise
-        than one that does not: which one it gets depends on the batch's size) or with no
-        `room` (tokens it may still generate beyond the one this step gives it anyway), nor
-        for one backing off after drafts that all failed."""
+        """A row's draft for this step, as long as its acceptance makes worth it: none for a
+        row under a grammar or penalties (their state would have to follow each drafted
+        token), for a seeded sampled row (its tokens depend on its seed alone, and a step
+        that verifies a draft spends its key otherwise than one that does not: which one it
+        gets depends on the batch's size) or with no `room` (tokens it may still generate
+        beyond the one this step gives it anyway), nor for one backing off after drafts that
+        all failed."""
         if (proposer is None or stats.wait or sampler.processors or sampler.grammar is not None
                 or (sampler.key is not None and not sampler.params.greedy)):
             return []
-        return proposer.propose(tokens, output, min(self.k, room)) if room > 0 else []
+        share = self.draft_share if proposer.source == "draft" else 0.0
+        k = min(best_k(stats.alpha, self.costs, self.k, share), room)
+        return proposer.propose(tokens, output, k) if k > 0 else []
 
     def counted(self, proposer: Proposer, stats: SpecStats, drafted: int, accepted: int) -> None:
         """Counts one row's verified draft, in its stats and /metrics."""
         stats.drafted += drafted
         stats.accepted += accepted
+        # Each drafted token up to the first rejected one was a trial.
+        stats.hits = stats.hits * DECAY + accepted
+        stats.tries = stats.tries * DECAY + accepted + (accepted < drafted)
         stats.misses = 0 if accepted else stats.misses + 1
         stats.wait = min(2 ** stats.misses, MAX_BACKOFF) if stats.misses else 0
         if proposer.source == "prediction":
@@ -335,3 +408,10 @@ class SpecStats:
     predicted_accepted: int = 0
     misses: int = 0  # drafts in a row none of which stood
     wait: int = 0  # steps left before it drafts again
+    hits: float = PRIOR_HITS  # drafted tokens that stood, recent steps weighing most
+    tries: float = PRIOR_TRIES  # drafted tokens tried (up to each step's first rejected one)
+
+    @property
+    def alpha(self) -> float:
+        """The chance its next drafted token stands, as its recent drafts say."""
+        return self.hits / self.tries

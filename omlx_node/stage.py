@@ -228,6 +228,7 @@ class StageRunner:
         self._embed = embedding_view(anatomy) if is_first else None
         self._head = head_view(anatomy) if is_last else None
         self.hidden_size = int(_setting(config, "hidden_size"))
+        self.path = path  # its folder: a draft model's tokenizer is checked against it
 
         self.info = ShardInfo(
             model_type=config["model_type"],

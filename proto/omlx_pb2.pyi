@@ -271,7 +271,7 @@ class HealthReply(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., status: _Optional[str] = ..., version: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., metrics_port: _Optional[int] = ..., pid: _Optional[int] = ..., data_port: _Optional[int] = ..., worker_pid: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., checks: _Optional[_Iterable[_Union[NodeCheck, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., memory_pressure: _Optional[str] = ..., loading: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model_id", "ready", "status", "pid", "metrics_port", "worker_address", "layer_start", "layer_end", "num_layers", "rank", "world_size", "plan_hash", "footprint_bytes", "mlx_active_bytes")
+    __slots__ = ("model_id", "ready", "status", "pid", "metrics_port", "worker_address", "layer_start", "layer_end", "num_layers", "rank", "world_size", "plan_hash", "footprint_bytes", "mlx_active_bytes", "speculative_acceptance_rate", "speculative_tokens_per_step")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,8 @@ class WorkerStatus(_message.Message):
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     ready: bool
     status: str
@@ -300,7 +302,9 @@ class WorkerStatus(_message.Message):
     plan_hash: str
     footprint_bytes: int
     mlx_active_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., ready: _Optional[bool] = ..., status: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., plan_hash: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ...) -> None: ...
+    speculative_acceptance_rate: float
+    speculative_tokens_per_step: float
+    def __init__(self, model_id: _Optional[str] = ..., ready: _Optional[bool] = ..., status: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., plan_hash: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class UnloadShardRequest(_message.Message):
     __slots__ = ("model_id", "grace_seconds")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omlx_node.calibrate import row_costs
-from omlx_node.pipeline import micro_batches_worth, step_cost
+from omlx_node.calibrate import row_costs, step_cost
+from omlx_node.pipeline import micro_batches_worth
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Weight-bandwidth bound (a GPU at tens of rows), compute bound, and bound until 64 rows.

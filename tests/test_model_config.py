@@ -80,7 +80,8 @@ def test_config_file(tmp_path: Path):
     ('[[model]]\npath = "/a"\npin = "yes"\n', "pin must be true or false"),
     ('[[model]]\npath = 5\n', "path must be a string"),
     ('[[model]]\npath = "/a"\nspeculative = "draft"\n',
-     "speculative must be one of off, ngram, auto, got 'draft'"),
+     "unknown speculative mode 'draft': use one of off, ngram, auto, or draft=PATH"),
+    ('[[model]]\npath = "/a"\nspeculative = "mtp"\n', "mlx-lm 0.32 loads no model family's"),
     ('[[model]]\npath = "/a"\nspeculative = true\n', "speculative must be a string"),
     ("model = [1]\n", "model 1: is 1, not a table"),
 ])

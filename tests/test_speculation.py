@@ -21,6 +21,9 @@ from omlx_node.speculation import (
     PredictionProposer,
     Speculator,
     SpecStats,
+    best_k,
+    crossover,
+    expected_tokens,
     target_probs,
     verify_cost,
     verify_sampled,
@@ -32,6 +35,18 @@ from tests.tiny_models import build_model
 
 # Repetitive: a random model's greedy output soon loops, and prompt lookup drafts the loop.
 TEXT = "one two three four five six seven eight nine ten. " * 4 + "one two three"
+
+
+# A weight-bound device's cost curve (k+1 positions cost what one does): rows draft all k_max
+# tokens while their drafts stand. The measured curve decides on a real node (tests below).
+FLAT = {1: 1.0, 256: 1.0}
+
+
+@pytest.fixture(autouse=True)
+def flat_costs(request, monkeypatch):
+    """Every engine gets FLAT but in the tests of the cost policy (named so)."""
+    if "cost" not in request.node.name:
+        monkeypatch.setattr(speculation, "position_costs", lambda stage: FLAT)
 
 
 @pytest.fixture(scope="module")
@@ -226,14 +241,48 @@ def test_sampled_rows_draft_and_seeded_rows_do_not(model_path, mlx_lm_model):
     assert on == off and seq.spec.drafted == 0
 
 
-def test_auto_drafts_only_where_a_wider_step_is_cheap(model_path, monkeypatch):
+def test_auto_drafts_only_where_a_wider_step_costs_little(model_path, monkeypatch):
     """"auto" measures what k+1 positions cost against one (one layer's MLP): weight-bound
     (about the same) it drafts, compute-bound (k+1 times as much) it does not."""
     stage = StageRunner(model_path)
     assert verify_cost(stage) > 0.5
+    measured = Speculator("ngram", stage)
+    assert measured.max_rows >= 1 and set(measured.costs) >= {1, 2, 3, 4, 5}
     for costs, on in (({1: 1.0, 5: 1.2}, True), ({1: 1.0, 5: 4.8}, False)):
         monkeypatch.setattr(speculation, "row_costs", lambda *a, costs=costs, **kw: costs)
         assert Speculator("auto", stage).on is on
+        assert Speculator("ngram", stage).on  # asked for: one row at a time at least
+
+
+def test_the_crossover_and_k_follow_the_cost_curve():
+    """Speculation steps aside past the rows where B(k+1) positions cost more than twice B
+    (a curve flat to 16 positions, then proportional: 3 rows of 5 positions are 15); k
+    follows a row's acceptance and what positions cost."""
+    knee = {1: 1.0, 16: 1.0, 32: 2.0, 64: 4.0}
+    assert crossover(knee, 4, 64) == 6  # 30 positions cost 1.9, 35 cost 2.2 against 1
+    assert crossover(FLAT, 4, 64) == 64
+    assert crossover({1: 1.0, 5: 4.8}, 4, 64) == 0
+    steep = {1: 1.0, 2: 2.0, 64: 64.0}
+    assert best_k(0.95, FLAT, 4, 0.0) == 4 and best_k(0.95, steep, 4, 0.0) == 1
+    assert best_k(0.3, {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.6, 5: 2.0}, 4, 0.0) == 1
+    assert best_k(0.8, {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.6, 5: 2.0}, 4, 0.0) == 2
+    # A draft model's passes cost too: a dear one drafts less.
+    assert best_k(0.8, FLAT, 4, 0.0) == 4 and best_k(0.8, FLAT, 4, 0.5) == 2
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+
+
+def test_a_rows_k_shrinks_as_its_drafts_fail(model_path):
+    """A row whose drafts stand drafts k_max; one whose drafts keep failing at the second
+    token drafts fewer (on a curve where positions are not free)."""
+    spec = Speculator("ngram", StageRunner(model_path),
+                      costs={1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})
+    good, bad, proposer = SpecStats(), SpecStats(), NgramProposer()
+    for _ in range(6):
+        spec.counted(proposer, good, 4, 4)
+        spec.counted(proposer, bad, 4, 1)
+    assert good.alpha > 0.9 and bad.alpha < 0.6
+    k = {id(s): best_k(s.alpha, spec.costs, spec.k, 0.0) for s in (good, bad)}
+    assert k[id(good)] == 4 and k[id(bad)] == 2
 
 
 def test_off_drafts_nothing_not_even_a_prediction(model_path, mlx_lm_model):
@@ -254,14 +303,14 @@ def test_a_row_whose_drafts_fail_backs_off(model_path):
     for _ in range(5):
         spec.counted(proposer, stats, 4, 0)
         steps = 1
-        while not spec.wanted([stats]):
+        while not spec.wanted([stats], 1):
             steps += 1
         waits.append(steps)
     assert waits == [3, 5, 9, 17, 17]  # (the step that drafts again counted too)
     spec.counted(proposer, stats, 4, 0)
     spec.counted(proposer, stats, 4, 1)
-    assert stats.wait == 0 and spec.wanted([stats])
-    assert not spec.wanted([SpecStats()] * (spec.max_rows + 1))  # a batch too large
+    assert stats.wait == 0 and spec.wanted([stats], 1)
+    assert not spec.wanted([SpecStats()], spec.max_rows + 1)  # a batch too large
 
 
 def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):

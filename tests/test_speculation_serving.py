@@ -3,7 +3,13 @@ without one, the usage fields that count the prediction, and the node's /metrics
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import grpc
+import httpx
 import mlx.core as mx
 import openai
 import pytest
@@ -64,6 +70,47 @@ def test_prediction_drafts_and_usage_counts_it(server):
     assert drafted >= accepted > 0
     assert 0 < metrics["omlx_node_speculative_acceptance_rate"] <= 1
     assert metrics["omlx_node_speculative_tokens_per_step"] > 1
+
+
+def test_a_draft_model_drafts_through_the_server(server, tiny_model_path, tmp_path):
+    """`--speculative draft=PATH` (the model drafting for itself: every draft stands): the
+    same greedy answers as the ngram server's plain ones, a stop string inside a run of
+    accepted drafts ends the text there, and /metrics counts the drafts by source."""
+    kw = {"model": server.model_id, "messages": ASK, "max_tokens": 40, "temperature": 0}
+    plain = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                          timeout=120).chat.completions.create(**kw)
+    text = plain.choices[0].message.content
+    with start_server(tiny_model_path, "--speculative", f"draft={tiny_model_path}",
+                      node_metrics=True, home=tmp_path / "home") as drafting:
+        client = openai.OpenAI(base_url=drafting.base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+        assert client.chat.completions.create(**kw).choices[0].message.content == text
+        stop = text[len(text) // 2:len(text) // 2 + 4]
+        stopped = client.chat.completions.create(**kw, stop=[stop])
+        assert stopped.choices[0].message.content == text[:text.index(stop)]
+        assert stopped.choices[0].finish_reason == "stop"
+        metrics = drafting.node_metrics()
+        # The gateway shows what its agent last probed: status, and its own /metrics.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = httpx.get(drafting.url + "/cluster/status", timeout=10).json()
+            [spec] = status["models"][0]["speculative"] or [None]
+            if spec is not None:
+                break
+            time.sleep(0.5)
+        assert spec is not None, status["models"][0]
+        assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_step"] > 1
+        gateway = drafting.metrics()  # (its model and node labels left out)
+        assert gateway["omlx_model_speculative_acceptance_rate"] == 1.0
+        assert gateway["omlx_model_speculative_tokens_per_step"] > 1
+        shown = subprocess.run([sys.executable, "-m", "omlx_cluster", "status", "--url",
+                                drafting.url], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": "200"})
+        assert "speculative decoding, 100% of drafted tokens stood" in shown.stdout, shown
+    drafted = metrics['omlx_node_speculative_draft_tokens_total{source="draft"}']
+    accepted = metrics['omlx_node_speculative_accepted_tokens_total{source="draft"}']
+    assert drafted == accepted > 0
+    assert metrics["omlx_node_speculative_max_rows"] >= 1
 
 
 def test_a_bad_prediction_is_a_400_naming_it(server):

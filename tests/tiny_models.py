@@ -233,3 +233,27 @@ def serving(model: Path, name: str, options, **config):
 
     return ModelManager(Cluster(options), [ServedModel(ModelConfig(name, str(model), **config),
                                                        model)])
+
+
+def truncated_model(src: Path, dest: Path, num_layers: int) -> Path:
+    """A copy of model folder `src` keeping only its first `num_layers` layers (then its own
+    norm and head): a smaller model of the same tokenizer, as a draft model needs, and one
+    whose guesses often agree with the whole model's."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, value in mx.load(str(f)).items():
+            parts = name.split(".")
+            at = parts.index("layers") if "layers" in parts else -1
+            if at < 0 or int(parts[at + 1]) < num_layers:
+                weights[name] = value
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return dest
