@@ -18,7 +18,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
-from omlx_coordinator.api import anthropic, models, ollama, ollama_models, openai, responses
+from omlx_coordinator.api import (
+    anthropic,
+    embeddings,
+    models,
+    ollama,
+    ollama_models,
+    openai,
+    responses,
+)
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.docs import add_docs_routes
@@ -197,7 +205,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                  anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT,
-                 **ollama.ENDPOINTS}
+                 "/v1/embeddings": "embeddings", "/v1/rerank": "rerank", **ollama.ENDPOINTS}
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
         """The error in the shape of the API the path belongs to; a generation request's
@@ -388,6 +396,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
+    embeddings.add_routes(app, manager, settings, keyed)
     ollama.add_routes(app, manager, metrics_of, settings, keyed)
     ollama_models.add_routes(app, manager, keyed)
     app.openapi = lambda: _openapi(app, keyed)
