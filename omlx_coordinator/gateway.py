@@ -23,6 +23,7 @@ from omlx_coordinator.api import (
     embeddings,
     models,
     ollama,
+    ollama_embed,
     ollama_models,
     openai,
     responses,
@@ -205,7 +206,9 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                  anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT,
-                 "/v1/embeddings": "embeddings", "/v1/rerank": "rerank", **ollama.ENDPOINTS}
+                 "/v1/embeddings": "embeddings", "/v1/rerank": "rerank",
+                 "/api/embed": "ollama_embed", "/api/embeddings": "ollama_embed",
+                 **ollama.ENDPOINTS}
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
         """The error in the shape of the API the path belongs to; a generation request's
@@ -399,6 +402,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     embeddings.add_routes(app, manager, settings, keyed)
     ollama.add_routes(app, manager, metrics_of, settings, keyed)
     ollama_models.add_routes(app, manager, keyed)
+    ollama_embed.add_routes(app, manager, settings, keyed)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 

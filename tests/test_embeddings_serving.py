@@ -160,3 +160,23 @@ def test_wrong_kind_long_and_empty_inputs_are_400s(server):
         path = "/embeddings" if "input" in body else "/rerank"
         r = post(server.base_url + path, json=body)
         assert r.status_code == 400 and "empty" in r.json()["error"]["message"], r.text
+
+
+def test_ollama_client_embed(server, folders):
+    import ollama
+
+    client = ollama.Client(host=server.url, timeout=TIMEOUT)
+    reply = client.embed(model="xlmr", input=TEXTS)
+    assert len(reply.embeddings) == len(TEXTS) and reply.prompt_eval_count > len(TEXTS)
+    for e, text in zip(reply.embeddings, TEXTS):
+        np.testing.assert_allclose(e, mlx_embeddings_reference(folders["xlmr"], text, "mean"),
+                                   atol=1e-5)
+    legacy = client.embeddings(model="xlmr", prompt=TEXTS[0])
+    np.testing.assert_allclose(legacy.embedding, reply.embeddings[0], atol=1e-6)
+    # truncate (Ollama's default) cuts a long input to the model's limit; false refuses it.
+    long = "word " * 400
+    cut = client.embed(model="bert", input=long)
+    assert cut.prompt_eval_count == MAX_POSITIONS
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model="bert", input=long, truncate=False)
+    assert refused.value.status_code == 400 and f"at most {MAX_POSITIONS}" in refused.value.error

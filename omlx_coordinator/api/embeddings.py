@@ -21,9 +21,10 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omlx_coordinator.access import account_of, admit
+from omlx_coordinator.api.openai_schema import _Strict
 from omlx_coordinator.encoding import check_inputs, encode
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import GatewaySettings, check_servable
@@ -39,10 +40,6 @@ RERANK_SYSTEM = ("<|im_start|>system\nJudge whether the Document meets the requi
                  "\"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class EmbeddingRequest(_Strict):
@@ -85,9 +82,10 @@ def _tokenize(model: ServedModel, texts: list[str], param: str,
     return ids, types
 
 
-def embedding_inputs(model: ServedModel, given: Any, param: str = "input"
-                     ) -> list[list[int]]:
-    """The token ids of an embeddings request's `input` (text or ids), checked."""
+def embedding_inputs(model: ServedModel, given: Any, param: str = "input",
+                     truncate: bool = False) -> list[list[int]]:
+    """The token ids of an embeddings request's `input` (text or ids), checked; `truncate`
+    cuts each to the model's limit (Ollama's default) instead of refusing it."""
     if isinstance(given, str):
         given = [given]
     if len(given) > MAX_INPUTS:
@@ -98,7 +96,12 @@ def embedding_inputs(model: ServedModel, given: Any, param: str = "input"
     elif given and isinstance(given[0], list):
         inputs = [list(x) for x in given]
     else:
-        inputs = _tokenize(model, list(given), param)[0]
+        texts = list(given)
+        if truncate and model.max_context:  # what is cut off would be cut as tokens anyway
+            texts = [t[:model.max_context * MAX_CHARS_PER_TOKEN] for t in texts]
+        inputs = _tokenize(model, texts, param)[0]
+    if truncate and model.max_context:
+        inputs = [x[:model.max_context] for x in inputs]
     check_inputs(model, inputs, param)
     return inputs
 

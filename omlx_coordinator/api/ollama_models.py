@@ -178,14 +178,6 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
             app.add_api_route(path, _refuser(action), dependencies=keyed, methods=[method],
                               name=f"ollama_{action}_{method.lower()}")
 
-    async def embed(request: Request) -> Response:
-        body = await request.json()
-        model = find(manager, str(body.get("model", "")) if isinstance(body, dict) else "")
-        raise APIError(400, f"{model.name} is a chat model and no embedding model is served "
-                            "here; embeddings are not supported yet", param="model")
-
-    for path in ("/api/embed", "/api/embeddings"):
-        app.add_api_route(path, embed, dependencies=keyed, methods=["POST"])
 
 
 def _store_refusal(action: str) -> Response:
