@@ -30,7 +30,8 @@ def build_encoder(dest: Path, model_type: str = "bert", classifier: bool = False
     config = {
         "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": vocab,
-        "max_position_embeddings": MAX_POSITIONS + (2 if roberta else 0),
+        # XLM-RoBERTa numbers positions from the padding id + 1 (0 here)
+        "max_position_embeddings": MAX_POSITIONS + (1 if roberta else 0),
         "type_vocab_size": 1 if roberta else 2, "layer_norm_eps": 1e-5, "pad_token_id": 0,
         "add_pooling_layer": not (roberta and classifier),
     }
