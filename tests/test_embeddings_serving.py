@@ -180,3 +180,55 @@ def test_ollama_client_embed(server, folders):
     with pytest.raises(ollama.ResponseError) as refused:
         client.embed(model="bert", input=long, truncate=False)
     assert refused.value.status_code == 400 and f"at most {MAX_POSITIONS}" in refused.value.error
+
+
+def test_a_budget_for_two_evicts_the_least_recently_used_kind(folders, tmp_path):
+    """A chat, an embedding and a reranking model under a --node-memory that holds two: each
+    request for the one unloaded evicts the least recently used idle one, and every request
+    answers."""
+    from omlx_coordinator import placement
+    from omlx_coordinator.model_config import ModelConfig
+    from omlx_coordinator.planner import NodeSpec, make_plan
+    from omlx_coordinator.served_model import ServedModel
+    from tests.test_models_serving import CACHE_FLAGS
+
+    names = {"chat": folders["chat"], "xlmr": folders["xlmr"], "ce": folders["ce"]}
+    sizes = {}
+    for name, path in names.items():
+        layout = ServedModel(ModelConfig(name, str(path)), path).layout
+        plan = make_plan(layout, [NodeSpec("n", 1 << 40, cache_bytes=32 << 20)],
+                         os_reserve_bytes=0)
+        sizes[name] = sum(placement.plan_bytes(plan).values())
+    two = sum(sorted(sizes.values())[1:])
+    assert two * 1.05 < sum(sizes.values())
+    budget = f"{two * 1.05 / 2**20:.0f}MiB"
+    with start_server(folders["chat"], "--model", f"xlmr={folders['xlmr']}", "--model",
+                      f"ce={folders['ce']}", "--node-memory", budget, *CACHE_FLAGS,
+                      home=tmp_path / "home") as s:
+        def state() -> dict[str, str]:
+            data = httpx.get(s.base_url + "/models", timeout=30).json()["data"]
+            return {m["id"]: m["state"] for m in data}
+
+        def chat() -> None:
+            r = post(s.base_url + "/completions", json={
+                "model": "chat", "prompt": "hello", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+        def embed() -> None:
+            r = post(s.base_url + "/embeddings", json={"model": "xlmr", "input": TEXTS})
+            assert r.status_code == 200 and len(r.json()["data"]) == 3, r.text
+
+        def rerank() -> None:
+            r = post(s.base_url + "/rerank", json={"model": "ce", "query": "q",
+                                                    "documents": TEXTS})
+            assert r.status_code == 200 and len(r.json()["results"]) == 3, r.text
+
+        assert state() == {"chat": "loaded", "xlmr": "loaded", "ce": "unloaded"}
+        chat()
+        embed()
+        rerank()  # chat was used before xlmr: it goes
+        assert state() == {"chat": "unloaded", "xlmr": "loaded", "ce": "loaded"}
+        chat()  # xlmr is now the least recently used
+        assert state() == {"chat": "loaded", "xlmr": "unloaded", "ce": "loaded"}
+        workers = httpx.get(s.url + "/health", timeout=10).json()["nodes"][0]["workers"]
+        assert sorted(w["model"] for w in workers) == ["ce", "chat"]
