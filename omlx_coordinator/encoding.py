@@ -58,9 +58,10 @@ async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySet
         pb.EncodeInput(tokens=ids, type_ids=(types[i] if types else ()))
         for i, ids in enumerate(inputs)])
     leased, failed = False, False
-    lost = None
+    lost, attempts = None, 0
     try:
-        for attempt in range(MAX_ATTEMPTS):
+        while True:  # at most MAX_ATTEMPTS calls
+            attempts += 1
             deployment = None
             async for ev in _replica(manager, model, [], lost, deadline, settings, leased):
                 if not isinstance(ev, KeepAlive):
@@ -74,14 +75,13 @@ async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySet
                 reply = await deployment.node.encode(
                     request, timeout=max(1.0, deadline - time.monotonic()))
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRIABLE or attempt == MAX_ATTEMPTS - 1:
+                if e.code() not in RETRIABLE or attempts >= MAX_ATTEMPTS:
                     raise _rpc_error(e) from None
                 lost = (deployment, deployment.epoch)  # its node went: the next plan runs it
                 continue
             finally:
                 deployment.inflight -= 1
             return np.asarray(reply.values, dtype=np.float32).reshape(len(inputs), reply.dim)
-        raise AssertionError("unreachable: the last attempt returns or raises")
     except Exception:
         failed = True
         raise

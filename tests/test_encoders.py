@@ -111,6 +111,8 @@ def test_gateway_refusals_without_a_node(root):
     card = ask(app, "GET", "/v1/models").json()["data"][0]
     assert card["kind"] == "embed" and card["endpoints"][0] == "/v1/embeddings"
     assert card["context_length"] == MAX_POSITIONS
+    shown = ask(app, "POST", "/api/show", json={"model": "emb"})
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["embedding"]
     r = ask(app, "POST", "/v1/chat/completions",
             json={"model": "emb", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "is an embedding model" in r.json()["error"]["message"]
