@@ -211,5 +211,5 @@ def worker_command(args: argparse.Namespace) -> int:
         ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else
                        args.paged_ssd_cache_dir or data_home() / "kv-cache"),
         ssd_cache_bytes=args.paged_ssd_cache_max_size,
-        device_cache_bytes=args.device_cache_max_size)
+        device_cache_bytes=args.device_cache_max_size, kind=args.kind)
     return run_worker(config, args.ready_file)

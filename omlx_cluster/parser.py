@@ -21,6 +21,7 @@ from omlx_cluster.flags import (
     add_url_flag,
 )
 from omlx_shared import __version__
+from omlx_shared.model_kinds import KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="import everything, then wait for the rest of the arguments as "
                              "one JSON line {argv, env} on stdin (how an agent keeps a worker "
                              "ready for its next plan)")
+    worker.add_argument("--kind", default="chat", choices=KINDS,
+                        help="what the model is for: chat (the pipeline engine), embed or "
+                             "rerank (the whole model, serving Encode) (default: chat)")
     worker.add_argument("--rank", type=int, default=0, help="this stage's rank (default: 0)")
     worker.add_argument("--peers", default="",
                         help="comma-separated data-plane host:port of every rank, in rank "

@@ -220,7 +220,7 @@ class Deployment:
                     backend=choice.backend if world > 1 else "",
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
                     micro_batches=self.cluster.options.micro_batches,
-                    speculative=self.model.config.speculative,
+                    speculative=self.model.config.speculative, kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers))
             except BaseException as e:
                 failures.append(e)

@@ -18,7 +18,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
-from omlx_coordinator.api import anthropic, models, ollama, ollama_models, openai, responses
+from omlx_coordinator.api import (
+    anthropic,
+    embeddings,
+    models,
+    ollama,
+    ollama_embed,
+    ollama_models,
+    openai,
+    responses,
+)
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.docs import add_docs_routes
@@ -197,6 +206,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     # The generation routes, as `omlx_requests_total{endpoint}` names them.
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                  anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT,
+                 "/v1/embeddings": "embeddings", "/v1/rerank": "rerank",
+                 "/api/embed": "ollama_embed", "/api/embeddings": "ollama_embed",
                  **ollama.ENDPOINTS}
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
@@ -388,8 +399,10 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
+    embeddings.add_routes(app, manager, settings, keyed)
     ollama.add_routes(app, manager, metrics_of, settings, keyed)
     ollama_models.add_routes(app, manager, keyed)
+    ollama_embed.add_routes(app, manager, settings, keyed)
     app.openapi = lambda: _openapi(app, keyed)
     return app
 

@@ -39,9 +39,12 @@ from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.priority import INTERACTIVE, PriorityGate
 from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
+from omlx_shared.model_kinds import CHAT, EMBED, ENDPOINTS, RERANK
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+KIND_NAMES = {CHAT: "a chat model", EMBED: "an embedding model", RERANK: "a reranking model"}
 
 
 @dataclass
@@ -101,8 +104,9 @@ class GenerationRequest:
 
 
 async def check_servable(manager: ModelManager, name: str,
-                         account: Account | None = None) -> ServedModel:
+                         account: Account | None = None, kind: str = CHAT) -> ServedModel:
     """The model a request names; a 404 for one not served here (listing those that are), a
+    400 for one of another `kind` than the endpoint serves (naming the endpoints it does), a
     403 or 429 for one the `account` may not use now (access.py), a 503 while it cannot be
     served (and, for an unloaded one, when it fits nowhere even with every unpinned model
     unloaded, naming the shortfall)."""
@@ -111,6 +115,10 @@ async def check_servable(manager: ModelManager, name: str,
         names = ", ".join(repr(m.name) for m in manager.models)
         raise APIError(404, f"model {name!r} is not served here; available: {names} "
                             "(GET /v1/models)", param="model", code="model_not_found")
+    if model.kind.kind != kind:
+        raise APIError(400, f"model {model.name!r} is {KIND_NAMES[model.kind.kind]}: send "
+                            f"its requests to {' or '.join(ENDPOINTS[model.kind.kind][:3])}",
+                       param="model", code="wrong_model_kind")
     check(account, model)
     main = manager.replicas[model.name][0]
     if not manager.started:  # the first loads; afterwards a load or recovery only pauses

@@ -28,6 +28,7 @@ from omlx_coordinator.planner import NodeSpec, Plan, PlanError
 from omlx_coordinator.served_model import LOADED, LOADING, UNLOADED, ServedModel
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
+from omlx_shared.model_kinds import ENDPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -523,6 +524,7 @@ class ModelManager:
                             "tokens_per_step": round(w.speculative_tokens_per_step, 3)})
         return {
             "id": model.name, "aliases": list(model.config.aliases),
+            "kind": model.kind.kind, "endpoints": list(ENDPOINTS[model.kind.kind]),
             "state": "pinned" if model.pinned and model.state == LOADED else model.state,
             "loaded": model.state == LOADED, "pinned": model.pinned,
             "ttl_seconds": model.ttl_seconds or None, "leases": model.leases,

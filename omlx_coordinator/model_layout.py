@@ -295,3 +295,18 @@ def layer_caches(model_type: str, setting, num_layers: int, kv: int,
     if types and model_type in ("gpt_oss", "llama", "mistral"):
         return tuple(sliding if t == "sliding_attention" else full for t in types)
     return (full,) * num_layers
+
+
+def whole_model_layout(model_path: Path, model_id: str, work_bytes: int = 0) -> ModelLayout:
+    """An embedding or reranking model's layout: one part holding every tensor (plus
+    `work_bytes`, what a forward pass's activations take), so the planner places it whole on
+    one node (these models are small, and a pipeline would only add a hop). No KV: nothing
+    stays in memory between requests."""
+    total = sum(_tensor_bytes(name, info, path)
+                for path in weight_files(Path(model_path))
+                for name, info in read_safetensors_header(path).items())
+    if total == 0:
+        raise ValueError(f"{model_path}: no safetensors weights")
+    return ModelLayout(model_id=model_id, num_layers=1, layer_bytes=(total + work_bytes,),
+                       embed_bytes=0, head_bytes=0, norm_bytes=0, tied_embeddings=True,
+                       kv_bytes_per_token_per_layer=0)

@@ -135,6 +135,10 @@ class WorkerClient:
         for TokenChunks; `.cancel()` frees the sequence."""
         return self.session.generate(request, timeout)
 
+    async def encode(self, request: pb.EncodeRequest, timeout: float) -> pb.EncodeReply:
+        """An embedding or reranking model's rows for `request`'s inputs."""
+        return await self.stub.Encode(request, timeout=timeout, metadata=self.metadata)
+
     async def cancel(self, request_id: str) -> None:
         await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0,
                                metadata=self.metadata)

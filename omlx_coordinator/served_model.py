@@ -17,12 +17,23 @@ from pathlib import Path
 from omlx_coordinator.admission import DEFAULT_MAX_QUEUE, NODE_DEFAULT_BATCH, Admission
 from omlx_coordinator.priority import PriorityGate
 from omlx_coordinator.model_config import ModelConfig
-from omlx_coordinator.model_layout import ModelLayout, read_layout, with_draft
+from omlx_coordinator.model_layout import (
+    ModelLayout,
+    read_layout,
+    whole_model_layout,
+    with_draft,
+)
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.weight_transfer import WeightSource
+from omlx_shared.model_kinds import CHAT, detect_kind, max_input_tokens
 from omlx_shared.speculative_modes import draft_path
 
 log = logging.getLogger(__name__)
+
+# What an embedding or reranking model's forward pass takes beside its weights, per unit of
+# hidden size: omlx_node/encoders.py's passes of up to 16k padded tokens, float32 hidden states
+# and a few intermediates of each.
+WORK_BYTES_PER_HIDDEN = 16384 * 4 * 8
 
 # What /v1/models and `status` show of a model.
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
@@ -40,12 +51,18 @@ class ServedModel:
     def __init__(self, config: ModelConfig, path: Path):
         self.config, self.path, self.name = config, path, config.name
         settings = json.loads((path / "config.json").read_text())
+        self.kind = detect_kind(path)  # chat, embed or rerank (omlx_shared/model_kinds.py)
         self.max_context = _text_setting(settings, "max_position_embeddings")
+        if self.kind.kind != CHAT:  # the longest input its position table takes
+            self.max_context = max_input_tokens(settings)
         self.tokenizer = ChatTokenizer(path, self.max_context)
         self.vocab_size = (_text_setting(settings, "vocab_size")
                            or len(self.tokenizer.tokenizer))
-        self.layout: ModelLayout = read_layout(path, model_id=config.name)
-        if draft := draft_path(config.speculative):
+        self.layout: ModelLayout = (
+            read_layout(path, model_id=config.name) if self.kind.kind == CHAT else
+            whole_model_layout(path, config.name,
+                               WORK_BYTES_PER_HIDDEN * _text_setting(settings, "hidden_size")))
+        if self.kind.kind == CHAT and (draft := draft_path(config.speculative)):
             try:  # the draft's folder is the head node's; here too with `serve`
                 self.layout = with_draft(self.layout, Path(draft))
             except ValueError as e:

@@ -412,6 +412,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             argv += ["--rdma-devices", request.rdma_devices_json]
         # The model's own mode, after the node's engine flags (the last one given wins).
         mode = ["--speculative", request.speculative] if request.speculative else []
+        if request.kind:
+            argv += ["--kind", request.kind]
         # Its callers must present the same session, over TLS with these credentials.
         env = {auth.SESSION_ENV: self.session} if self.session else {}
         if self.tls is not None:

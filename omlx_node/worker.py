@@ -79,6 +79,7 @@ class WorkerConfig:
     ssd_cache_dir: Path | None = None  # None: RAM only
     ssd_cache_bytes: int = 0
     device_cache_bytes: int | None = None  # None: sized for the device (device_tier)
+    kind: str = "chat"  # omlx_shared.model_kinds: embed and rerank run encoder_worker's
 
     @property
     def world_size(self) -> int:
@@ -307,6 +308,10 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     """The worker process's life; returns its exit code (a rank of a pipeline exits itself)."""
+    if config.kind not in ("", "chat"):
+        from omlx_node.encoder_worker import run_encoder_worker
+        return run_encoder_worker(config.model_path, config.model_id, config.kind, config.host,
+                                  ready_file)
     grammars = Grammars(config.model_path)
     if config.rank in (0, config.world_size - 1):
         # The head checks grammars at submit, the tail applies them: their tokenizer is built

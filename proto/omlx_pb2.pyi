@@ -59,7 +59,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class LoadShardRequest(_message.Message):
     RDMA_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     STREAMED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -86,7 +87,8 @@ class LoadShardRequest(_message.Message):
     rdma_devices_json: str
     speculative: str
     streamed_layers: int
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
@@ -211,6 +213,30 @@ class SessionEvents(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+
+class EncodeInput(_message.Message):
+    __slots__ = ("tokens", "type_ids")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TYPE_IDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    type_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., type_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "inputs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EncodeInput]
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EncodeInput, _Mapping]]] = ...) -> None: ...
+
+class EncodeReply(_message.Message):
+    __slots__ = ("dim", "values")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, dim: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

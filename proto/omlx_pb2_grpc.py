@@ -411,6 +411,11 @@ class ShardWorkerStub:
                 request_serializer=proto_dot_omlx__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/omlx.v1.ShardWorker/Encode',
+                request_serializer=proto_dot_omlx__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.EncodeReply.FromString,
+                _registered_method=True)
 
 
 class ShardWorkerServicer:
@@ -457,6 +462,13 @@ class ShardWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """An embedding or reranking model's worker: one row per input (an embedding, or a score).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -484,6 +496,11 @@ def add_ShardWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_omlx__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.StatsReply.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=proto_dot_omlx__pb2.EncodeRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.EncodeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +639,33 @@ class ShardWorker:
             '/omlx.v1.ShardWorker/Stats',
             proto_dot_omlx__pb2.StatsRequest.SerializeToString,
             proto_dot_omlx__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.ShardWorker/Encode',
+            proto_dot_omlx__pb2.EncodeRequest.SerializeToString,
+            proto_dot_omlx__pb2.EncodeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -214,7 +214,7 @@ def test_routes_without_a_node(qwen_path: Path) -> None:
         {"status": "success"}
     assert ask(app, "POST", "/api/pull", headers=AUTH, json={"model": "x"}).status_code == 501
     r = ask(app, "POST", "/api/embed", headers=AUTH, json={"model": "m", "input": "hi"})
-    assert r.status_code == 400 and "no embedding model" in r.json()["error"]
+    assert r.status_code == 400 and "is a chat model" in r.json()["error"]
 
 
 # ---- a live server, through the SDK ----------------------------------------------------------

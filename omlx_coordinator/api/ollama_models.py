@@ -21,6 +21,7 @@ from omlx_coordinator.api.ollama_schema import ShowRequest, validated
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.served_model import LOADED, ServedModel
+from omlx_shared.model_kinds import CHAT, EMBED
 
 # The Ollama release whose API these routes follow: clients read it to tell what they may send.
 OLLAMA_VERSION = "0.12.0"
@@ -107,6 +108,8 @@ def _expires_at(model: ServedModel) -> str:
 
 
 def _capabilities(model: ServedModel) -> list[str]:
+    if model.kind.kind != CHAT:  # Ollama's word for what /api/embed serves; a reranker's own
+        return ["embedding" if model.kind.kind == EMBED else "rerank"]
     caps = ["completion"]
     if model.tokenizer.tool_call_format is not None:
         caps.append("tools")
@@ -178,14 +181,6 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
             app.add_api_route(path, _refuser(action), dependencies=keyed, methods=[method],
                               name=f"ollama_{action}_{method.lower()}")
 
-    async def embed(request: Request) -> Response:
-        body = await request.json()
-        model = find(manager, str(body.get("model", "")) if isinstance(body, dict) else "")
-        raise APIError(400, f"{model.name} is a chat model and no embedding model is served "
-                            "here; embeddings are not supported yet", param="model")
-
-    for path in ("/api/embed", "/api/embeddings"):
-        app.add_api_route(path, embed, dependencies=keyed, methods=["POST"])
 
 
 def _store_refusal(action: str) -> Response:

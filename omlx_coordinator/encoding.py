@@ -1,0 +1,92 @@
+"""The encoding core: one request's inputs through an embedding or reranking model's worker,
+as the generation core does a chat request's (omlx_coordinator/generation.py): the model is
+loaded on demand (evicting least recently used idle models), the request holds a lease from the
+replica it is given to its answer, and a call that lost its node runs again on the next plan.
+What the API adapters (api/embeddings.py, api/ollama.py) send are token ids: the coordinator
+tokenizes, as it does for chat.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+import numpy as np
+
+from omlx_coordinator.access import Account
+from omlx_coordinator.errors import APIError
+from omlx_coordinator.generation import (
+    MAX_ATTEMPTS,
+    RETRIABLE,
+    GatewaySettings,
+    KeepAlive,
+    _replica,
+    _rpc_error,
+)
+from omlx_coordinator.lifecycle import ModelManager
+from omlx_coordinator.served_model import ServedModel
+from omlx_shared.token_ids import outside_vocabulary
+from proto import omlx_pb2 as pb
+
+
+def check_inputs(model: ServedModel, inputs: list[list[int]], param: str) -> None:
+    """A 400 for an empty list, an empty input, ids outside the vocabulary, or an input longer
+    than the model takes (naming its limit)."""
+    if not inputs:
+        raise APIError(400, f"{param} is empty: send one input or more", param=param)
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise APIError(400, f"{param}[{i}] encodes to no tokens", param=param)
+        if model.max_context and len(ids) > model.max_context:
+            raise APIError(400, f"{param}[{i}] has {len(ids)} tokens but the model "
+                                f"{model.name} takes at most {model.max_context}; shorten it "
+                                "or split it into chunks", param=param,
+                           code="context_length_exceeded")
+        if bad := outside_vocabulary(ids, model.vocab_size):
+            raise APIError(400, f"{param}[{i}]: token ids {bad[:5]} are outside the model's "
+                                f"vocabulary [0, {model.vocab_size})", param=param)
+
+
+async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySettings,
+                 inputs: list[list[int]], types: list[list[int]] | None = None,
+                 account: Account | None = None) -> np.ndarray:
+    """One row per input (an embedding, or a score in a row of one), in input order; raises
+    APIError."""
+    deadline = time.monotonic() + settings.request_timeout
+    request = pb.EncodeRequest(request_id=uuid.uuid4().hex, inputs=[
+        pb.EncodeInput(tokens=ids, type_ids=(types[i] if types else ()))
+        for i, ids in enumerate(inputs)])
+    leased, failed = False, False
+    lost, attempts = None, 0
+    try:
+        while True:  # at most MAX_ATTEMPTS calls
+            attempts += 1
+            deployment = None
+            async for ev in _replica(manager, model, [], lost, deadline, settings, leased):
+                if not isinstance(ev, KeepAlive):
+                    deployment = ev
+            if not leased:  # no await since the replica was chosen: it is still loaded
+                model.acquire()
+                leased = True
+            deployment.inflight += 1
+            deployment.requests += 1
+            try:
+                reply = await deployment.node.encode(
+                    request, timeout=max(1.0, deadline - time.monotonic()))
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRIABLE or attempts >= MAX_ATTEMPTS:
+                    raise _rpc_error(e) from None
+                lost = (deployment, deployment.epoch)  # its node went: the next plan runs it
+                continue
+            finally:
+                deployment.inflight -= 1
+            return np.asarray(reply.values, dtype=np.float32).reshape(len(inputs), reply.dim)
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if leased:
+            model.release()
+        if account is not None:
+            account.finished(model.name, sum(len(x) for x in inputs), 0, 0, failed)

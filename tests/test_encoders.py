@@ -1,0 +1,130 @@
+"""Embedding and reranking models in process: the kind a folder is detected as, the node's
+batched forward passes against the libraries' one-input-at-a-time computation, and the
+gateway's refusals that need no node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from omlx_coordinator.cluster import ClusterOptions
+from omlx_coordinator.gateway import create_app
+from omlx_coordinator.generation import GatewaySettings
+from omlx_node import encoders
+from omlx_node.encoders import Encoder, _passes
+from omlx_shared.model_kinds import CHAT, EMBED, RERANK, ModelKind, detect_kind
+from tests.in_process_gateway import ask
+from tests.tiny_encoders import MAX_POSITIONS, build_decoder, build_encoder, write_pooling
+from tests.tiny_models import CORPUS, build_model, serving
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("encoders")
+
+
+def texts(n: int) -> list[str]:
+    """`n` texts of many lengths (1 to ~60 tokens, within the tiny encoders' 64)."""
+    words = " ".join(CORPUS).split()
+    return [" ".join(words[i % 7: i % 7 + 1 + (i * 5) % 22]) for i in range(n)]
+
+
+def test_kinds_from_folders(root):
+    assert detect_kind(build_encoder(root / "bert", "bert")) == ModelKind(EMBED, encoder=True)
+    assert detect_kind(build_encoder(root / "ce", "xlm-roberta", classifier=True)).kind == RERANK
+    cls = detect_kind(build_encoder(root / "bge", "xlm-roberta", pooling="cls"))
+    assert (cls.kind, cls.pooling, cls.normalize) == (EMBED, "cls", True)
+    assert detect_kind(build_decoder(root, "embed")) == ModelKind(EMBED, pooling="last")
+    assert detect_kind(build_decoder(root, "rerank")).kind == RERANK
+    chat = build_model(root / "chat", "qwen3", num_layers=1)
+    assert detect_kind(chat).kind == CHAT
+    write_pooling(chat, "mean", normalize=False)  # sentence-transformers files: an embedder
+    assert detect_kind(chat) == ModelKind(EMBED, pooling="mean", normalize=False)
+
+
+def test_passes_bucket_by_length_within_the_bounds(monkeypatch):
+    monkeypatch.setattr(encoders, "PASS_TOKENS", 64)
+    lengths = [3, 40, 17, 1, 16, 33, 2]
+    passes = _passes(lengths, max_rows=3)
+    assert sorted(i for rows, _ in passes for i in rows) == list(range(len(lengths)))
+    for rows, width in passes:
+        assert len(rows) <= 3 and len(rows) * width <= 64 or len(rows) == 1
+        assert width % encoders.PAD_MULTIPLE == 0 and width >= max(lengths[i] for i in rows)
+    assert [rows for rows, _ in passes][0] == [3, 6, 0]  # shortest first
+
+
+@pytest.mark.parametrize("model_type,pooling", [("bert", "mean"), ("xlm-roberta", "cls")])
+def test_batched_encoder_equals_one_at_a_time(root, model_type, pooling, monkeypatch):
+    from mlx_embeddings.models.base import normalize_embeddings
+    from mlx_embeddings.utils import load_model
+
+    folder = build_encoder(root / f"{model_type}-{pooling}", model_type, pooling=pooling)
+    monkeypatch.setattr(encoders, "PASS_TOKENS", 256)  # several passes of several widths
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = [tok(t)["input_ids"] for t in texts(40)]
+    got = Encoder(folder).run(ids)
+    model = load_model(folder, path_to_repo=str(folder))
+    for i, x in enumerate(ids):
+        out = model(mx.array([x]))
+        want = (out.text_embeds[0] if pooling == "mean"
+                else normalize_embeddings(out.last_hidden_state[:, 0])[0])
+        np.testing.assert_allclose(got[i], np.array(want), atol=1e-5)
+
+
+def test_batched_decoder_equals_mlx_lm(root, monkeypatch):
+    from mlx_lm.utils import load_model
+
+    monkeypatch.setattr(encoders, "PASS_TOKENS", 256)
+    for kind in ("embed", "rerank"):
+        folder = build_decoder(root, kind)
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        ids = [tok(t)["input_ids"] for t in texts(24)]
+        enc = Encoder(folder)
+        got = enc.run(ids)
+        model, _ = load_model(folder)
+        yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+        for i, x in enumerate(ids):
+            if kind == "embed":
+                h = model.model(mx.array([x]))[0, -1]
+                want = h / mx.linalg.norm(h)
+            else:
+                logits = model(mx.array([x]))[0, -1]
+                want = mx.softmax(mx.stack([logits[yes], logits[no]]))[:1]
+            np.testing.assert_allclose(got[i], np.array(want), atol=1e-5)
+
+
+def test_encoder_refuses_an_input_past_its_positions(root):
+    enc = Encoder(build_encoder(root / "limit", "xlm-roberta"))
+    assert enc.max_tokens == MAX_POSITIONS
+    with pytest.raises(ValueError, match=f"at most {MAX_POSITIONS}"):
+        enc.run([[5] * (MAX_POSITIONS + 1)])
+
+
+def test_gateway_refusals_without_a_node(root):
+    folder = build_encoder(root / "gw", "bert")
+    manager = serving(folder, "emb", ClusterOptions(nodes=0, os_reserve_bytes=0))
+    app = create_app(manager, GatewaySettings(), start_cluster=False)
+    card = ask(app, "GET", "/v1/models").json()["data"][0]
+    assert card["kind"] == "embed" and card["endpoints"][0] == "/v1/embeddings"
+    assert card["context_length"] == MAX_POSITIONS
+    shown = ask(app, "POST", "/api/show", json={"model": "emb"})
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["embedding"]
+    r = ask(app, "POST", "/v1/chat/completions",
+            json={"model": "emb", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "is an embedding model" in r.json()["error"]["message"]
+    assert "/v1/embeddings" in r.json()["error"]["message"]
+    r = ask(app, "POST", "/api/chat", json={"model": "emb", "messages": []})
+    assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]
+    r = ask(app, "POST", "/v1/rerank", json={"model": "emb", "query": "q", "documents": ["d"]})
+    assert r.status_code == 400 and "is an embedding model" in r.json()["error"]["message"]
+    for body, field in (({"model": "emb", "input": "x", "encoding_format": "int8"},
+                         "encoding_format"),
+                        ({"model": "emb", "input": "x", "dimensions": 0}, "dimensions"),
+                        ({"model": "emb", "input": "x", "truncate": True}, "truncate"),
+                        ({"model": "emb", "input": [1, "a"]}, "input")):
+        r = ask(app, "POST", "/v1/embeddings", json=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

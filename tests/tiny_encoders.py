@@ -1,0 +1,82 @@
+"""Tiny random embedding and reranking models, built with their libraries' own classes.
+
+Encoders (BERT, XLM-RoBERTa) are mlx-embeddings' models; a cross-encoder's checkpoint is laid
+out as Hugging Face's ...ForSequenceClassification (prefixed encoder, `classifier.` head).
+Decoder embedders and rerankers are tiny_models' Qwen3 folders named as the real ones are.
+Every one has the tiny models' trained byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_embeddings.utils import _get_classes
+
+from tests.tiny_models import build_model, build_tokenizer
+
+MAX_POSITIONS = 64  # small, so that a too-long input is cheap to send
+
+
+def build_encoder(dest: Path, model_type: str = "bert", classifier: bool = False,
+                  seed: int = 0, pooling: str | None = None) -> Path:
+    """A random `model_type` ("bert" or "xlm-roberta") folder; a one-label cross-encoder with
+    `classifier`; `pooling` ("cls", "mean") writes sentence-transformers' modules.json."""
+    dest.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(dest)
+    roberta = model_type == "xlm-roberta"
+    config = {
+        "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": vocab,
+        # XLM-RoBERTa numbers positions from the padding id + 1 (0 here)
+        "max_position_embeddings": MAX_POSITIONS + (1 if roberta else 0),
+        "type_vocab_size": 1 if roberta else 2, "layer_norm_eps": 1e-5, "pad_token_id": 0,
+        "add_pooling_layer": not (roberta and classifier),
+    }
+    prefix = ""
+    if classifier:
+        name = "XLMRobertaForSequenceClassification" if roberta else "BertForSequenceClassification"
+        config.update(architectures=[name], id2label={"0": "LABEL_0"})
+        prefix = "roberta." if roberta else "bert."
+    else:
+        config["architectures"] = ["XLMRobertaModel" if roberta else "BertModel"]
+    model_class, args_class, _, _ = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = {prefix + k: v for k, v in tree_flatten(model.parameters())}
+    if classifier:
+        h = config["hidden_size"]
+        head = ({"dense.weight": (h, h), "dense.bias": (h,), "out_proj.weight": (1, h),
+                 "out_proj.bias": (1,)} if roberta else {"weight": (1, h), "bias": (1,)})
+        weights.update({f"classifier.{k}": mx.random.normal(s) * 0.2 for k, s in head.items()})
+    mx.save_safetensors(str(dest / "model.safetensors"), weights)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    if pooling:
+        write_pooling(dest, pooling)
+    return dest
+
+
+def write_pooling(dest: Path, pooling: str, normalize: bool = True) -> None:
+    """sentence-transformers' modules.json and Pooling config."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (dest / "modules.json").write_text(json.dumps(modules))
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
+             "last": "pooling_mode_lasttoken"}
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, **{m: m == modes[pooling] for m in modes.values()}}))
+
+
+def build_decoder(dest_parent: Path, kind: str, seed: int = 0) -> Path:
+    """A tiny Qwen3 named as Qwen3-Embedding ("embed") or Qwen3-Reranker ("rerank") is, whose
+    tokenizer holds the single tokens "yes" and "no" a reranker's score is read from."""
+    name = "Qwen3-Embedding-tiny" if kind == "embed" else "Qwen3-Reranker-tiny"
+    corpus = ["yes no " * 40, *(["The capital of France is Paris. yes no"] * 20)]
+    return build_model(dest_parent / name, "qwen3", num_layers=2, seed=seed, corpus=corpus)
