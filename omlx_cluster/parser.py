@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rdma-devices", default="", metavar="JSON",
                         help="for jaccl: MLX's MLX_IBV_DEVICES matrix, one row per rank with "
                              "each rank's RDMA device (null: no cable) (default: none)")
+    worker.add_argument("--tensor", action="store_true",
+                        help="the ranks of --peers form one tensor-parallel stage: each holds a "
+                             "slice of every layer (--layers must be the whole model) "
+                             "(default: a pipeline, one stage a rank)")
     worker.add_argument("--plan-hash", default="", help="the plan every stage must agree on (default: none)")
     worker.add_argument("--micro-batches", type=int, default=0,
                         help="decode micro-batches in flight on the head, always K (default 0: "

@@ -37,6 +37,7 @@ from omlx_node.families import (
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
+from omlx_shared.tensor_split import tensor_refusal
 
 
 class StageError(ValueError):
@@ -120,7 +121,10 @@ def _held(path: Path) -> str:
 class StageRunner:
     """Runs one contiguous slice of a model's layers on this node."""
 
-    def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None):
+    def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None,
+                 tensor_group=None):
+        """`tensor_group`: the mx.distributed group of a tensor-parallel stage, whose ranks each
+        hold a slice of every layer (mlx-lm's own `Model.shard`); None: whole layers."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -134,6 +138,13 @@ class StageRunner:
                 f"{num_layers} layers"
             )
         is_first, is_last = layer_start == 0, end == num_layers
+        ranks = 1 if tensor_group is None else tensor_group.size()
+        if ranks > 1:
+            if not (is_first and is_last):
+                raise StageError(f"a tensor-parallel stage holds every layer of the model, not "
+                                 f"[{layer_start}, {end}) of {num_layers}")
+            if why := tensor_refusal(config, ranks):
+                raise StageError(f"{path}: {why}")
 
         # A shard folder (omlx_node/weight_store.py) holds only some layers' tensors: the others
         # keep their random initialisation, which _check_loaded makes sure this stage never runs.
@@ -193,6 +204,9 @@ class StageRunner:
             # Quantized matmul on a CPU runs ~1 tok/s: dequantize there, keep it elsewhere.
             dequantize_model(model)
             model.set_dtype(target)
+        if ranks > 1:
+            # After dequantizing, which knows mlx's plain quantized layers only.
+            model.shard(tensor_group)
         mx.eval(model.parameters())
         self._module = model
         self.layers = inner.layers
