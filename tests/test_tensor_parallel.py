@@ -4,6 +4,7 @@ generation on tiny random fp32 models of the families that have `shard()`."""
 
 from __future__ import annotations
 
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,10 +14,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from openai import OpenAI
 
 from omlx_shared.child import ChildError, ChildProcess, omlx_command
 from proto import omlx_pb2_grpc as pb_grpc
-from tests.conftest import free_port
+from tests.conftest import free_port, start_server
 from tests.test_pipeline import PROMPTS, generate, run_concurrently
 from tests.tiny_models import build_model
 
@@ -114,3 +116,33 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
             pass
     assert "4 attention heads (num_attention_heads), which do not divide over 3 ranks" in str(
         err.value)
+
+
+def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
+    """`serve --nodes 2 --parallel tensor`: the planner lays the model over both nodes as one
+    tensor-parallel stage, status says so, and completions equal mlx-lm's."""
+    model = build_model(tmp_path / "llama", "llama", num_layers=3)
+    _, tok = load(str(model))
+    ref = reference(model, [PROMPTS[0]])[PROMPTS[0]]
+    with start_server(model, "--nodes", "2", "--parallel", "tensor", home=tmp_path / "h",
+                      keepalive=None) as server:
+        status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        assert status["parallel"] == "tensor x2 over ring"
+        assert [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]] == [
+            (0, 3), (0, 3)]
+        client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        r = client.completions.create(model=server.model_id, prompt=tok.encode(PROMPTS[0]),
+                                      max_tokens=TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        # (This prompt's greedy tokens have no near-tie in mlx-lm's logits: exact.)
+        assert r.choices[0].text == tok.decode([t for t, _ in ref])
+
+
+def test_gateway_refuses_tensor_for_heads_that_do_not_divide(tmp_path):
+    model = build_model(tmp_path / "llama", "llama", num_layers=2)
+    r = subprocess.run(omlx_command("serve", "--model", str(model), "--port", str(free_port()),
+                                    "--nodes", "3", "--parallel", "tensor"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert ("cannot run tensor-parallel over 3 nodes: llama has 4 attention heads "
+            "(num_attention_heads), which do not divide over 3 ranks") in r.stderr
