@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -42,13 +43,17 @@ from bench.common import (
     with_repo_path,
 )
 
-SECRET = "bench-idle-cluster-secret"
+# Random: `coordinator` refuses a secret a guesser could find (omlx_shared/secret_strength.py).
+SECRET = secrets.token_urlsafe(32)
 
 
 class JoinedCluster:
     """`omlx-cluster coordinator` and `join`ed nodes on loopback, each in its own session."""
 
-    def __init__(self, model: Path, work: Path, nodes: int):
+    def __init__(self, model: Path, work: Path, nodes: int, extra: tuple[str, ...] = (),
+                 cores: tuple[int, ...] = ()):
+        """`extra`: more coordinator flags; `cores`: node i's join (and so its worker) runs
+        pinned to CPU core cores[i] (taskset)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = work / "coordinator.log"
@@ -56,11 +61,12 @@ class JoinedCluster:
         env = with_repo_path(dict(os.environ))
         self._start([sys.executable, "-m", "omlx_cluster", "coordinator", "--model", str(model),
                      "--model-id", "bench", "--port", str(self.port), "--secret", SECRET,
-                     "--no-discovery", "--log-level", "warning"],
+                     "--no-discovery", "--log-level", "warning", *extra],
                     dict(env, OMLX_CLUSTER_HOME=str(work / "coordinator")), self.log_path)
         for i in range(nodes):
             home = work / f"node{i}"
-            self._start([sys.executable, "-m", "omlx_cluster", "join", "--coordinator",
+            pin = ["taskset", "-c", str(cores[i])] if cores else []
+            self._start([*pin, sys.executable, "-m", "omlx_cluster", "join", "--coordinator",
                          f"127.0.0.1:{self.port}", "--no-announce", "--secret", SECRET,
                          "--port", str(free_port()), "--name", f"bench-node-{i}",
                          "--speed", "5", "--log-level", "warning"],

@@ -75,6 +75,8 @@ def status_command(args: argparse.Namespace) -> int:
         return 0
     console = Console()
     console.print(f"{body['model']}: {body['status']} (plan epoch {body['epoch']})")
+    if body.get("parallel"):
+        console.print(f"parallel: {body['parallel']}", markup=False)
     if body.get("backend"):
         console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
                       markup=False)

@@ -31,7 +31,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                                       "NAME= (default: the folder name)")
     p.add_argument("--models-config", type=Path, metavar="FILE",
                    help="the models as a TOML file of [[model]] tables (name, path, aliases, "
-                        "pin, ttl, replicas, max_queue, speculative), instead of --model "
+                        "pin, ttl, replicas, max_queue, speculative, parallel), instead of "
+                        "--model "
                         "flags")
     p.add_argument("--alias", action="append", default=[], metavar="ALIAS=NAME",
                    help="another name clients may send for model NAME (repeatable; default: "
@@ -187,7 +188,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per prefix-cache block (default: {DEFAULT_BLOCK_SIZE})")
 
 
+PARALLEL_HELP = ("how a model is laid out over several nodes. pipeline: each node a range of "
+                 "layers (a second Mac makes the model bigger, not faster); tensor: every node "
+                 "holds a slice of every layer, all-reducing twice a layer (faster at batch 1 "
+                 "over a fast link; refused for a family without mlx-lm's shard() or heads "
+                 "that do not divide); auto: the one predicted fastest at batch 1 from the "
+                 "nodes' speeds and links, one node included (`plan --parallel auto` shows "
+                 "each prediction)")
+
+
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+                   help=PARALLEL_HELP + "; a model's parallel in --models-config wins "
+                        "(default: pipeline)")
     p.add_argument("--micro-batches", type=validators.positive, default=None, metavar="K",
                    help="decode micro-batches kept in flight in a pipeline, always K (default: "
                         "up to one per stage, as many as pay off on the head's device, measured "

@@ -202,7 +202,7 @@ def worker_command(args: argparse.Namespace) -> int:
         model_path=args.model, model_id=args.model_id, layer_start=int(start),
         layer_end=int(end) if end else None, streamed_layers=args.streamed_layers, rank=args.rank,
         peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
-        rdma_devices=args.rdma_devices, plan_hash=args.plan_hash,
+        rdma_devices=args.rdma_devices, plan_hash=args.plan_hash, tensor=args.tensor,
         micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
         speculative=args.speculative, stream_interval=args.stream_interval / 1000,

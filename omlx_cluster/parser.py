@@ -8,6 +8,7 @@ from pathlib import Path
 from omlx_cluster import validators
 from omlx_cluster.api_keys import add_api_key_flags
 from omlx_cluster.flags import (
+    PARALLEL_HELP,
     add_engine_flags,
     add_gateway_flags,
     add_hot_cache_flag,
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rdma-devices", default="", metavar="JSON",
                         help="for jaccl: MLX's MLX_IBV_DEVICES matrix, one row per rank with "
                              "each rank's RDMA device (null: no cable) (default: none)")
+    worker.add_argument("--tensor", action="store_true",
+                        help="the ranks of --peers form one tensor-parallel stage: each holds a "
+                             "slice of every layer (--layers must be the whole model) "
+                             "(default: a pipeline, one stage a rank)")
     worker.add_argument("--plan-hash", default="", help="the plan every stage must agree on (default: none)")
     worker.add_argument("--micro-batches", type=int, default=0,
                         help="decode micro-batches in flight on the head, always K (default 0: "
@@ -223,12 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--model", metavar="PATH_OR_NAME",
                       help="model folder or stored name (default: the embedded SmolLM2)")
-    plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X][,link_ms=Y]",
+    plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z]",
                       help="a node, in pipeline order: NAME=MEM with a unit (e.g. mac1=64GiB), "
-                           "optional speed=GB/s of weights it streams and link_ms=one-way "
-                           "latency to the next node; repeat for each node")
+                           "optional speed=GB/s of weights it streams, link_ms=one-way "
+                           "latency to the next node and link_gbps=that link's GB/s; repeat "
+                           "for each node")
     plan.add_argument("--split", type=validators.layer_counts, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
+    plan.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+                      help=PARALLEL_HELP + " (default: pipeline)")
     plan.add_argument("--os-reserve", type=validators.size, default="8GiB", metavar="SIZE",
                       help="memory kept free on every node (default: 8GiB, a joined Mac's; "
                            "serve's own local nodes share the machine less 4 GiB)")

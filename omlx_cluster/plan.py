@@ -9,13 +9,9 @@ import sys
 def plan_command(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from omlx_coordinator.layout_choice import plan_layout
     from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.planner import (
-        PlanError,
-        format_plan,
-        make_plan,
-        parse_node_arg,
-    )
+    from omlx_coordinator.planner import PlanError, format_plan, parse_node_arg
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
 
@@ -23,9 +19,9 @@ def plan_command(args: argparse.Namespace) -> int:
         path = resolve_model(args.model, progress=True)
         nodes = [replace(parse_node_arg(n), cache_bytes=args.hot_cache_max_size)
                  for n in args.node]
-        plan = make_plan(read_layout(path), nodes, os_reserve_bytes=args.os_reserve,
-                         context_tokens=args.context, max_sequences=args.sequences,
-                         split=args.split)
+        plan = plan_layout(read_layout(path), nodes, args.parallel,
+                           os_reserve_bytes=args.os_reserve, context_tokens=args.context,
+                           max_sequences=args.sequences, split=args.split)
     except (ModelError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -221,6 +221,7 @@ def serve_command(args: argparse.Namespace) -> int:
     # Its own nodes get a secret made up for this run: nothing else can drive them.
     options = ClusterOptions(nodes=args.nodes,
                              micro_batches=args.micro_batches or 0, backend=args.backend,
+                             parallel=args.parallel,
                              node_args=tuple(engine_args(args)),
                              node_metrics_port=args.node_metrics_port,
                              node_memory_bytes=args.node_memory or 0,
@@ -272,7 +273,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
         print(f"cluster secret (put it in a file for `omlx-cluster join --secret-file`, or "
               f"in $OMLX_CLUSTER_SECRET): {secret}", file=sys.stderr)
     options = ClusterOptions(nodes=0, micro_batches=args.micro_batches or 0, secret=secret,
-                             backend=args.backend,
+                             backend=args.backend, parallel=args.parallel,
                              os_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,

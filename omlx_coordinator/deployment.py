@@ -20,7 +20,8 @@ from omlx_coordinator.backend import BackendChoice, BackendError, choose_backend
 from omlx_coordinator.cluster import HEARTBEAT_SECONDS, Cluster, Member, NoCapacity
 from omlx_coordinator.node_client import WorkerClient
 from omlx_coordinator.placement import plan_bytes
-from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage, make_plan
+from omlx_coordinator.layout_choice import plan_layout
+from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage
 from omlx_coordinator.routing import PrefixIndex
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.status_log import LoggedStatus
@@ -112,10 +113,11 @@ class Deployment:
                      for m in members]
         split = self.model.config.split
         options = self.cluster.options
-        return make_plan(self.model.layout, nodes, os_reserve_bytes=0,
-                         context_tokens=options.context_tokens,
-                         max_sequences=options.max_sequences,
-                         split=split if split and len(split) == len(nodes) else None)
+        return plan_layout(self.model.layout, nodes,
+                           self.model.config.parallel or options.parallel, os_reserve_bytes=0,
+                           context_tokens=options.context_tokens,
+                           max_sequences=options.max_sequences,
+                           split=split if split and len(split) == len(nodes) else None)
 
     def _next_plan(self) -> tuple[list[Member], Plan | None]:
         """The members that may serve, and a plan over them (None: none fits)."""
@@ -221,7 +223,8 @@ class Deployment:
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
                     micro_batches=self.cluster.options.micro_batches,
                     speculative=self.model.config.speculative, kind=self.model.kind.kind,
-                    streamed_layers=stage.streamed_layers))
+                    streamed_layers=stage.streamed_layers,
+                    tensor=plan.parallel == "tensor"))
             except BaseException as e:
                 failures.append(e)
                 raise

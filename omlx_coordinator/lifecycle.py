@@ -269,7 +269,8 @@ class ModelManager:
         options = self.cluster.options
         settings = placement.PlanSettings(os_reserve_bytes=0,
                                           context_tokens=options.context_tokens,
-                                          max_sequences=options.max_sequences)
+                                          max_sequences=options.max_sequences,
+                                          parallel=model.config.parallel or options.parallel)
         return await asyncio.to_thread(placement.place_evicting, model.layout, nodes, loaded,
                                        model.config.replicas, model.config.split, settings)
 

@@ -13,6 +13,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
     speculative = "off"            # off, ngram, auto or draft=PATH (default: the node's --speculative)
+    parallel = "tensor"            # auto, pipeline or tensor (default: --parallel)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omlx_shared.speculative_modes import MODES, check_mode
+
+PARALLEL = ("auto", "pipeline", "tensor")  # omlx_coordinator/layout_choice.py plans each
 
 Replicas = int | str  # a count, or "auto"
 
@@ -44,6 +47,7 @@ class ModelConfig:
     slots: int | None = None  # sequences its replicas decode at once (priority.py); None: default
     batch_share: float = 0.5  # of the slots, what batch-class requests may run in
     speculative: str = ""  # a speculative_modes mode; "": the node's --speculative
+    parallel: str = ""  # "auto", "pipeline" or "tensor"; "": the gateway's --parallel
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -64,6 +68,9 @@ class ModelConfig:
                 check_mode(self.speculative)
             except ValueError as e:
                 raise ModelConfigError(f"model {self.name}: {e}") from e
+        if self.parallel and self.parallel not in PARALLEL:
+            raise ModelConfigError(f"model {self.name}: parallel must be one of "
+                                   f"{', '.join(PARALLEL)}, got {self.parallel!r}")
 
 
 def parse_model_arg(text: str) -> tuple[str | None, str]:
@@ -171,7 +178,8 @@ def from_file(path: Path) -> list[ModelConfig]:
     tables = data.get("model")
     if not isinstance(tables, list) or not tables:
         raise ModelConfigError(f"the models config {path} has no [[model]] table")
-    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative"}
+    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative",
+             "parallel"}
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
@@ -190,6 +198,8 @@ def from_file(path: Path) -> list[ModelConfig]:
                               ("pin", isinstance(t.get("pin", False), bool), "true or false"),
                               ("speculative", isinstance(t.get("speculative", ""), str),
                                f"a string: {', '.join(MODES)} or draft=PATH"),
+                              ("parallel", isinstance(t.get("parallel", ""), str),
+                               f"a string: {', '.join(PARALLEL)}"),
                               ("aliases", isinstance(aliases, list)
                                and all(isinstance(a, str) for a in aliases),
                                'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):
@@ -199,7 +209,8 @@ def from_file(path: Path) -> list[ModelConfig]:
         out.append(ModelConfig(name, t["path"], tuple(aliases), t.get("pin", False),
                                _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what),
                                max_queue=t.get("max_queue"),
-                               speculative=t.get("speculative", "")))
+                               speculative=t.get("speculative", ""),
+                               parallel=t.get("parallel", "")))
     check_names(out)
     return out
 

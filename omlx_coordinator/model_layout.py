@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omlx_shared.model_families import refusal
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
+from omlx_shared.tensor_split import DIVIDED, tensor_refusal
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.
@@ -84,6 +85,9 @@ class ModelLayout:
     layer_kv: tuple[LayerKV, ...] = ()
     layer_stream_bytes: tuple[int, ...] = ()
     draft_bytes: int = 0
+    # config.json's model_type, hidden_size and what a tensor-parallel split divides (heads,
+    # intermediate sizes), as (key, value) pairs: `tensor_refusal` reads them.
+    shape: tuple[tuple[str, int | str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layer_bytes):
@@ -112,6 +116,14 @@ class ModelLayout:
         if self.layer_kv:
             return self.layer_kv[layer].bytes_for(tokens)
         return self.kv_bytes_per_token_per_layer * tokens
+
+    def tensor_refusal(self, ranks: int) -> str:
+        """Why the model cannot be a tensor-parallel stage of `ranks` ranks; "" if it can."""
+        return tensor_refusal(dict(self.shape), ranks)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(dict(self.shape).get("hidden_size", 0))
 
     def stream_bytes(self, layer: int) -> int:
         """What a decode step streams of layer `layer`'s weights."""
@@ -249,6 +261,9 @@ def read_layout(
         kv_bytes_per_token_per_layer=kv,
         layer_kv=layer_kv if any(c != LayerKV(kv) for c in layer_kv) else (),
         layer_stream_bytes=tuple(stream_bytes) if stream_bytes != layer_bytes else (),
+        shape=(("model_type", str(config.get("model_type", ""))),
+               *((k, v) for k in ("hidden_size", *(key for key, _ in DIVIDED))
+                 if isinstance(v := setting(k), int))),
     )
 
 

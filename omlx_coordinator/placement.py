@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Literal
 
+from omlx_coordinator.layout_choice import plan_layout
 from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.planner import GiB, NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planner import GiB, NodeSpec, Plan, PlanError
 
 Replicas = int | Literal["auto"]
 # Relative differences below this are float noise: neither a gain nor a better candidate.
@@ -45,6 +46,7 @@ class PlanSettings:
     os_reserve_bytes: int = 8 << 30
     context_tokens: int = 4096
     max_sequences: int = 8
+    parallel: str = "pipeline"  # omlx_coordinator/layout_choice.py's layouts
 
 
 @dataclass(frozen=True)
@@ -231,9 +233,10 @@ def _plan(
     layout: ModelLayout, nodes: Sequence[NodeSpec], settings: PlanSettings,
     split: list[int] | None = None,
 ) -> Plan:
-    return make_plan(layout, list(nodes), os_reserve_bytes=settings.os_reserve_bytes,
-                     context_tokens=settings.context_tokens,
-                     max_sequences=settings.max_sequences, split=split)
+    return plan_layout(layout, list(nodes), settings.parallel,
+                       os_reserve_bytes=settings.os_reserve_bytes,
+                       context_tokens=settings.context_tokens,
+                       max_sequences=settings.max_sequences, split=split)
 
 
 def _least_need(layout: ModelLayout, settings: PlanSettings) -> int:

@@ -93,6 +93,7 @@ class NodeSpec:
     memory_bytes: its total memory (the plan keeps os_reserve_bytes of it free).
     speed: weight-streaming throughput in GB/s (see the module docstring); 1.0 if uncalibrated.
     link_ms: one-way latency from this node to the next stage in the ring.
+    link_gbps: bandwidth of that link in GB/s; 0: unknown (a message then costs its latency).
     cache_bytes: what each shard worker on it keeps for its prefix KV cache in RAM, beside the
     KV the plan reserves.
     weights_cap: the most bytes of weights it keeps in memory (`--weights-memory`); a stage
@@ -107,6 +108,7 @@ class NodeSpec:
     cache_bytes: int = 0
     weights_cap: int = 0
     disk_gbps: float = DEFAULT_DISK_GBPS
+    link_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ",= \t\n"):
@@ -119,6 +121,8 @@ class NodeSpec:
             raise ValueError(f"node {self.name}: link_ms must be >= 0")
         if self.weights_cap < 0 or not (math.isfinite(self.disk_gbps) and self.disk_gbps > 0):
             raise ValueError(f"node {self.name}: weights_cap must be >= 0 and disk_gbps > 0")
+        if not (math.isfinite(self.link_gbps) and self.link_gbps >= 0):
+            raise ValueError(f"node {self.name}: link_gbps must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,14 @@ class Plan:
     bottleneck_ms: float
     plan_hash: str
     explanation: list[str] = field(default_factory=list)
+    # "pipeline": each stage a range of layers; "tensor": every stage is a rank of one
+    # tensor-parallel stage holding a slice of every layer (omlx_coordinator/tensor_plan.py).
+    parallel: str = "pipeline"
+
+    @property
+    def layout_name(self) -> str:
+        """How `status` and `plan` name the layout, e.g. "tensor x2"."""
+        return f"{self.parallel} x{len(self.stages)}"
 
     @property
     def split(self) -> list[int]:
@@ -171,6 +183,7 @@ class Plan:
             "bottleneck_ms": self.bottleneck_ms,
             "plan_hash": self.plan_hash,
             "explanation": list(self.explanation),
+            "parallel": self.parallel,
         }
 
     def to_json(self) -> str:
@@ -186,25 +199,31 @@ class Plan:
             bottleneck_ms=float(d["bottleneck_ms"]),
             plan_hash=d["plan_hash"],
             explanation=list(d.get("explanation", [])),
+            parallel=d.get("parallel", "pipeline"),
         )
         expected = compute_plan_hash(
-            plan.model_id, [(s.node, s.layer_start, s.layer_end) for s in plan.stages]
-        )
+            plan.model_id, [(s.node, s.layer_start, s.layer_end) for s in plan.stages],
+            plan.parallel)
         if expected != plan.plan_hash:
             raise PlanError(f"plan hash {plan.plan_hash} does not match its stages ({expected})")
         return plan
 
 
-def compute_plan_hash(model_id: str, ranges: Sequence[tuple[str, int, int]]) -> str:
+def compute_plan_hash(model_id: str, ranges: Sequence[tuple[str, int, int]],
+                      parallel: str = "pipeline") -> str:
     """First 16 hex chars of sha256 over the canonical JSON
-    {"model_id": ..., "stages": [[node, start, end], ...], "v": 1} (sorted keys, no spaces).
+    {"model_id": ..., "stages": [[node, start, end], ...], "v": 1} (sorted keys, no spaces),
+    with "parallel": "tensor" for a tensor-parallel plan (a pipeline's hash is as it was).
 
     It covers exactly what workers must agree on (which node runs which layers of which model);
     budgets, speeds and estimates are left out so a re-measured speed with the same ranges keeps
     the same hash. Every worker recomputes it and refuses a mismatch.
     """
+    fields = {"model_id": model_id, "stages": [[n, int(a), int(b)] for n, a, b in ranges], "v": 1}
+    if parallel != "pipeline":
+        fields["parallel"] = parallel
     canonical = json.dumps(
-        {"model_id": model_id, "stages": [[n, int(a), int(b)] for n, a, b in ranges], "v": 1},
+        fields,
         sort_keys=True,
         separators=(",", ":"),
     )
@@ -811,7 +830,8 @@ def format_plan(plan: Plan) -> str:
     from rich.table import Table
 
     table = Table(
-        title=f"Plan {plan.plan_hash} for {plan.model_id}: bottleneck {plan.bottleneck_ms:.3f} ms",
+        title=f"Plan {plan.plan_hash} for {plan.model_id} ({plan.layout_name}): bottleneck "
+              f"{plan.bottleneck_ms:.3f} ms",
         title_justify="left",
     )
     cache = any(st.cache_bytes for st in plan.stages)
@@ -866,11 +886,14 @@ def parse_size(text: str) -> int:
 
 
 def parse_node_arg(text: str) -> NodeSpec:
-    """Parse `--node NAME=MEM[,speed=X][,link_ms=Y]`, e.g. 'mac1=64GiB,speed=2.5,link_ms=0.6'.
+    """Parse `--node NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z]`, e.g.
+    'mac1=64GiB,speed=2.5,link_ms=0.6'.
 
-    speed is in GB/s of weights streamed (see the module docstring), link_ms in milliseconds.
+    speed is in GB/s of weights streamed (see the module docstring), link_ms in milliseconds,
+    link_gbps the link's bandwidth in GB/s.
     """
-    usage = "expected NAME=MEM[,speed=X][,link_ms=Y], e.g. mac1=64GiB,speed=2.5,link_ms=0.6"
+    usage = ("expected NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z], e.g. "
+             "mac1=64GiB,speed=2.5,link_ms=0.6")
     parts = [p.strip() for p in text.split(",")]
     name, sep, mem = parts[0].partition("=")
     name = name.strip()
@@ -884,7 +907,7 @@ def parse_node_arg(text: str) -> NodeSpec:
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in ("speed", "link_ms"):
+        if not sep or key not in ("speed", "link_ms", "link_gbps"):
             raise ValueError(f"bad --node {text!r}: unknown option {part!r}; {usage}")
         if key in options:
             raise ValueError(f"bad --node {text!r}: {key} given twice")

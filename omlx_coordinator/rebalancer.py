@@ -264,6 +264,9 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
     at before, for those without a stage now."""
     if plan is None:
         return Decision(False, "", "no plan serves")
+    if plan.parallel != "pipeline":
+        # Every rank holds a slice of every layer: there are no layer ranges to move.
+        return Decision(False, "", f"a {plan.layout_name} layout has no layer ranges to move")
     budgets = {n.name: n.budget_bytes for n in nodes}
     memory = {n.name: n.memory_bytes or n.budget_bytes for n in nodes}
     held = {s.node for s in plan.stages}

@@ -408,6 +408,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                 "--node-id", self.node_id, "--metrics-port", str(self._free_metrics_port())]
         if world > 1:
             argv += ["--peers", ",".join(request.peers), "--backend", request.backend or "ring"]
+        if world > 1 and request.tensor:
+            argv.append("--tensor")
         if world > 1 and request.backend == "jaccl":
             argv += ["--rdma-devices", request.rdma_devices_json]
         # The model's own mode, after the node's engine flags (the last one given wins).

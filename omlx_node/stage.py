@@ -38,6 +38,7 @@ from omlx_node.layer_stream import LayerStream, StreamError
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
+from omlx_shared.tensor_split import tensor_refusal
 
 
 class StageError(ValueError):
@@ -122,9 +123,11 @@ class StageRunner:
     """Runs one contiguous slice of a model's layers on this node."""
 
     def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None,
-                 streamed: int = 0):
+                 streamed: int = 0, tensor_group=None):
         """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
-        least one layer of the range stays resident."""
+        least one layer of the range stays resident. `tensor_group`: the mx.distributed group
+        of a tensor-parallel stage, whose ranks each hold a slice of every layer (mlx-lm's own
+        `Model.shard`); None: whole layers."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -142,6 +145,16 @@ class StageRunner:
             raise StageError(
                 f"{streamed} streamed layers of the {end - layer_start} in [{layer_start}, "
                 f"{end}): at least one layer of a stage stays in memory, and none is negative")
+        ranks = 1 if tensor_group is None else tensor_group.size()
+        if ranks > 1:
+            if not (is_first and is_last):
+                raise StageError(f"a tensor-parallel stage holds every layer of the model, not "
+                                 f"[{layer_start}, {end}) of {num_layers}")
+            if why := tensor_refusal(config, ranks):
+                raise StageError(f"{path}: {why}")
+        if ranks > 1 and streamed:
+            raise StageError("a tensor-parallel stage keeps every layer in memory: its ranks "
+                             "slice each layer, and streamed layers are read whole")
 
         # A shard folder (omlx_node/weight_store.py) holds only some layers' tensors: the others
         # keep their random initialisation, which _check_loaded makes sure this stage never runs.
@@ -206,6 +219,9 @@ class StageRunner:
             # Quantized matmul on a CPU runs ~1 tok/s: dequantize there, keep it elsewhere.
             dequantize_model(model)
             model.set_dtype(target)
+        if ranks > 1:
+            # After dequantizing, which knows mlx's plain quantized layers only.
+            model.shard(tensor_group)
         mx.eval(model.parameters())
         inner.layers = layers
         self._stream: LayerStream | None = None

@@ -69,6 +69,8 @@ this order, only the parts its flags name, so a row that asks for none costs not
 Admitted sequences join the end of the micro-batch, taking over the KV their PREFILL steps left
 in each stage.
 FREE payload: sequence ids whose prefill KV must be dropped (cancelled while prefilling).
+PREFILL payload: empty for one row (the pipeline's); a tensor-parallel stage's chunk of several
+rows lists their sequence ids (`omlx_node.tensor`).
 LOOKUP payload: [held, the sequence's prompt tokens but the last...]: each stage restores the
 longest prefix its prefix cache holds, lowers `held` to it and passes the step on; the tail
 answers the minimum, the prefix every stage holds. The stages keep the tokens to store the
@@ -203,6 +205,7 @@ class Step:
     freed: list[int] = field(default_factory=list)  # FREE
     held: int = 0  # LOOKUP: the prefix every stage so far holds; TRIM: the one to keep
     prompt: list[int] = field(default_factory=list)  # LOOKUP
+    seqs: list[int] = field(default_factory=list)  # PREFILL of several rows: their sequences
 
     def payload(self) -> list[int]:
         if self.op == DECODE:
@@ -212,6 +215,8 @@ class Step:
                     len(self.answers), *answers]
         if self.op == FREE:
             return list(self.freed)
+        if self.op == PREFILL:
+            return list(self.seqs)
         if self.op == LOOKUP:
             return [self.held, *self.prompt]
         if self.op == TRIM:
@@ -231,20 +236,42 @@ class Step:
                 self.answers[row] = r.take(r.one())
         elif self.op == FREE:
             self.freed = payload
+        elif self.op == PREFILL:
+            self.seqs = payload
         elif self.op == LOOKUP:
             self.held, self.prompt = payload[0], payload[1:]
         elif self.op == TRIM:
             self.held = payload[0]
 
 
-def send_step(step: Step, hidden: mx.array | None, plan: int, dst: int, group) -> None:
+def encode_header(step: Step, plan: int) -> tuple[list[int], list[int]]:
+    """The step's header, and its payload when that does not ride inline in it ([] if it does)."""
     payload = step.payload()
     fields = [MAGIC, step.op, step.step, step.target, step.rows, step.tokens, len(payload),
               plan & 0x7FFFFFFF]
     inline = payload if len(payload) <= INLINE_PAYLOAD else []
-    header = fields + inline + [0] * (INLINE_PAYLOAD - len(inline))
+    return fields + inline + [0] * (INLINE_PAYLOAD - len(inline)), payload if not inline else []
+
+
+def decode_header(header: list[int], plan: int, sender: str) -> tuple[Step, int]:
+    """The step a header starts, with its inline payload loaded; and the length of the payload
+    still to read (0: none follows). `sender` names the peer in errors."""
+    magic, op, step_no, target, rows, tokens, payload_len, peer_plan = header[:HEADER_FIELDS]
+    if magic != MAGIC:
+        raise WireError(f"bad step header from {sender}: {header[:HEADER_FIELDS]}")
+    if peer_plan != plan & 0x7FFFFFFF:
+        raise WireError(f"{sender} runs plan {peer_plan:#x}, this stage {plan & 0x7FFFFFFF:#x}")
+    step = Step(op, step_no, target, rows, tokens)
+    if payload_len > INLINE_PAYLOAD:
+        return step, payload_len
+    step.load(header[HEADER_FIELDS:HEADER_FIELDS + payload_len])
+    return step, 0
+
+
+def send_step(step: Step, hidden: mx.array | None, plan: int, dst: int, group) -> None:
+    header, payload = encode_header(step, plan)
     _send(mx.array(header, dtype=mx.int32), dst, group)
-    if payload and not inline:
+    if payload:
         _send(mx.array(payload, dtype=mx.int32), dst, group)
     if hidden is not None:
         _send(hidden, dst, group)
@@ -264,20 +291,12 @@ def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
               ) -> tuple[Step, mx.array | None]:
     """Receives one step; the hidden states come back lazily (evaluated with the compute)."""
     header = _recv((HEADER_INTS,), mx.int32, src, group).tolist()
-    magic, op, step_no, target, rows, tokens, payload_len, peer_plan = header[:HEADER_FIELDS]
-    if magic != MAGIC:
-        raise WireError(f"bad step header from rank {src}: {header[:HEADER_FIELDS]}")
-    if peer_plan != plan & 0x7FFFFFFF:
-        raise WireError(f"rank {src} runs plan {peer_plan:#x}, this stage {plan & 0x7FFFFFFF:#x}")
-    if payload_len <= INLINE_PAYLOAD:
-        payload = header[HEADER_FIELDS:HEADER_FIELDS + payload_len]
-    else:
-        payload = _recv((payload_len,), mx.int32, src, group).tolist()
-    step = Step(op, step_no, target, rows, tokens)
-    step.load(payload)
+    step, payload_len = decode_header(header, plan, f"rank {src}")
+    if payload_len:
+        step.load(_recv((payload_len,), mx.int32, src, group).tolist())
     hidden = None
-    if op in (PREFILL, DECODE) and rows > 0:
-        hidden = _recv((rows, tokens, hidden_size), dtype, src, group)
+    if step.op in (PREFILL, DECODE) and step.rows > 0:
+        hidden = _recv((step.rows, step.tokens, hidden_size), dtype, src, group)
     return step, hidden
 
 

@@ -65,6 +65,7 @@ class WorkerConfig:
     # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
     rdma_devices: str = ""
     plan_hash: str = ""
+    tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)
     micro_batches: int = 0
     host: str = "127.0.0.1"
     prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
@@ -290,14 +291,23 @@ def block_layout(stage: StageRunner, block_size: int) -> Layout:
     return cache_layout(cache, block_size)
 
 
-def make_prefix_cache(config: WorkerConfig, stage: StageRunner,
-                      metrics: NodeMetrics) -> PrefixCache | None:
-    if config.hot_cache_bytes <= 0:
+def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMetrics,
+                      tensor_group=None) -> PrefixCache | None:
+    """`tensor_group`: the ranks of a tensor-parallel stage keep a prefix cache only if every
+    one does (its lookups and `block_layout`'s forward pass are collective), each of its heads."""
+    wanted = config.hot_cache_bytes > 0
+    name = f"{config.model_id}@{weights_fingerprint(config.model_path)}"
+    if tensor_group is not None:
+        import mlx.core as mx
+
+        wanted = bool(mx.distributed.all_min(mx.array([int(wanted)]), group=tensor_group).item())
+        name += f"/tensor{tensor_group.rank()}of{tensor_group.size()}"
+    if not wanted:
         return None
     info = stage.info
     layout = None if stage.prefix_cache_off else block_layout(stage, config.cache_block_size)
     return PrefixCache(
-        f"{config.model_id}@{weights_fingerprint(config.model_path)}",
+        name,
         (info.layer_start, info.layer_end), config.cache_block_size,
         hot_max_bytes=config.hot_cache_bytes, ssd_dir=config.ssd_cache_dir,
         ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
@@ -313,7 +323,7 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
         return run_encoder_worker(config.model_path, config.model_id, config.kind, config.host,
                                   ready_file)
     grammars = Grammars(config.model_path)
-    if config.rank in (0, config.world_size - 1):
+    if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
         # The head checks grammars at submit, the tail applies them: their tokenizer is built
         # while the group forms and the weights load.
         grammars.warm()
@@ -322,9 +332,10 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
         group = join_group(config)
         doorbells = link_doorbells(group, config.peers, config.init_timeout)
     stage = StageRunner(config.model_path, config.layer_start, config.layer_end,
-                        config.streamed_layers)
+                        streamed=config.streamed_layers,
+                        tensor_group=group if config.tensor else None)
     metrics = NodeMetrics()
-    prefix_cache = make_prefix_cache(config, stage, metrics)
+    prefix_cache = make_prefix_cache(config, stage, metrics, group if config.tensor else None)
     try:
         code = _serve(config, ready_file, group, doorbells, stage, metrics, prefix_cache,
                       grammars)
@@ -349,6 +360,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
+    from omlx_node.tensor import TensorFollower, TensorHead
 
     metrics.load_seconds.set(stage.info.load_seconds)
     metrics.shard_bytes.set(stage.nbytes())
@@ -379,12 +391,19 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
             signal.signal(sig, signal.SIG_IGN)
         if ready_file:
             write_ready(ready_file, ready)
-        StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
+        if config.tensor:
+            TensorFollower(stage, group, plan, prefix_cache, metrics, doorbells).run()
+        else:
+            StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
         return 0
 
-    if group is None:
-        engine: Engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch,
-                                 prefix_cache, grammars, config.speculative)
+    if config.tensor:
+        engine: Engine = TensorHead(stage, metrics, group, plan, doorbells[1],
+                                    config.prefill_chunk, config.max_batch, prefix_cache,
+                                    grammars)
+    elif group is None:
+        engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
+                         grammars, config.speculative)
     else:
         costs = None
         if not config.micro_batches:
@@ -408,7 +427,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         write_ready(ready_file, {**ready, "port": port})
     engine.run()
     service.close_sessions()
-    if isinstance(engine, PipelineHead):
+    if isinstance(engine, (PipelineHead, TensorHead)):
         engine.shutdown_pipeline()
     server.stop(grace=2).wait(5)
     return 0 if engine.ready else 1

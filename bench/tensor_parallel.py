@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Tensor parallelism against one node and a pipeline, on one core a node (issue 40).
+
+A random llama of ~250M parameters in fp32 (its batch-1 decode step is bound by weight reads),
+served by `omlx-cluster coordinator` with `join`ed nodes on loopback, each join (and so its
+shard worker) pinned to its own core with taskset:
+
+- one node on core 0 holding the whole model;
+- `--parallel tensor`: two nodes on cores 0 and 1, each holding half of every layer;
+- `--parallel pipeline`: two nodes on cores 0 and 1, each holding half of the layers.
+
+Per layout: one warm-up stream, then --repeats batch-1 streams of --tokens greedy tokens
+(decode rate from the first to the last streamed token), the median reported; then --streams
+concurrent streams (aggregate completion tokens a second, prefill included). Beside each, the
+planner's prediction (omlx_coordinator/layout_choice.py) from this machine's own measurements:
+the weight-streaming speed of one core (omlx_node.calibrate.measure_speed, pinned to core 0)
+and the latency of an all_sum of one hidden state between two processes pinned to cores 0 and 1.
+
+    python bench/tensor_parallel.py [--tokens 48] [--repeats 3] [--streams 8]
+
+Results: bench/results/tensor-parallel-cpu.json (the .md is written by hand from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.bench_idle import JoinedCluster  # noqa: E402
+from bench.bench_single_node import stream_batch, stream_one, write_random_llama  # noqa: E402
+from omlx_coordinator.layout_choice import candidates  # noqa: E402
+from omlx_coordinator.model_layout import read_layout  # noqa: E402
+from omlx_coordinator.planner import GiB, NodeSpec  # noqa: E402
+
+# ~252M parameters: 16 layers of 11.6M (GQA attention 3.1M, MLP 8.7M), embedding and head 32.8M.
+LLAMA_250M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=8, intermediate_size=2816, vocab_size=32000)
+LAYOUTS = {"one node": ((0,), "pipeline"), "tensor x2": ((0, 1), "tensor"),
+           "pipeline x2": ((0, 1), "pipeline")}
+
+ALLSUM = """
+import json, statistics, sys, time
+import mlx.core as mx
+g = mx.distributed.init(strict=True, backend="ring")
+x = mx.ones((1, 1, int(sys.argv[1])), dtype=mx.float32)
+for _ in range(20):
+    mx.eval(mx.distributed.all_sum(x, group=g))
+times = []
+for _ in range(300):
+    t = time.perf_counter()
+    mx.eval(mx.distributed.all_sum(x, group=g))
+    times.append(time.perf_counter() - t)
+if g.rank() == 0:
+    print(json.dumps({"median_ms": statistics.median(times) * 1e3}))
+"""
+
+
+def pinned_speed() -> float:
+    """GB/s of weights one core streams (the planner's node speed), pinned to core 0."""
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c",
+                          "from omlx_node.calibrate import measure_speed; "
+                          "print(measure_speed(3.0) / 1e9)"],
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return float(out.stdout.split()[-1])
+
+
+def allsum_ms(hidden: int) -> float:
+    """Median all_sum of one hidden state between two processes on cores 0 and 1."""
+    from tests.conftest import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = Path(tmp) / "hosts.json"
+        hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
+        procs = [subprocess.Popen(["taskset", "-c", str(r), sys.executable, "-c", ALLSUM,
+                                   str(hidden)], stdout=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts)))
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])["median_ms"]
+
+
+async def measure(base: str, tokens: int, repeats: int, streams: int) -> dict:
+    import httpx
+
+    prompt = list(range(10, 42))
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream_one(client, base, prompt, 8)  # warm-up
+        rates = [(await stream_one(client, base, prompt, tokens))["decode_tps"]
+                 for _ in range(repeats)]
+        batch = await stream_batch(client, base, [[i, *prompt] for i in range(streams)], tokens)
+    return {"decode_tps": statistics.median(rates), "runs": rates,
+            "streams": streams, "agg_tps": batch["agg_tps"]}
+
+
+def run_layout(name: str, model: Path, work: Path, args) -> dict:
+    cores, parallel = LAYOUTS[name]
+    (work / name.replace(" ", "-")).mkdir()
+    cluster = JoinedCluster(model, work / name.replace(" ", "-"), len(cores),
+                            extra=("--parallel", parallel, "--os-reserve", "1GiB",
+                                   "--context", "1024", "--sequences", str(args.streams)),
+                            cores=cores)
+    try:
+        ready = cluster.wait_ready(300, len(cores))
+        result = asyncio.run(measure(cluster.base, args.tokens, args.repeats, args.streams))
+    finally:
+        cluster.stop()
+    print(f"{name}: {result['decode_tps']:.2f} tok/s at batch 1 (runs "
+          f"{', '.join(f'{r:.2f}' for r in result['runs'])}), {result['agg_tps']:.2f} tok/s "
+          f"over {args.streams} streams; ready in {ready:.0f}s", flush=True)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="omlx-tp-bench-"))
+    model = work / "random-llama-250m"
+    write_random_llama(model, LLAMA_250M, "float32", None, 2048)
+    layout = read_layout(model)
+    speed, allsum = pinned_speed(), allsum_ms(LLAMA_250M["hidden_size"])
+    # The planner's all-reduce over N ranks is 2(N - 1) one-way latencies.
+    nodes = [NodeSpec(f"core{i}", 8 * GiB, speed=speed, link_ms=allsum / 2) for i in range(2)]
+    predicted = {c.name.split(" (")[0]: c.tok_s for c in candidates(
+        layout, nodes, os_reserve_bytes=1 * GiB, context_tokens=1024,
+        max_sequences=args.streams)}
+    print(f"one core streams {speed:.2f} GB/s; an all_sum of a hidden state takes "
+          f"{allsum:.3f} ms; predicted tok/s: {predicted}", flush=True)
+    measured = {name: run_layout(name, model, work, args) for name in LAYOUTS}
+    base = measured["one node"]["decode_tps"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    out = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores "
+                      "(shared with other jobs)", "commit": commit,
+           "params": layout.total_weight_bytes // 4, "speed_gbps": speed, "allsum_ms": allsum,
+           "predicted_tps": predicted, "measured": measured,
+           "ratio_vs_one_node": {k: v["decode_tps"] / base for k, v in measured.items()}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tensor-parallel-cpu.json").write_text(json.dumps(out, indent=2))
+    for k, v in measured.items():
+        print(f"{k}: {v['decode_tps']:.2f} tok/s = {v['decode_tps'] / base:.2f}x one node "
+              f"(predicted {predicted.get(k, 0):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The layout a model gets (omlx_coordinator/layout_choice.py, tensor_plan.py) as pure functions
+on synthetic clusters: `--parallel tensor` refused where it cannot be, and `auto` choosing
+tensor over a fast link, a pipeline over a slow one, one node when the model fits one."""
+
+from __future__ import annotations
+
+import pytest
+
+from omlx_coordinator.layout_choice import candidates, plan_layout
+from omlx_coordinator.model_layout import ModelLayout
+from omlx_coordinator.planner import GiB, NodeSpec, Plan, PlanError
+from omlx_coordinator.tensor_plan import make_tensor_plan
+
+LLAMA_8B = (("model_type", "llama"), ("hidden_size", 4096), ("num_attention_heads", 32),
+            ("num_key_value_heads", 8), ("intermediate_size", 14336))
+
+
+def layout(layer_gib: float = 0.5, layers: int = 32, shape=LLAMA_8B) -> ModelLayout:
+    return ModelLayout("m", layers, (int(layer_gib * GiB),) * layers, embed_bytes=1 << 29,
+                       head_bytes=1 << 29, norm_bytes=1 << 13, tied_embeddings=False,
+                       kv_bytes_per_token_per_layer=1 << 12, shape=shape)
+
+
+def macs(n: int, memory_gib: int, link_ms: float, speed: float = 400.0) -> list[NodeSpec]:
+    return [NodeSpec(f"mac{i}", memory_gib * GiB, speed=speed, link_ms=link_ms,
+                     link_gbps=5.0) for i in range(n)]
+
+
+SETTINGS = dict(os_reserve_bytes=4 * GiB, context_tokens=4096, max_sequences=4)
+
+
+def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():
+    lay = layout()
+    plan = make_tensor_plan(lay, macs(2, 64, 0.05), **SETTINGS)
+    assert plan.parallel == "tensor" and plan.layout_name == "tensor x2"
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 32), (0, 32)]
+    rank = plan.stages[0]
+    assert rank.weight_bytes == 16 * GiB // 2 + lay.embed_bytes + lay.head_bytes + lay.norm_bytes
+    assert rank.kv_bytes == 32 * (1 << 12) * 4096 * 4 // 2
+    # The hash names the layout: a pipeline's ranges never collide with it, and it round-trips.
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("shape, nodes, why", [
+    ((("model_type", "gemma3_text"), ("num_attention_heads", 8)), 2,
+     "model family 'gemma3_text' has no tensor-parallel split in mlx-lm"),
+    (LLAMA_8B, 3, "32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
+    ((*LLAMA_8B[:3], ("num_key_value_heads", 2)), 4, "2 KV heads (num_key_value_heads)"),
+])
+def test_tensor_refused_at_plan_time_saying_why(shape, nodes, why):
+    with pytest.raises(PlanError) as err:
+        plan_layout(layout(shape=shape), macs(nodes, 64, 0.05), "tensor", **SETTINGS)
+    assert f"m cannot run tensor-parallel over {nodes} nodes" in str(err.value)
+    assert why in str(err.value)
+
+
+def test_tensor_needs_two_nodes_and_room_on_each():
+    with pytest.raises(PlanError, match="at least 2 nodes"):
+        plan_layout(layout(), macs(1, 64, 0.05), "tensor", **SETTINGS)
+    with pytest.raises(PlanError, match="does not fit tensor-parallel over 2 nodes") as err:
+        plan_layout(layout(), macs(2, 12, 0.05), "tensor", **SETTINGS)
+    assert set(err.value.missing_by_node) == {"mac0", "mac1"}
+
+
+def test_a_split_is_a_pipeline():
+    with pytest.raises(PlanError, match="drop it for --parallel tensor"):
+        plan_layout(layout(), macs(2, 64, 0.05), "tensor", split=[16, 16], **SETTINGS)
+    assert plan_layout(layout(), macs(2, 64, 0.05), "auto", split=[16, 16],
+                       **SETTINGS).parallel == "pipeline"
+
+
+def test_auto_fast_link_chooses_tensor():
+    """Thunderbolt-class link (0.02 ms): 66 all-reduces cost ~2.6 ms, halving ~41 ms."""
+    plan = plan_layout(layout(), macs(2, 64, 0.02), "auto", **SETTINGS)
+    assert plan.layout_name == "tensor x2"
+    text = "\n".join(plan.explanation)
+    assert "Layout (--parallel auto): tensor x2" in text
+    for name in ("one node (mac", "pipeline x2", "tensor x2"):
+        assert f"  {name}" in text
+
+
+def test_auto_slow_link_and_a_model_too_big_for_one_chooses_pipeline():
+    """Wi-Fi-class link (2 ms): 66 all-reduces cost 264 ms a token; the model needs both."""
+    plan = plan_layout(layout(), macs(2, 16, 2.0), "auto", **SETTINGS)
+    assert plan.layout_name == "pipeline x2"
+    text = "\n".join(plan.explanation)
+    assert "one node: cannot serve: no node holds the whole model" in text
+    assert "Tensor parallel not chosen: its 66 all-reduces at 4.003 ms each" in text
+
+
+def test_auto_model_that_fits_one_fast_node_over_a_slow_link_stays_on_one():
+    """exo #2070's shape: two fast Macs, a model that fits one, a link slower than the
+    halved reads save: one node, not a pipeline (which only adds its links) nor tensor."""
+    found = candidates(layout(), macs(2, 64, 1.0), **SETTINGS)
+    rates = {c.name.split(" (")[0]: c.tok_s for c in found}
+    assert rates["one node"] > rates["pipeline x2"] and rates["one node"] > rates["tensor x2"]
+    plan = plan_layout(layout(), macs(2, 64, 1.0), "auto", **SETTINGS)
+    assert plan.layout_name == "pipeline x1" and plan.stages[0].layer_end == 32
+
+
+def test_auto_family_without_shard_never_tensor():
+    shape = (("model_type", "gemma3_text"), ("num_attention_heads", 8))
+    plan = plan_layout(layout(shape=shape), macs(2, 16, 0.02), "auto", **SETTINGS)
+    assert plan.layout_name == "pipeline x2"
+    assert "tensor x2: cannot serve: m cannot run tensor-parallel" in "\n".join(plan.explanation)
+
+
+def test_nothing_fits_says_what_is_missing():
+    with pytest.raises(PlanError) as err:
+        plan_layout(layout(), macs(2, 8, 0.02), "auto", **SETTINGS)
+    assert err.value.missing_bytes > 0 and "does not fit" in str(err.value)
+
+
+def test_bad_parallel_is_refused():
+    with pytest.raises(PlanError, match="parallel must be one of auto, pipeline, tensor"):
+        plan_layout(layout(), macs(2, 64, 0.02), "sideways")

@@ -1,0 +1,148 @@
+"""Tensor-parallel stages (omlx_node/tensor.py): ranks holding a slice of every layer, as
+separate worker processes over mx.distributed's ring on loopback, against mlx-lm's own
+generation on tiny random fp32 models of the families that have `shard()`."""
+
+from __future__ import annotations
+
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from openai import OpenAI
+
+from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from proto import omlx_pb2_grpc as pb_grpc
+from tests.conftest import free_port, start_server
+from tests.test_pipeline import PROMPTS, generate, run_concurrently
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+TOKENS = 16
+TIE = 1e-4  # a divergence is allowed only where mlx-lm's top two logits are this close
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request, tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("tp") / request.param, request.param,
+                       num_layers=3)
+
+
+def reference(model: Path, prompts: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """mlx-lm's greedy tokens for each prompt, each with the gap between its top two logits."""
+    ref_model, tok = load(str(model))
+    out = {}
+    for p in prompts:
+        steps = []
+        for t, logprobs in generate_step(mx.array(tok.encode(p)), ref_model,
+                                         max_tokens=TOKENS):
+            top2 = mx.sort(logprobs)[-2:].tolist()
+            steps.append((int(t), top2[1] - top2[0]))
+        out[p] = steps
+    return out
+
+
+def assert_matches(tokens: list[int], ref: list[tuple[int, float]], prompt: str) -> None:
+    """Equal to mlx-lm's tokens up to the end, or up to a near-tie of its top two logits."""
+    for i, (t, gap) in enumerate(ref):
+        if tokens[i] != t:
+            assert gap < TIE, f"{prompt!r}: token {i} is {tokens[i]}, mlx-lm's {t} (gap {gap})"
+            return
+    assert len(tokens) == len(ref), prompt
+
+
+@contextmanager
+def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
+    """Starts one `omlx-cluster worker --tensor` per rank; yields rank 0's ShardWorker stub."""
+    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(ranks))
+    workers = [ChildProcess(omlx_command(
+        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", "0:",
+        "--peers", peers, "--tensor", "--plan-hash", "0123456789abcdef", "--prefill-chunk", "8",
+        *extra), f"rank {r}") for r in range(ranks)]
+    try:
+        infos = [w.wait_ready(120) for w in workers]
+        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
+        yield pb_grpc.ShardWorkerStub(channel), infos
+        channel.close()
+        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_tensor_stage_greedy_matches_mlx_lm(model):
+    """One stream alone, then every prompt at once (continuous batching, chunked prefill of
+    prompts longer than the 8-token chunk), with the prefix cache on."""
+    _, tok = load(str(model))
+    refs = reference(model, PROMPTS)
+    with tensor_stage(model, extra=("--hot-cache-max-size", "64MB")) as (stub, infos):
+        # Each rank holds its slice of the layers: less than the whole model, more than half
+        # (the embedding and the head stay whole).
+        whole = (model / "model.safetensors").stat().st_size
+        for info in infos:
+            held = shard_bytes(info["metrics_port"])
+            assert whole / 2 < held < whole * 0.9, (held, whole)
+        alone, reason = generate(stub, tok.encode(PROMPTS[0]), TOKENS)
+        assert reason == "length"
+        assert_matches(alone, refs[PROMPTS[0]], PROMPTS[0])
+        outs = run_concurrently(lambda p: generate(stub, tok.encode(p), TOKENS), PROMPTS * 2)
+        for p, (tokens, _) in zip(PROMPTS * 2, outs):
+            assert_matches(tokens, refs[p], p)
+        # A prompt seen before: its prefix comes from every rank's prefix cache.
+        again, _ = generate(stub, tok.encode(PROMPTS[4]), TOKENS)
+        assert_matches(again, refs[PROMPTS[4]], PROMPTS[4])
+
+
+def shard_bytes(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("omlx_node_shard_bytes"))
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    """3 ranks of a model with 4 attention heads: each rank exits, saying why."""
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    with pytest.raises(ChildError) as err:
+        with tensor_stage(path, ranks=3):
+            pass
+    assert "4 attention heads (num_attention_heads), which do not divide over 3 ranks" in str(
+        err.value)
+
+
+def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
+    """`serve --nodes 2 --parallel tensor`: the planner lays the model over both nodes as one
+    tensor-parallel stage, status says so, and completions equal mlx-lm's."""
+    model = build_model(tmp_path / "llama", "llama", num_layers=3)
+    _, tok = load(str(model))
+    ref = reference(model, [PROMPTS[0]])[PROMPTS[0]]
+    with start_server(model, "--nodes", "2", "--parallel", "tensor", home=tmp_path / "h",
+                      keepalive=None) as server:
+        status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        assert status["parallel"] == "tensor x2 over ring"
+        assert [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]] == [
+            (0, 3), (0, 3)]
+        client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        r = client.completions.create(model=server.model_id, prompt=tok.encode(PROMPTS[0]),
+                                      max_tokens=TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        # (This prompt's greedy tokens have no near-tie in mlx-lm's logits: exact.)
+        assert r.choices[0].text == tok.decode([t for t, _ in ref])
+
+
+def test_gateway_refuses_tensor_for_heads_that_do_not_divide(tmp_path):
+    model = build_model(tmp_path / "llama", "llama", num_layers=2)
+    r = subprocess.run(omlx_command("serve", "--model", str(model), "--port", str(free_port()),
+                                    "--nodes", "3", "--parallel", "tensor"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert ("cannot run tensor-parallel over 3 nodes: llama has 4 attention heads "
+            "(num_attention_heads), which do not divide over 3 ranks") in r.stderr
