@@ -7,12 +7,12 @@ evaluated), passed through the family's own `sanitize` as mlx-lm's loader does, 
 evaluated at once, so its weights are read, used and released before the next streamed layer's
 are read: at most one streamed layer is resident at a time, beside the resident ones.
 
-Read-ahead: while a layer computes, a thread reads the next streamed layer's byte ranges (in
-order of the stage, wrapping to the first for the next step), which brings them into the page
-cache, so the lazy load that follows copies from memory rather than waiting on the SSD. Where
-the OS has posix_fadvise (Linux), a layer's pages are dropped from the page cache after its
-turn, so the cache does not quietly hold a second copy of what is streamed; macOS has no such
-call and reclaims those clean pages under pressure.
+Read-ahead: while a layer computes, the next streamed layer's byte ranges (in order of the
+stage, wrapping to the first for the next step) are brought into the page cache, so the lazy
+load that follows copies from memory rather than waiting on the SSD: where the OS has
+posix_fadvise (Linux) the kernel is asked to read them (WILLNEED) and, after the layer's turn,
+to drop them (DONTNEED), so the cache does not quietly hold a second copy of what is streamed;
+elsewhere (macOS) a thread reads them, and the OS reclaims those clean pages under pressure.
 """
 
 from __future__ import annotations
@@ -170,6 +170,18 @@ class LayerStream:
             or not mx.array_equal(given[k], as_run(loaded[k])).item()]
 
     def _read_ahead(self, i: int) -> None:
+        if hasattr(os, "posix_fadvise"):  # the kernel reads them in, with no copy made here
+            for span in self._spans[i]:
+                fd = os.open(span.file, os.O_RDONLY)
+                try:
+                    if os.fstat(fd).st_size < span.end:
+                        raise OSError(f"{span.file} ends before the layer {i} weights it "
+                                      f"should hold (byte {span.end})")
+                    os.posix_fadvise(fd, span.start, span.end - span.start,
+                                     os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            return
         buf = bytearray(READ_BYTES)
         view = memoryview(buf)
         for span in self._spans[i]:

@@ -1,0 +1,139 @@
+"""Layers on the SSD: decode speed with half of a model's layers streamed, against all resident
+and against the bound the disk's measured read speed allows (issue 45).
+
+One process, one random llama in float32 (built here; speed does not depend on the values), the
+stage runner a worker uses, greedy decode at batch 1, 8 and 32 (every row the same length):
+- resident: every layer in memory;
+- streamed: the last half of the layers on disk (omlx_node/layer_stream.py).
+The disk's sequential read speed is measured first on the model's own file, its pages dropped
+from the page cache before each pass (posix_fadvise; Linux). The bound a streamed step cannot
+beat: reading the streamed bytes at that speed, or the resident run's step, whichever is longer
+(read-ahead overlaps the two). The planner's prediction (planner.make_plan with this node's
+measured weight-streaming and disk speeds) is printed beside the measurement.
+
+    python -m bench.disk_layers --out bench/results/disk-layers-cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from bench.common import machine_info
+from omlx_coordinator.model_layout import read_layout
+from omlx_coordinator.planner import NodeSpec, make_plan
+from omlx_node.calibrate import measure_speed
+from omlx_node.stage import StageRunner
+from tests.tiny_models import build_model
+
+
+def disk_gbps(path: Path, passes: int = 3) -> float:
+    """Median cold sequential read speed of `path` in GB/s (pages dropped before each pass)."""
+    size, speeds, buf = path.stat().st_size, [], bytearray(8 << 20)
+    for _ in range(passes):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+            speeds.append(size / (time.perf_counter() - t0) / 1e9)
+        finally:
+            os.close(fd)
+    return statistics.median(speeds)
+
+
+def decode_tok_s(stage: StageRunner, rows: int, steps: int) -> float:
+    cache = stage.make_cache()
+    x = mx.ones((rows, 16), dtype=mx.int32)
+    mx.eval(stage(x, cache, last_only=True))
+    x = mx.ones((rows, 1), dtype=mx.int32)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x = mx.argmax(stage(x, cache, last_only=True)[:, -1:], axis=-1).astype(mx.int32)
+        mx.eval(x)
+    return rows * steps / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=12, help="decode steps a run")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--machine-note", default="",
+                    help="how to describe the machine beyond its CPU/GPU (e.g. 'shared')")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp) / "llama", num_layers=args.layers, hidden_size=args.hidden,
+                           extra_config={"intermediate_size": args.hidden * 11 // 4})
+        layout = read_layout(path)
+        half = args.layers // 2
+        streamed_bytes = sum(layout.layer_bytes[-half:])
+        disk = disk_gbps(path / "model.safetensors")
+        speed = measure_speed() / 1e9
+        resident = StageRunner(path)
+        streaming = StageRunner(path, streamed=half)
+        # The planner, told this node's speeds and a cap that leaves half the layers on disk.
+        cap = layout.total_weight_bytes - streamed_bytes + 2 * max(layout.layer_bytes)
+        plan = make_plan(layout, [NodeSpec("this", 1 << 50, speed=speed, weights_cap=cap,
+                                           disk_gbps=disk)],
+                         os_reserve_bytes=0, context_tokens=512, max_sequences=max(args.rows))
+        predicted_ms = plan.stages[0].est_ms
+        rows_out = []
+        for rows in args.rows:
+            res, stm = [], []
+            for _ in range(args.runs):  # interleaved, so drift hits both alike
+                res.append(decode_tok_s(resident, rows, args.steps))
+                stm.append(decode_tok_s(streaming, rows, args.steps))
+            r, s = statistics.median(res), statistics.median(stm)
+            step_bound = max(streamed_bytes / (disk * 1e9), rows / r)
+            bound = rows / step_bound
+            rows_out.append((rows, r, s, bound, rows / (predicted_ms / 1e3)))
+            print(f"batch {rows}: resident {r:.1f} tok/s, half streamed {s:.1f} tok/s "
+                  f"({s / r:.2f}x), bound {bound:.1f} ({s / bound:.2f} of it)", flush=True)
+
+    machine = machine_info()
+    device = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores"
+    lines = [
+        "# Layers on the SSD: half a model's layers streamed (issue 45)",
+        "",
+        f"- machine: {device}{'; ' + args.machine_note if args.machine_note else ''}; commit "
+        f"{machine['git_commit']}; `python -m bench.disk_layers`",
+        f"- model: random llama, {args.layers} layers, hidden {args.hidden}, float32, "
+        f"{layout.total_weight_bytes / 2**20:.0f} MiB; the last {half} layers streamed "
+        f"({streamed_bytes / 2**20:.0f} MiB read each step)",
+        f"- disk: {disk:.2f} GB/s cold sequential read of the model's file; weights streamed "
+        f"from memory at {speed:.1f} GB/s (calibrate.measure_speed)",
+        f"- medians of {args.runs} interleaved runs of {args.steps} decode steps each",
+        "",
+        "| batch | all resident tok/s | half streamed tok/s | streamed / resident | "
+        "disk bound tok/s | streamed / bound | planner's prediction tok/s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for rows, r, s, bound, pred in rows_out:
+        lines.append(f"| {rows} | {r:.1f} | {s:.1f} | {s / r:.2f}x | {bound:.1f} | "
+                     f"{s / bound:.2f} | {pred:.1f} |")
+    lines += ["", "The bound: a step can not be shorter than reading the streamed bytes at the "
+              "measured disk speed, nor than the resident run's step. The planner predicts one "
+              "step's time at batch 1 (weights at the measured speed plus the disk read); at "
+              "larger batches it scales rows by that step, as a batch shares each read."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
