@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import alive, descendants, free_port
+from tests.conftest import alive, free_port
 from tests.tiny_models import build_model
-from tests.helpers.processes import launch
+from tests.helpers.processes import launch, settled_count
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -68,19 +68,6 @@ def stream_until_cut(url: str, model: str, started: threading.Event, outcome: di
         outcome["ended"] = type(e).__name__
     finally:
         started.set()
-
-
-def settled_count(pid: int) -> int:
-    """The node agent's processes below it once the count holds still for 3 s (a standby
-    worker may be starting)."""
-    counts: list[int] = []
-
-    def steady() -> bool:
-        counts.append(len(descendants(pid)))
-        return len(counts) > 15 and len(set(counts[-15:])) == 1
-
-    wait_for(steady, 60, "the node's processes to settle")
-    return counts[-1]
 
 
 def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):

@@ -27,8 +27,9 @@ from tests.cluster_secret import SECRET
 from tests.conftest import descendants
 from tests.netns import CUT, in_namespace, link, namespace, netns_popen, shape, skip_unless_netns
 from tests.netns import slow as slow_link
-from tests.test_coordinator_restart import settled_count, wait_until
-from tests.test_weight_transfer import agent_process
+from tests.helpers.processes import settled_count
+from tests.helpers.waiting import wait_for
+from tests.helpers.weights import agent_process
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -146,7 +147,7 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
             b = join(nb, "b", lk.b_ip)
             with in_namespace(hub) as pool:
                 api = Api(pool, f"http://{coordinator_at}")
-                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b", 180)
+                wait_for(lambda: api.planned_over({"a", "b"}), 180, "a plan over a and b")
                 reference = api.complete()
                 # Two replicas of side, one a node: b's is lost with it, and comes back.
                 side = api.complete("side")
@@ -165,12 +166,12 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
                 stale = {w["pid"] for m in ("main", "side") for w in workers_of(api, "b", m)}
                 received = []
                 streamed = api.stream(received)
-                wait_until(lambda: len(received) >= 5, "the stream's first tokens", 60)
+                wait_for(lambda: len(received) >= 5, 60, "the stream's first tokens")
                 shape(lk, *CUT)
                 cut_at, at_cut = time.monotonic(), len(received)
-                lost_at = wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
-                                     LOST_BOUND_SECONDS)
-                assert lost_at - cut_at < LOST_BOUND_SECONDS
+                wait_for(lambda: not api.nodes()["b"]["alive"], LOST_BOUND_SECONDS,
+                         "b declared lost")
+                assert time.monotonic() - cut_at < LOST_BOUND_SECONDS
                 assert streamed.result(timeout=180) == reference
                 assert len(received) > at_cut, "the stream had ended before the cut"
                 assert api.planned_over({"a"})
@@ -180,11 +181,10 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
 
                 # Healed: b registers again, one plan over both, its stale worker replaced.
                 shape(lk)
-                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
-                           120)
+                wait_for(lambda: api.planned_over({"a", "b"}), 120, "a plan over a and b again")
                 assert api.complete() == reference
-                wait_until(lambda: api.replicas_ready("side") == [True, True],
-                           "side's replica on b again", 60)
+                wait_for(lambda: api.replicas_ready("side") == [True, True], 60,
+                         "side's replica on b again")
                 assert api.complete("side") == side
                 assert settled_count(b.pid) == processes_b
                 now = workers_of(api, "b") + workers_of(api, "b", "side")
@@ -193,13 +193,12 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
 
                 # Unloaded while b is cut off: b's worker of it goes once b is back.
                 shape(lk, *CUT)
-                wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
-                           LOST_BOUND_SECONDS)
+                wait_for(lambda: not api.nodes()["b"]["alive"], LOST_BOUND_SECONDS,
+                         "b declared lost")
                 api.unload("side")
                 shape(lk)
-                wait_until(lambda: api.planned_over({"a", "b"}), "a plan over a and b again",
-                           120)
-                wait_until(lambda: not workers_of(api, "b", "side"), "b's side worker gone", 30)
+                wait_for(lambda: api.planned_over({"a", "b"}), 120, "a plan over a and b again")
+                wait_for(lambda: not workers_of(api, "b", "side"), 30, "b's side worker gone")
                 assert api.complete("side") == side
         finally:
             for p in procs:

@@ -8,9 +8,24 @@ from pathlib import Path
 
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
+from tests.conftest import descendants
+from tests.helpers.waiting import wait_for
 
 
 def launch(args: list[str], home: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, OMLX_CLUSTER_HOME=str(home), OMLX_CLUSTER_SECRET=SECRET)
     return subprocess.Popen(omlx_command(*args), stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, env=env)
+
+
+def settled_count(pid: int) -> int:
+    """The node agent's processes below it once the count holds still for 3 s (a standby
+    worker may be starting)."""
+    counts: list[int] = []
+
+    def steady() -> bool:
+        counts.append(len(descendants(pid)))
+        return len(counts) > 15 and len(set(counts[-15:])) == 1
+
+    wait_for(steady, 60, "the node's processes to settle")
+    return counts[-1]
