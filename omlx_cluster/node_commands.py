@@ -40,6 +40,15 @@ def join_command(args: argparse.Namespace) -> int:
         speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
         if speed:
             log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
+    disk = 0.0
+    if args.weights_memory:  # it may stream layers from its disk: the planner counts the reads
+        from omlx_node.disk_speed import node_disk_speed
+        from omlx_shared.model_store import data_home, models_dir
+
+        disk = node_disk_speed(data_home() / "disk-speed.json", models_dir(),
+                               remeasure=args.recalibrate)
+        if disk:
+            log.info("its disk reads %.2f GB/s (the planner's cost of streamed layers)", disk)
     from omlx_shared.discovery import announce_address
 
     try:
@@ -47,7 +56,7 @@ def join_command(args: argparse.Namespace) -> int:
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
                           engine_args(args), secret=secret, node_id=args.name, speed=speed,
                           worker_cache_bytes=args.hot_cache_max_size,
-                          weights_cap=args.weights_memory,
+                          weights_cap=args.weights_memory, disk_gbps=disk,
                           orphan_grace=args.orphan_grace)
     except (OSError, ValueError) as e:
         print(f"error: --host {args.host}: {e}" if isinstance(e, ValueError) else f"error: {e}",

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import grpc
 
+from omlx_coordinator.disk_layers import DEFAULT_DISK_GBPS
 from omlx_coordinator.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
 from omlx_coordinator.membership import DiscoveryBridge
 from omlx_coordinator.node_client import AdmissionError, AgentClient
@@ -88,6 +89,7 @@ class Member:
     budget_bytes: int = 0  # memory the plan may use on it
     cache_bytes: int = 0  # what each of its shard workers keeps for its RAM prefix cache
     weights_cap: int = 0  # its --weights-memory: weights past it stream from its SSD (0: none)
+    disk_gbps: float = 0.0  # its disk's measured read speed (0: not measured)
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
     chip: str = ""
     alive: bool = True
@@ -100,6 +102,11 @@ class Member:
     # Why the node cannot take this model's weights (no disk space): plans leave it out until
     # it joins again.
     weights_error: str = ""
+
+    @property
+    def disk_speed(self) -> float:
+        """GB/s its streamed layers are counted at: as measured, else a typical SSD's."""
+        return self.disk_gbps or DEFAULT_DISK_GBPS
 
 
 class NoCapacity(RuntimeError):
@@ -252,6 +259,7 @@ class Cluster:
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
                 m.cache_bytes, m.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
+                m.disk_gbps = hello.disk_gbps
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
             self.ready, self.status = True, "ready"
@@ -309,6 +317,7 @@ class Cluster:
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
+        member.disk_gbps = hello.disk_gbps
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:

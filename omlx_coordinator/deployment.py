@@ -109,7 +109,7 @@ class Deployment:
                      for i in range(self.cluster.options.nodes)]
         else:
             nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes,
-                              weights_cap=m.weights_cap)
+                              weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
                      for m in members]
         split = self.model.config.split
         options = self.cluster.options

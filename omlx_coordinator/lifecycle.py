@@ -263,7 +263,7 @@ class ModelManager:
         at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
         would pause every stream the gateway serves."""
         nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
-                          weights_cap=m.weights_cap)
+                          weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
                  for m in self.cluster.servable()]
         # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
         options = self.cluster.options

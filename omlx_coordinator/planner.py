@@ -886,14 +886,15 @@ def parse_size(text: str) -> int:
 
 
 def parse_node_arg(text: str) -> NodeSpec:
-    """Parse `--node NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z]`, e.g.
-    'mac1=64GiB,speed=2.5,link_ms=0.6'.
+    """Parse `--node NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]
+    [,disk_gbps=W]`, e.g. 'mac1=64GiB,speed=2.5,link_ms=0.6'.
 
     speed is in GB/s of weights streamed (see the module docstring), link_ms in milliseconds,
-    link_gbps the link's bandwidth in GB/s.
+    link_gbps the link's bandwidth in GB/s; weights its --weights-memory (the rest of a stage
+    streams from its SSD, read at disk_gbps GB/s).
     """
-    usage = ("expected NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z], e.g. "
-             "mac1=64GiB,speed=2.5,link_ms=0.6")
+    usage = ("expected NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]"
+             "[,disk_gbps=W], e.g. mac1=64GiB,speed=2.5,link_ms=0.6")
     parts = [p.strip() for p in text.split(",")]
     name, sep, mem = parts[0].partition("=")
     name = name.strip()
@@ -903,18 +904,19 @@ def parse_node_arg(text: str) -> NodeSpec:
         memory = parse_size(mem)
     except ValueError as e:
         raise ValueError(f"bad --node {text!r}: {e}") from None
-    options: dict[str, float] = {}
+    options: dict[str, float | int] = {}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in ("speed", "link_ms", "link_gbps"):
+        key = {"weights": "weights_cap"}.get(key.strip(), key.strip())
+        if not sep or key not in ("speed", "link_ms", "link_gbps", "weights_cap", "disk_gbps"):
             raise ValueError(f"bad --node {text!r}: unknown option {part!r}; {usage}")
         if key in options:
             raise ValueError(f"bad --node {text!r}: {key} given twice")
         try:
-            options[key] = float(value)
+            options[key] = parse_size(value) if key == "weights_cap" else float(value)
         except ValueError:
-            raise ValueError(f"bad --node {text!r}: {key}={value!r} is not a number") from None
+            raise ValueError(f"bad --node {text!r}: {part!r} is not "
+                             f"{'a size' if key == 'weights_cap' else 'a number'}") from None
     try:
         return NodeSpec(name=name, memory_bytes=memory, **options)
     except ValueError as e:

@@ -157,7 +157,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                  metrics_port: int = 0, engine_args: list[str] | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
                  speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0,
-                 weights_cap: int = 0,
+                 weights_cap: int = 0, disk_gbps: float = 0.0,
                  orphan_grace: float = 0.0):
         self.secret = secret
         # A coordinator calls Health every heartbeat: silent this long (0: never checked), it
@@ -193,6 +193,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.engine_args = list(engine_args or [])  # passed on to every worker
         self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
         self.weights_cap = weights_cap  # its --weights-memory, for plans (0: none)
+        self.disk_gbps = disk_gbps  # its disk's measured read speed (0: not measured)
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
@@ -244,7 +245,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             proof=transcript.proof(self.secret, "node") if self.secret else b"",
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
             rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes,
-            weights_cap_bytes=self.weights_cap)
+            weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)

@@ -516,17 +516,21 @@ def test_parse_node_arg():
     assert parse_node_arg("m2=96GB") == NodeSpec("m2", 96 * 10**9)
     assert parse_node_arg("m3=512MiB,link_ms=3") == NodeSpec("m3", 512 * MiB, 1.0, 3.0)
     assert parse_node_arg("m4=1.5TiB").memory_bytes == int(1.5 * (1 << 40))
+    assert parse_node_arg("m5=16GiB,weights=8GiB,disk_gbps=5") == NodeSpec(
+        "m5", 16 * GiB, weights_cap=8 * GiB, disk_gbps=5.0)
     assert parse_size("16 gib") == 16 * GiB
     for bad, why in [
         ("mac1", "NAME=MEM"),
         ("=64GiB", "NAME=MEM"),
         ("mac1=64", "not a number with a unit"),
         ("mac1=64G", "unknown unit 'G'"),
-        ("mac1=64GiB,speed=fast", "speed='fast' is not a number"),
+        ("mac1=64GiB,speed=fast", "'speed=fast' is not a number"),
         ("mac1=64GiB,speed=0", "speed must be a positive"),
         ("mac1=64GiB,link_ms=-1", "link_ms must be >= 0"),
         ("mac1=64GiB,color=red", "unknown option 'color=red'"),
         ("mac1=64GiB,speed=1,speed=2", "speed given twice"),
+        ("mac1=64GiB,weights=8", "'weights=8' is not a size"),
+        ("mac1=64GiB,disk_gbps=0", "disk_gbps > 0"),
     ]:
         with pytest.raises(ValueError, match=why):
             parse_node_arg(bad)
