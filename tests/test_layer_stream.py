@@ -20,7 +20,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 from transformers import AutoTokenizer
 
+from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageError, StageRunner
+from tests.helpers.engine import drain
 from tests.tiny_models import build_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +88,17 @@ def test_a_weights_file_gone_mid_serving_fails_the_step(tmp_path: Path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])  # truncated
     with pytest.raises((OSError, RuntimeError, ValueError)):
         greedy(stage, 2)
+
+
+def test_an_engine_whose_weights_vanish_fails_its_requests_and_stops(tmp_path: Path):
+    # Its worker then exits, and the coordinator re-plans (sending the layers again).
+    path = build_model(tmp_path / "m", num_layers=4)
+    batcher = Batcher(StageRunner(path, streamed=2), NodeMetrics())
+    (path / "model.safetensors").unlink()
+    seq = batcher.submit(SeqRequest("r", PROMPT, 8))
+    (tokens, finish), = drain(batcher, [seq], max_steps=50)
+    assert finish is not None and finish.reason != "length", finish
+    assert batcher.status.startswith("failed: the engine cannot compute")
 
 
 def _pss_kib(pid: int) -> int:
