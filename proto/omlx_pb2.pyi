@@ -57,7 +57,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "keep_serving")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class LoadShardRequest(_message.Message):
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RDMA_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SERVING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -82,7 +83,8 @@ class LoadShardRequest(_message.Message):
     micro_batches: int
     rdma_devices_json: str
     speculative: str
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
+    keep_serving: bool
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., keep_serving: _Optional[bool] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
