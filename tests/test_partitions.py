@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "partition-test-key-2f7c1d9a4b6e8f03"  # the gateway listens off loopback: keyed
 PORT, AGENT_PORT = 8000, 7100  # fresh namespaces: every port is free
-TOKENS = 400  # long enough that the cut lands mid-stream
+TOKENS = 3000  # long enough that the cut lands mid-stream (a tiny model decodes fast)
 PROMPT = [5, 6, 7, 8]
 # Lost within this of the cut: the heartbeat's bound (a call times out after two beats, and a
 # node is lost once silent NODE_LOST_SECONDS), with room for a machine shared with other work.
@@ -156,7 +156,7 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
 
                 # A slow link: heartbeats and tokens wait in a queue, nobody is lost.
                 received: list[str] = []
-                shape(lk, *slow_link("256kbit"))
+                shape(lk, *slow_link("2mbit"))
                 assert api.stream(received).result(timeout=180) == reference
                 shape(lk)
                 assert all(n["alive"] for n in api.nodes().values())
@@ -165,7 +165,7 @@ def test_a_cut_node_is_lost_replanned_around_and_rejoins(models, tmp_path):
                 stale = {w["pid"] for m in ("main", "side") for w in workers_of(api, "b", m)}
                 received = []
                 streamed = api.stream(received)
-                wait_until(lambda: len(received) >= 5, "the stream's first tokens", 60)
+                wait_until(lambda: len(received) >= 1, "the stream's first tokens", 60)
                 shape(lk, *CUT)
                 cut_at, at_cut = time.monotonic(), len(received)
                 lost_at = wait_until(lambda: not api.nodes()["b"]["alive"], "b declared lost",
