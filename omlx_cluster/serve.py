@@ -227,7 +227,7 @@ def serve_command(args: argparse.Namespace) -> int:
                              local_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              worker_cache_bytes=args.hot_cache_max_size,
-                             secret=new_secret())
+                             stall_seconds=args.stall_timeout, secret=new_secret())
     manager = _manager(args, models, options)
     try:
         # Refuse a bad split or a main model that fits nowhere up front.
@@ -275,5 +275,6 @@ def coordinator_command(args: argparse.Namespace) -> int:
                              os_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
-                             discovery_interfaces=default_interfaces(args.host))
+                             discovery_interfaces=default_interfaces(args.host),
+                             stall_seconds=args.stall_timeout)
     return _run_gateway(args, _manager(args, models, options), keys)

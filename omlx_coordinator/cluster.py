@@ -74,6 +74,9 @@ class ClusterOptions:
     node_metrics_port: int = 0
     node_memory_bytes: int = 0  # what each local node may hold (0: this machine's share)
     worker_cache_bytes: int = 0  # each local node's workers' RAM prefix cache (their flag's)
+    # A plan whose head worker sent nothing this long while it had requests is wedged (a
+    # pipeline whose stages cannot reach each other, their agents still answering).
+    stall_seconds: float = 600.0
 
 
 @dataclass

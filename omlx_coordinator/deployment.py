@@ -304,9 +304,16 @@ class Deployment:
     def broken_by(self, lost: set[str]) -> bool:
         """Whether its active plan lost a stage: a node in `lost` or gone, or a stage's worker of
         this model that its agent no longer reports ready (not while a plan of it loads: then
-        every worker is being replaced)."""
+        every worker is being replaced); or is wedged: its head worker silent past
+        --stall-timeout with requests on it (the data plane between two stages cut while
+        their agents answer: no heartbeat sees that)."""
         if self.plan is None or self.unloaded:
             return False
+        silent = self.node.session.silent_seconds() if self.node is not None else 0.0
+        if silent > self.cluster.options.stall_seconds and not self._replanning.locked():
+            log.warning("%s: its head worker sent nothing for %.0f s while it had requests "
+                        "(--stall-timeout): the plan is wedged", self.name, silent)
+            return True
         by_name = {m.name: m for m in self.cluster.members}
         for s in self.plan.stages:
             m = by_name.get(s.node)
