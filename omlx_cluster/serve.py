@@ -229,7 +229,7 @@ def serve_command(args: argparse.Namespace) -> int:
                              context_tokens=args.context, max_sequences=args.sequences,
                              worker_cache_bytes=args.hot_cache_max_size,
                              weights_cap_bytes=args.weights_memory,
-                             secret=new_secret())
+                             stall_seconds=args.stall_timeout, secret=new_secret())
     manager = _manager(args, models, options)
     try:
         # Refuse a bad split or a main model that fits nowhere up front.
@@ -277,5 +277,6 @@ def coordinator_command(args: argparse.Namespace) -> int:
                              os_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
-                             discovery_interfaces=default_interfaces(args.host))
+                             discovery_interfaces=default_interfaces(args.host),
+                             stall_seconds=args.stall_timeout)
     return _run_gateway(args, _manager(args, models, options), keys)

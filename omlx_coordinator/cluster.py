@@ -77,6 +77,9 @@ class ClusterOptions:
     node_memory_bytes: int = 0  # what each local node may hold (0: this machine's share)
     worker_cache_bytes: int = 0  # each local node's workers' RAM prefix cache (their flag's)
     weights_cap_bytes: int = 0  # each local node's --weights-memory (0: none)
+    # A plan whose head worker sent nothing this long while it had requests is wedged (a
+    # pipeline whose stages cannot reach each other, their agents still answering).
+    stall_seconds: float = 600.0
 
 
 @dataclass

@@ -146,11 +146,12 @@ class Deployment:
         self.unloaded = False
         await self._load_plan(self.placed)
 
-    async def _load_plan(self, plan: Plan | None = None) -> None:
+    async def _load_plan(self, plan: Plan | None = None, keep_serving: bool = False) -> None:
         """Has each member of `plan` (default: a new plan over the usable members) load its
         range; every agent at once, since the data-plane group forms only when all ranks have
         joined. A jaccl group chosen automatically that fails to form is loaded again over
-        ring: RDMA that misbehaves must not leave the model down."""
+        ring: RDMA that misbehaves must not leave the model down. `keep_serving`: each node's
+        worker of the current plan serves until its new one is ready."""
         members, plan = self._staged(plan)
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
@@ -167,7 +168,7 @@ class Deployment:
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
         async with self.cluster.plan_loads:
             try:
-                replies = await self._load_stages(plan, members, paths, choice)
+                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
             except grpc.aio.AioRpcError as e:
                 if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
                     raise
@@ -176,7 +177,7 @@ class Deployment:
                             "ring", plan.plan_hash, error)
                 self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
-                replies = await self._load_stages(plan, members, paths, choice)
+                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
         if self.node is not None:
             await self.node.close()
         self.node = members[0].agent.worker(replies[0].worker_address)
@@ -200,7 +201,8 @@ class Deployment:
                               [m.name for m in members])
 
     async def _load_stages(self, plan: Plan, members: list[Member], paths: dict[str, str],
-                           choice: BackendChoice) -> list[pb.LoadShardReply]:
+                           choice: BackendChoice, keep_serving: bool = False
+                           ) -> list[pb.LoadShardReply]:
         """Has every stage load its range over `choice`'s backend. Waits for every agent to
         answer before raising: a retry must not find an agent still busy with this attempt, nor
         name a data port it is about to replace. Raises the first failure, usually the cause:
@@ -224,7 +226,7 @@ class Deployment:
                     micro_batches=self.cluster.options.micro_batches,
                     speculative=self.model.config.speculative, kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers,
-                    tensor=plan.parallel == "tensor"))
+                    tensor=plan.parallel == "tensor", keep_serving=keep_serving))
             except BaseException as e:
                 failures.append(e)
                 raise
@@ -308,9 +310,16 @@ class Deployment:
     def broken_by(self, lost: set[str]) -> bool:
         """Whether its active plan lost a stage: a node in `lost` or gone, or a stage's worker of
         this model that its agent no longer reports ready (not while a plan of it loads: then
-        every worker is being replaced)."""
+        every worker is being replaced); or is wedged: its head worker silent past
+        --stall-timeout with requests on it (the data plane between two stages cut while
+        their agents answer: no heartbeat sees that)."""
         if self.plan is None or self.unloaded:
             return False
+        silent = self.node.session.silent_seconds() if self.node is not None else 0.0
+        if silent > self.cluster.options.stall_seconds and not self._replanning.locked():
+            log.warning("%s: its head worker sent nothing for %.0f s while it had requests "
+                        "(--stall-timeout): the plan is wedged", self.name, silent)
+            return True
         by_name = {m.name: m for m in self.cluster.members}
         for s in self.plan.stages:
             m = by_name.get(s.node)
@@ -325,10 +334,12 @@ class Deployment:
                 return True
         return False
 
-    async def recover(self, reason: str, always: bool = False, plan: Plan | None = None) -> None:
+    async def recover(self, reason: str, always: bool = False, plan: Plan | None = None,
+                      move: bool = False) -> None:
         """Loads a new plan over the usable members (once, however many ask, unless `always`:
         a node that joined must be planned in even right after another re-plan); `plan`: that
-        one instead, unless one of its nodes is gone or its load fails."""
+        one instead, unless one of its nodes is gone or its load fails. `move`: a plan that
+        serves keeps serving while the next one loads, where the nodes hold both (`_move`)."""
         epoch = self.epoch
         async with self._replanning:
             if self.unloaded or (self.epoch != epoch and self.ready and not always
@@ -336,6 +347,8 @@ class Deployment:
                 return  # unloaded on purpose, or someone else recovered already
             if self.ready:
                 await self._prefetch_weights(plan)
+                if move and await self._move(plan, reason):
+                    return
             self.ready = False
             self._ready_event.clear()
             self.status = f"recovering: {reason}"
@@ -367,6 +380,38 @@ class Deployment:
                                   "started_at": started_at, "epoch": self.epoch,
                                   "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
+
+    async def _move(self, plan: Plan | None, reason: str) -> bool:
+        """Make before break: loads the next plan while this one serves (new requests too),
+        then switches; the requests on the old plan resume on the new one as after a lost
+        node, but no request waits for the load. Only where every node's memory holds both
+        plans' stages at once. Whether it moved: a failure leaves the re-plan to `recover`."""
+        _, next_plan = self._staged(plan)
+        if next_plan is None or self.plan is None:
+            return False
+        held = plan_bytes(self.plan)
+        if any(s.memory_bytes + held.get(s.node, 0) > self.room(s.node)
+               for s in next_plan.stages):
+            log.info("%s: the nodes cannot hold both plans at once: re-planning it", self.name)
+            return False
+        log.warning("moving %s while it serves: %s", self.name, reason)
+        t0, started_at = time.monotonic(), time.time()
+        try:
+            await self._load_plan(next_plan, keep_serving=True)
+        except (NoCapacity, grpc.aio.AioRpcError, OSError) as e:
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.warning("moving %s failed (%s): re-planning it", self.name, _error_line(why or ""))
+            return False
+        # A node the new plan left out still runs the old plan's stage: nothing replaced it.
+        left = [m for m in self.cluster.members
+                if m.alive and m.name in held and m.name not in self.stages_on()]
+        await asyncio.gather(*(m.agent.unload_shard(self.model.name, UNLOAD_GRACE_SECONDS)
+                               for m in left), return_exceptions=True)
+        self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
+                              "started_at": started_at, "epoch": self.epoch,
+                              "load_seconds": self.load_seconds, "moved": True}
+        log.info("moved in %.2fs", self.last_recovery["seconds"])
+        return True
 
     def replan_changes(self) -> bool:
         """Whether a new plan over the usable members would differ from the one serving, in

@@ -442,7 +442,7 @@ class ModelManager:
                         # cut every stream and empty the caches.
                         log.info("node %s joined; the plan of %s stays", member.name, m.name)
                         continue
-                    await ds[0].recover(f"node {member.name} joined", always=True)
+                    await ds[0].recover(f"node {member.name} joined", always=True, move=True)
                 elif m.state == LOADED:
                     for d in ds:
                         if not d.ready and not d.unloaded:

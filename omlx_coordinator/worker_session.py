@@ -14,6 +14,7 @@ sent: it would end the call, and every sequence the call carries with it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -99,6 +100,7 @@ class _Stream:
 
     def __init__(self, stub: pb_grpc.ShardWorkerStub, metadata: tuple[tuple[str, str], ...]):
         self.calls: dict[str, SessionCall] = {}
+        self.heard = time.monotonic()  # the last message from the worker (or the call's start)
         self._sends: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
         self._call = stub.Session(self._requests(), metadata=metadata)
         self.task = asyncio.create_task(self._read())
@@ -119,6 +121,7 @@ class _Stream:
         code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the session"
         try:
             async for message in self._call:
+                self.heard = time.monotonic()
                 for event in message.events:
                     call = self.calls.get(event.request_id)
                     if call is None:  # cancelled here: its last events cross the cancel
@@ -164,6 +167,13 @@ class WorkerSession:
         else:
             stream.send(message)
         return call
+
+    def silent_seconds(self) -> float:
+        """How long the worker has sent nothing while sequences of this session were open (0
+        while none is)."""
+        if self._stream is None or not self._stream.alive or not self._stream.calls:
+            return 0.0
+        return time.monotonic() - self._stream.heard
 
     def unread(self) -> int:
         """The most chunks a live sequence has waiting for its request to read them."""

@@ -393,10 +393,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def _replace(self, model_id: str, request: pb.LoadShardRequest,
                  abandoned: threading.Event | None) -> pb.LoadShardReply:
         """Stops `model_id`'s worker, if any, and starts one for `request`; the other models'
-        workers run on, whether this load succeeds or not."""
+        workers run on, whether this load succeeds or not. With `keep_serving` the old worker
+        serves until the new one is ready (make before break), and on if the new one fails."""
+        keep = request.keep_serving
         with self._workers_lock:
-            old = self.workers.pop(model_id, None)
-        if old is not None:
+            old = self.workers.get(model_id) if keep else self.workers.pop(model_id, None)
+        if old is not None and not keep:
             old.process.stop(timeout=REPLACE_GRACE_SECONDS)
         self.status = f"loading {request.model_path}"
         world = max(1, request.world_size)
@@ -447,7 +449,10 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             info.get("metrics_port") or 0)
         worker.probe(self.host)  # the first Health after LoadShard already shows its memory
         with self._workers_lock:
+            self.workers.pop(model_id, None)  # (kept serving until now) moves last
             self.workers[model_id] = worker
+        if old is not None and keep:
+            old.process.stop(timeout=REPLACE_GRACE_SECONDS)
         self.status = "no shard loaded"  # for when every worker is unloaded again
         log.info("worker %d serves layers [%d, %d) of %s as rank %d of %d", info["pid"],
                  info["layer_start"], info["layer_end"], model_id, request.rank, world)

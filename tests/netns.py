@@ -138,6 +138,17 @@ def link(a: str, b: str, subnet: str = "10.231.0") -> Link:
     return lk
 
 
+def route(ns: str, dest: str, via: str) -> None:
+    """In `ns`, packets for `dest` (an address or "default") go through `via`."""
+    _ip("netns", "exec", ns, "ip", "route", "replace", dest, "via", via)
+
+
+def forward(ns: str) -> None:
+    """Lets `ns` route packets between its links (a switch between the other namespaces)."""
+    netns_run(ns, ["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"], check=True,
+              timeout=IP_TIMEOUT)
+
+
 def shape(lk: Link, *spec: str) -> None:
     """Puts qdisc `SPEC` on both ends of the link, or takes it off (no spec). This kernel may
     lack netem and every tc filter; tbf is there: `CUT` drops every packet (none fits its

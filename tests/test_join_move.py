@@ -1,0 +1,109 @@
+"""Make before break on a join: a model served by node a alone keeps serving (new requests
+too) while its plan over a and a newly joined b loads, then switches; a greedy stream across
+the move ends with the same tokens, and no request is refused or fails."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.test_coordinator_restart import launch, status, wait_until
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 4000  # a stream that outlasts the switch (the context holds 4096)
+PROMPT = [5, 6, 7, 8]
+
+
+def ask(url: str, max_tokens: int) -> str:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "main", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(url: str, out: dict) -> None:
+    body = {"model": "main", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text: list[str] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=httpx.Timeout(120, read=60)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    text.append(event["choices"][0]["text"] if "choices" in event
+                                else f"<error {event}>")
+                    out["chunks"] = len(text)
+        out["text"], out["ended_at"] = "".join(text), time.monotonic()
+    except httpx.HTTPError as e:
+        out["text"] = f"<{type(e).__name__}>"
+
+
+def main_replica(url: str) -> dict:
+    models = status(url).get("models") or [{}]
+    return (models[0].get("replicas") or [{}])[0]
+
+
+def test_a_join_moves_the_model_while_it_serves(tmp_path):
+    model = build_model(tmp_path / "main", "llama", num_layers=4)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def join(name: str) -> subprocess.Popen:
+        return launch(["join", "--name", name, "--port", str(free_port()), "--no-announce",
+                       "--coordinator", f"127.0.0.1:{port}", "--speed", "1",
+                       "--hot-cache-max-size", "64MiB"], tmp_path / f"home-{name}",
+                      tmp_path / f"{name}.log")
+
+    procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
+                     "1GiB", "--model", f"main={model}"], tmp_path / "home-coordinator",
+                    tmp_path / "coordinator.log"), join("a")]
+    try:
+        wait_until(lambda: main_replica(url).get("ready") is True, "main served by a", 120)
+        reference, short = ask(url, TOKENS), ask(url, 8)
+        epoch = main_replica(url)["epoch"]
+
+        out: dict = {}
+        streaming = threading.Thread(target=stream, args=(url, out))
+        procs.append(join("b"))
+        # Until the plan over both serves: main stays ready, and requests are answered; a
+        # long stream starts on the old plan while the new one loads.
+        not_ready, answers = 0, []
+        deadline = time.monotonic() + 120
+        while (replica := main_replica(url)).get("epoch") == epoch:
+            assert time.monotonic() < deadline, "no plan over a and b within 120 s"
+            not_ready += replica.get("ready") is not True
+            if replica.get("status", "").startswith("loading") and streaming.ident is None:
+                streaming.start()
+            answers.append(ask(url, 8))
+        moved_at = time.monotonic()
+        assert not_ready == 0, f"main was not ready {not_ready} time(s) during the move"
+        assert streaming.ident is not None, "the move was over before the stream could start"
+        streaming.join(120)
+        assert not streaming.is_alive()
+        stages = [s["node"] for s in main_replica(url)["stages"]]
+        assert sorted(stages) == ["a", "b"], stages
+        assert out["text"] == reference
+        assert out["ended_at"] > moved_at, "the stream ended before the switch"
+        assert answers and all(a == short for a in answers)
+        assert ask(url, TOKENS) == reference
+        assert "moving main while it serves" in (tmp_path / "coordinator.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
