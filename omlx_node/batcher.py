@@ -872,10 +872,11 @@ class Batcher(Engine):
     def _prefill_step(self) -> int:
         """Runs one prefill chunk; returns its tokens."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
-        if self.speculator is not None and len(self._batch) < self.speculator.max_rows:
+        if (self.speculator is not None
+                and len(self._batch) + len(self._waiting) <= self.speculator.max_rows):
             for seq, start, n in plan:
                 # A draft model computes the prompt alongside: its first draft waits for none.
-                # (Not while the batch is too large to speculate: it may never draft.)
+                # (Not while the batch is to be too large to speculate: it may never draft.)
                 seq.proposer = seq.proposer or self.speculator.proposer(seq.req.prediction)
                 if seq.proposer is not None:
                     seq.proposer.feed(seq.to_prefill[:start + n])

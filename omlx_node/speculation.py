@@ -314,11 +314,10 @@ class Speculator:
     /metrics shows."""
 
     def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
-                 k: int = DRAFT_TOKENS, max_rows: int | None = None,
-                 drafter: Callable[[], Proposer] | None = None, draft_share: float = 0.0,
+                 k: int = DRAFT_TOKENS, drafter: Callable[[], Proposer] | None = None, draft_share: float = 0.0,
                  costs: dict[int, float] | None = None, max_batch: int = 64):
         """`stage`: the model, whose cost curve is measured here unless `costs` gives it;
-        `max_rows`: the crossover, else measured; `drafter`: makes a row's draft model
+        `drafter`: makes a row's draft model
         proposer ("draft=PATH" modes: omlx_node.draft_model), whose pass costs `draft_share`
         of the target's."""
         self.k, self.metrics, self.draft_share = k, metrics, draft_share
@@ -331,7 +330,7 @@ class Speculator:
         if mode == "auto":
             self.on = measured > 0
         # An explicit mode drafts at least one row at a time, whatever the curve says.
-        self.max_rows = max_rows if max_rows is not None else max(measured, 1)
+        self.max_rows = max(measured, 1)
         if self.on:
             log.info("speculative decoding on (%s): up to %d rows a step; %d positions cost "
                      "%.1f of one", mode, self.max_rows, k + 1,
