@@ -51,9 +51,9 @@ class JoinedCluster:
     """`omlx-cluster coordinator` and `join`ed nodes on loopback, each in its own session."""
 
     def __init__(self, model: Path, work: Path, nodes: int, extra: tuple[str, ...] = (),
-                 cores: tuple[int, ...] = ()):
-        """`extra`: more coordinator flags; `cores`: node i's join (and so its worker) runs
-        pinned to CPU core cores[i] (taskset)."""
+                 cores: tuple[int, ...] = (), node_extra: tuple[str, ...] = ()):
+        """`extra`: more coordinator flags; `node_extra`: more join flags; `cores`: node i's
+        join (and so its worker) runs pinned to CPU core cores[i] (taskset)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = work / "coordinator.log"
@@ -69,7 +69,7 @@ class JoinedCluster:
             self._start([*pin, sys.executable, "-m", "omlx_cluster", "join", "--coordinator",
                          f"127.0.0.1:{self.port}", "--no-announce", "--secret", SECRET,
                          "--port", str(free_port()), "--name", f"bench-node-{i}",
-                         "--speed", "5", "--log-level", "warning"],
+                         "--speed", "5", "--log-level", "warning", *node_extra],
                         dict(env, OMLX_CLUSTER_HOME=str(home)), work / f"node{i}.log")
 
     def _start(self, cmd: list[str], env: dict, log: Path) -> None:

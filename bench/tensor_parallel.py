@@ -9,9 +9,11 @@ shard worker) pinned to its own core with taskset:
 - `--parallel tensor`: two nodes on cores 0 and 1, each holding half of every layer;
 - `--parallel pipeline`: two nodes on cores 0 and 1, each holding half of the layers.
 
-Per layout: one warm-up stream, then --repeats batch-1 streams of --tokens greedy tokens
-(decode rate from the first to the last streamed token), the median reported; then --streams
-concurrent streams (aggregate completion tokens a second, prefill included). Beside each, the
+All three run at once (an idle cluster sleeps on its doorbells); after one warm-up stream each,
+--repeats batch-1 streams of --tokens greedy tokens take turns between the layouts (so each
+sees the same drift of a shared machine's load; decode rate from the first to the last streamed
+token), the median reported; then --streams concurrent streams on each (aggregate completion
+tokens a second, prefill included). Beside each, the
 planner's prediction (omlx_coordinator/layout_choice.py) from this machine's own measurements:
 the weight-streaming speed of one core (omlx_node.calibrate.measure_speed, pinned to core 0)
 and the latency of an all_sum of one hidden state between two processes pinned to cores 0 and 1.
@@ -91,35 +93,38 @@ def allsum_ms(hidden: int) -> float:
     return json.loads(outs[0].strip().splitlines()[-1])["median_ms"]
 
 
-async def measure(base: str, tokens: int, repeats: int, streams: int) -> dict:
+async def measure(bases: dict[str, str], tokens: int, repeats: int, streams: int) -> dict:
+    """Batch-1 streams taking turns between the layouts (the load of a shared machine drifts:
+    each layout sees the same drift), then `streams` at once on each."""
     import httpx
 
     prompt = list(range(10, 42))
+    out: dict[str, dict] = {name: {"runs": []} for name in bases}
     async with httpx.AsyncClient(timeout=600) as client:
-        await stream_one(client, base, prompt, 8)  # warm-up
-        rates = [(await stream_one(client, base, prompt, tokens))["decode_tps"]
-                 for _ in range(repeats)]
-        batch = await stream_batch(client, base, [[i, *prompt] for i in range(streams)], tokens)
-    return {"decode_tps": statistics.median(rates), "runs": rates,
-            "streams": streams, "agg_tps": batch["agg_tps"]}
+        for base in bases.values():
+            await stream_one(client, base, prompt, 8)  # warm-up
+        for _ in range(repeats):
+            for name, base in bases.items():
+                out[name]["runs"].append(
+                    (await stream_one(client, base, prompt, tokens))["decode_tps"])
+        for name, base in bases.items():
+            batch = await stream_batch(client, base, [[i, *prompt] for i in range(streams)],
+                                       tokens)
+            out[name].update(decode_tps=statistics.median(out[name]["runs"]), streams=streams,
+                             agg_tps=batch["agg_tps"])
+    return out
 
 
-def run_layout(name: str, model: Path, work: Path, args) -> dict:
+def start(name: str, model: Path, work: Path, streams: int) -> JoinedCluster:
+    """The layout's coordinator and its joined nodes, each pinned to its core."""
     cores, parallel = LAYOUTS[name]
     (work / name.replace(" ", "-")).mkdir()
-    cluster = JoinedCluster(model, work / name.replace(" ", "-"), len(cores),
-                            extra=("--parallel", parallel, "--os-reserve", "1GiB",
-                                   "--context", "1024", "--sequences", str(args.streams)),
-                            cores=cores)
-    try:
-        ready = cluster.wait_ready(300, len(cores))
-        result = asyncio.run(measure(cluster.base, args.tokens, args.repeats, args.streams))
-    finally:
-        cluster.stop()
-    print(f"{name}: {result['decode_tps']:.2f} tok/s at batch 1 (runs "
-          f"{', '.join(f'{r:.2f}' for r in result['runs'])}), {result['agg_tps']:.2f} tok/s "
-          f"over {args.streams} streams; ready in {ready:.0f}s", flush=True)
-    return result
+    return JoinedCluster(model, work / name.replace(" ", "-"), len(cores),
+                         extra=("--parallel", parallel, "--os-reserve", "1GiB",
+                                "--context", "1024", "--sequences", str(streams)),
+                         # One node would otherwise draft from the prompt (a random model's
+                         # loops accept many drafts), which the others cannot yet.
+                         cores=cores, node_extra=("--speculative", "off"))
 
 
 def main() -> int:
@@ -141,20 +146,34 @@ def main() -> int:
         max_sequences=args.streams)}
     print(f"one core streams {speed:.2f} GB/s; an all_sum of a hidden state takes "
           f"{allsum:.3f} ms; predicted tok/s: {predicted}", flush=True)
-    measured = {name: run_layout(name, model, work, args) for name in LAYOUTS}
+    # Every layout up at once (an idle one sleeps on its doorbells), measured in turns.
+    clusters = {name: start(name, model, work, args.streams) for name in LAYOUTS}
+    try:
+        for name, cluster in clusters.items():
+            cluster.wait_ready(600, len(LAYOUTS[name][0]))
+        measured = asyncio.run(measure({n: c.base for n, c in clusters.items()}, args.tokens,
+                                       args.repeats, args.streams))
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    load = os.getloadavg()
     base = measured["one node"]["decode_tps"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     out = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores "
                       "(shared with other jobs)", "commit": commit,
            "params": layout.total_weight_bytes // 4, "speed_gbps": speed, "allsum_ms": allsum,
+           "load_average_1_5_15": load,
            "predicted_tps": predicted, "measured": measured,
            "ratio_vs_one_node": {k: v["decode_tps"] / base for k, v in measured.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tensor-parallel-cpu.json").write_text(json.dumps(out, indent=2))
     for k, v in measured.items():
         print(f"{k}: {v['decode_tps']:.2f} tok/s = {v['decode_tps'] / base:.2f}x one node "
-              f"(predicted {predicted.get(k, 0):.2f})")
+              f"(predicted {predicted.get(k, 0):.2f}; runs "
+              f"{', '.join(f'{r:.2f}' for r in v['runs'])}); {v['agg_tps']:.2f} tok/s over "
+              f"{v['streams']} streams")
+    print(f"load average at the end: {load}")
     return 0
 
 

@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from openai import OpenAI
 
 from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
 from tests.test_pipeline import PROMPTS, generate, run_concurrently
@@ -35,8 +36,9 @@ def model(request, tmp_path_factory) -> Path:
                        num_layers=3)
 
 
-def reference(model: Path, prompts: list[str]) -> dict[str, list[tuple[int, float]]]:
-    """mlx-lm's greedy tokens for each prompt, each with the gap between its top two logits."""
+def reference(model: Path, prompts: list[str]) -> dict[str, list[tuple[int, float, float]]]:
+    """mlx-lm's greedy tokens for each prompt, each with the gap between its top two logits and
+    its logprob."""
     ref_model, tok = load(str(model))
     out = {}
     for p in prompts:
@@ -44,14 +46,14 @@ def reference(model: Path, prompts: list[str]) -> dict[str, list[tuple[int, floa
         for t, logprobs in generate_step(mx.array(tok.encode(p)), ref_model,
                                          max_tokens=TOKENS):
             top2 = mx.sort(logprobs)[-2:].tolist()
-            steps.append((int(t), top2[1] - top2[0]))
+            steps.append((int(t), top2[1] - top2[0], logprobs[int(t)].item()))
         out[p] = steps
     return out
 
 
-def assert_matches(tokens: list[int], ref: list[tuple[int, float]], prompt: str) -> None:
+def assert_matches(tokens: list[int], ref: list[tuple[int, float, float]], prompt: str) -> None:
     """Equal to mlx-lm's tokens up to the end, or up to a near-tie of its top two logits."""
-    for i, (t, gap) in enumerate(ref):
+    for i, (t, gap, _) in enumerate(ref):
         if tokens[i] != t:
             assert gap < TIE, f"{prompt!r}: token {i} is {tokens[i]}, mlx-lm's {t} (gap {gap})"
             return
@@ -97,6 +99,16 @@ def test_tensor_stage_greedy_matches_mlx_lm(model):
         outs = run_concurrently(lambda p: generate(stub, tok.encode(p), TOKENS), PROMPTS * 2)
         for p, (tokens, _) in zip(PROMPTS * 2, outs):
             assert_matches(tokens, refs[p], p)
+        # Logprobs (sampled on rank 0) within 1e-4 of mlx-lm's.
+        chunks = list(stub.Generate(pb.GenerateRequest(
+            request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
+            logprobs=True, top_logprobs=2, ignore_eos=True), timeout=120))
+        got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
+        assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
+        for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
+            if t != ref_t:
+                break
+            assert abs(logprob - ref_logprob) < 1e-4, (t, logprob, ref_logprob)
         # A prompt seen before: its prefix comes from every rank's prefix cache.
         again, _ = generate(stub, tok.encode(PROMPTS[4]), TOKENS)
         assert_matches(again, refs[PROMPTS[4]], PROMPTS[4])
@@ -135,7 +147,7 @@ def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
                                       max_tokens=TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
         # (This prompt's greedy tokens have no near-tie in mlx-lm's logits: exact.)
-        assert r.choices[0].text == tok.decode([t for t, _ in ref])
+        assert r.choices[0].text == tok.decode([t for t, _, _ in ref])
 
 
 def test_gateway_refuses_tensor_for_heads_that_do_not_divide(tmp_path):
