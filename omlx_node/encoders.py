@@ -85,10 +85,6 @@ class Encoder:
         from mlx.utils import tree_flatten
         return str(tree_flatten(self.model.parameters())[0][1].dtype).removeprefix("mlx.core.")
 
-    def nbytes(self) -> int:
-        from mlx.utils import tree_flatten
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-
     def run(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
         if not inputs:
             raise ValueError("no inputs")
