@@ -32,19 +32,21 @@ _ENCODER_PREFIXES = ("roberta.", "bert.", "model.")
 
 def _passes(lengths: list[int], max_rows: int) -> list[tuple[list[int], int]]:
     """The inputs (by index) of each forward pass and its padded length: by length, each pass
-    as many inputs as PASS_TOKENS padded tokens (and `max_rows`) hold."""
+    as many inputs as PASS_TOKENS padded tokens (and `max_rows`) hold. A pass of one input is
+    not padded: there is nothing to line up."""
+    def bucket(n: int) -> int:
+        return -(-max(n, 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    passes: list[tuple[list[int], int]] = []
-    rows: list[int] = []
+    groups: list[list[int]] = []
     for i in order:
-        width = -(-max(lengths[i], 1) // PAD_MULTIPLE) * PAD_MULTIPLE
-        if rows and ((len(rows) + 1) * width > PASS_TOKENS or len(rows) >= max_rows):
-            passes.append((rows, -(-max(lengths[rows[-1]], 1) // PAD_MULTIPLE) * PAD_MULTIPLE))
-            rows = []
-        rows.append(i)
-    if rows:
-        passes.append((rows, -(-max(lengths[rows[-1]], 1) // PAD_MULTIPLE) * PAD_MULTIPLE))
-    return passes
+        rows = groups[-1] if groups else []
+        if not rows or (len(rows) + 1) * bucket(lengths[i]) > PASS_TOKENS or len(rows) >= max_rows:
+            groups.append([i])
+        else:
+            rows.append(i)
+    return [(rows, bucket(lengths[rows[-1]]) if len(rows) > 1 else lengths[rows[0]])
+            for rows in groups]
 
 
 def _pool(hidden: mx.array, mask: mx.array, lengths: mx.array, pooling: str) -> mx.array:
