@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "one JSON line {argv, env} on stdin (how an agent keeps a worker "
                              "ready for its next plan)")
     worker.add_argument("--kind", default="chat", choices=KINDS,
-                        help="what the model is for: chat (the pipeline engine), embed or "
-                             "rerank (the whole model, serving Encode) (default: chat)")
+                        help="what the model is for: chat (the pipeline engine), embed, rerank "
+                             "or transcribe (the whole model, serving Encode or Transcribe) "
+                             "(default: chat)")
     worker.add_argument("--rank", type=int, default=0, help="this stage's rank (default: 0)")
     worker.add_argument("--peers", default="",
                         help="comma-separated data-plane host:port of every rank, in rank "

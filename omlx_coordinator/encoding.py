@@ -1,15 +1,18 @@
-"""The encoding core: one request's inputs through an embedding or reranking model's worker,
-as the generation core does a chat request's (omlx_coordinator/generation.py): the model is
-loaded on demand (evicting least recently used idle models), the request holds a lease from the
-replica it is given to its answer, and a call that lost its node runs again on the next plan.
-What the API adapters (api/embeddings.py, api/ollama.py) send are token ids: the coordinator
-tokenizes, as it does for chat.
+"""The encoding core: one request through an embedding, reranking or speech-to-text model's
+worker, as the generation core does a chat request's (omlx_coordinator/generation.py): the
+model is loaded on demand (evicting least recently used idle models), the request holds a lease
+from the replica it is given to its answer, and a call that lost its node runs again on the
+next plan. What the embedding adapters (api/embeddings.py, api/ollama_embed.py) send are token
+ids: the coordinator tokenizes, as it does for chat; audio goes to the node as uploaded
+(api/audio.py).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -25,9 +28,12 @@ from omlx_coordinator.generation import (
     _rpc_error,
 )
 from omlx_coordinator.lifecycle import ModelManager
+from omlx_coordinator.node_client import WorkerClient
 from omlx_coordinator.served_model import ServedModel
 from omlx_shared.token_ids import outside_vocabulary
 from proto import omlx_pb2 as pb
+
+T = TypeVar("T")
 
 
 def check_inputs(model: ServedModel, inputs: list[list[int]], param: str) -> None:
@@ -53,10 +59,28 @@ async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySet
                  account: Account | None = None) -> np.ndarray:
     """One row per input (an embedding, or a score in a row of one), in input order; raises
     APIError."""
-    deadline = time.monotonic() + settings.request_timeout
     request = pb.EncodeRequest(request_id=uuid.uuid4().hex, inputs=[
         pb.EncodeInput(tokens=ids, type_ids=(types[i] if types else ()))
         for i, ids in enumerate(inputs)])
+    reply = await _call(manager, model, settings, lambda node, timeout: node.encode(
+        request, timeout), sum(len(x) for x in inputs), account)
+    return np.asarray(reply.values, dtype=np.float32).reshape(len(inputs), reply.dim)
+
+
+async def transcribe(manager: ModelManager, model: ServedModel, settings: GatewaySettings,
+                     request: pb.TranscribeRequest, account: Account | None = None
+                     ) -> pb.TranscribeReply:
+    """A speech-to-text model's transcript of `request`'s audio; raises APIError."""
+    return await _call(manager, model, settings, lambda node, timeout: node.transcribe(
+        request, timeout), 0, account)
+
+
+async def _call(manager: ModelManager, model: ServedModel, settings: GatewaySettings,
+                call: Callable[[WorkerClient, float], Awaitable[T]], tokens: int,
+                account: Account | None) -> T:
+    """`call` on a ready replica of `model` (loaded on demand) under a lease; again on the next
+    plan when its node went away (at most MAX_ATTEMPTS calls); `tokens` count in the usage."""
+    deadline = time.monotonic() + settings.request_timeout
     leased, failed = False, False
     lost, attempts = None, 0
     try:
@@ -72,16 +96,13 @@ async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySet
             deployment.inflight += 1
             deployment.requests += 1
             try:
-                reply = await deployment.node.encode(
-                    request, timeout=max(1.0, deadline - time.monotonic()))
+                return await call(deployment.node, max(1.0, deadline - time.monotonic()))
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRIABLE or attempts >= MAX_ATTEMPTS:
                     raise _rpc_error(e) from None
                 lost = (deployment, deployment.epoch)  # its node went: the next plan runs it
-                continue
             finally:
                 deployment.inflight -= 1
-            return np.asarray(reply.values, dtype=np.float32).reshape(len(inputs), reply.dim)
     except Exception:
         failed = True
         raise
@@ -89,4 +110,4 @@ async def encode(manager: ModelManager, model: ServedModel, settings: GatewaySet
         if leased:
             model.release()
         if account is not None:
-            account.finished(model.name, sum(len(x) for x in inputs), 0, 0, failed)
+            account.finished(model.name, tokens, 0, 0, failed)

@@ -20,6 +20,7 @@ from omlx_coordinator.access import account_of, identify, require_admin
 from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
 from omlx_coordinator.api import (
     anthropic,
+    audio,
     embeddings,
     models,
     ollama,
@@ -207,6 +208,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                  anthropic.PATH: anthropic.ENDPOINT, responses.PATH: responses.ENDPOINT,
                  "/v1/embeddings": "embeddings", "/v1/rerank": "rerank",
+                 "/v1/audio/transcriptions": "transcriptions",
                  "/api/embed": "ollama_embed", "/api/embeddings": "ollama_embed",
                  **ollama.ENDPOINTS}
 
@@ -403,6 +405,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     responses.add_routes(app, manager, metrics_of, settings, keyed)
     models.add_routes(app, manager, admin)
     embeddings.add_routes(app, manager, settings, keyed)
+    audio.add_routes(app, manager, settings, keyed)
     ollama.add_routes(app, manager, metrics_of, settings, keyed)
     ollama_models.add_routes(app, manager, keyed)
     ollama_embed.add_routes(app, manager, settings, keyed)

@@ -39,12 +39,13 @@ from omlx_coordinator.metrics import GatewayMetrics
 from omlx_coordinator.priority import INTERACTIVE, PriorityGate
 from omlx_coordinator.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.stop_strings import StopMatcher
-from omlx_shared.model_kinds import CHAT, EMBED, ENDPOINTS, RERANK
+from omlx_shared.model_kinds import CHAT, EMBED, ENDPOINTS, RERANK, TRANSCRIBE
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-KIND_NAMES = {CHAT: "a chat model", EMBED: "an embedding model", RERANK: "a reranking model"}
+KIND_NAMES = {CHAT: "a chat model", EMBED: "an embedding model", RERANK: "a reranking model",
+              TRANSCRIBE: "a speech-to-text model"}
 
 
 @dataclass

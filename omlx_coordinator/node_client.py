@@ -139,6 +139,11 @@ class WorkerClient:
         """An embedding or reranking model's rows for `request`'s inputs."""
         return await self.stub.Encode(request, timeout=timeout, metadata=self.metadata)
 
+    async def transcribe(self, request: pb.TranscribeRequest,
+                         timeout: float) -> pb.TranscribeReply:
+        """A speech-to-text model's transcript of `request`'s audio file."""
+        return await self.stub.Transcribe(request, timeout=timeout, metadata=self.metadata)
+
     async def cancel(self, request_id: str) -> None:
         await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0,
                                metadata=self.metadata)

@@ -1,5 +1,5 @@
-"""The shard worker of an embedding or reranking model: the whole model on one node, serving
-Encode (proto/omlx.proto) instead of Generate.
+"""The shard worker of an embedding, reranking or speech-to-text model: the whole model on one
+node, serving Encode or Transcribe (proto/omlx.proto) instead of Generate.
 
 These models are small and answer in one forward pass per batch, so there is no pipeline, no
 KV cache and no continuous batcher: each call's inputs run as the forward passes
@@ -16,16 +16,18 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 
 from omlx_node.encoders import Encoder
+from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
-from omlx_shared.model_kinds import detect_kind
+from omlx_shared.model_kinds import TRANSCRIBE, detect_kind
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -36,17 +38,19 @@ POLL_SECONDS = 0.5  # how often a waiting handler checks that its caller is stil
 
 
 class _Job:
-    def __init__(self, inputs: list[list[int]], types: list[list[int]] | None):
-        self.inputs, self.types = inputs, types
+    """A call's work, run on the main thread: `run()`'s result, or the ValueError it raised."""
+
+    def __init__(self, run: Callable[[], object]):
+        self.run = run
         self.done = threading.Event()
-        self.rows = None
+        self.result = None
         self.error: ValueError | None = None
         self.cancelled = False
 
 
 class EncoderService(pb_grpc.ShardWorkerServicer):
-    def __init__(self, encoder: Encoder, model_id: str):
-        self.encoder, self.model_id = encoder, model_id
+    def __init__(self, model: Encoder | Transcriber, model_id: str):
+        self.model, self.model_id = model, model_id
         self.session = os.environ.get(auth.SESSION_ENV)
         self.jobs: queue.Queue[_Job] = queue.Queue()
         self.requests = self.tokens = 0
@@ -62,11 +66,10 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
             if job.cancelled:
                 continue
             try:
-                job.rows = self.encoder.run(job.inputs, job.types)
+                job.result = job.run()
             except ValueError as e:
                 job.error = e
             self.requests += 1
-            self.tokens += sum(len(x) for x in job.inputs)
             job.done.set()
 
     def stop(self) -> None:
@@ -82,9 +85,39 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
         self._authorize(context)
         inputs = [list(x.tokens) for x in request.inputs]
         types = [list(x.type_ids) for x in request.inputs]
+        if not isinstance(self.model, Encoder):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{self.model_id} is a speech-to-text model: it does not encode")
         if not inputs or any(not x for x in inputs):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every input needs one token or more")
-        job = _Job(inputs, types if any(types) else None)
+        self.tokens += sum(len(x) for x in inputs)
+        rows = self._run(lambda: self.model.run(inputs, types if any(types) else None), context)
+        return pb.EncodeReply(dim=rows.shape[1], values=rows.reshape(-1).tolist())
+
+    def Transcribe(self, request: pb.TranscribeRequest, context: grpc.ServicerContext):
+        self._authorize(context)
+        if not isinstance(self.model, Transcriber):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{self.model_id} is not a speech-to-text model")
+        r = request
+        t = self._run(lambda: self.model.run(
+            r.audio, r.filename, r.language, r.prompt,
+            r.temperature if r.has_temperature else None, r.word_timestamps), context)
+        return pb.TranscribeReply(text=t.text, language=t.language, duration=t.duration, segments=[
+            pb.TranscriptSegment(
+                id=i, seek=int(s.get("seek", 0)), start=s["start"], end=s["end"],
+                text=s["text"], tokens=s.get("tokens", []),
+                temperature=s.get("temperature") or 0.0, avg_logprob=s.get("avg_logprob", 0.0),
+                compression_ratio=s.get("compression_ratio", 0.0),
+                no_speech_prob=s.get("no_speech_prob", 0.0),
+                words=[pb.TranscriptWord(word=w["word"], start=w["start"], end=w["end"])
+                       for w in s.get("words") or ()])
+            for i, s in enumerate(t.segments)])
+
+    def _run(self, run: Callable[[], object], context: grpc.ServicerContext):
+        """`run()` on the main thread, once the calls before it are done; the call's
+        INVALID_ARGUMENT when it raises ValueError."""
+        job = _Job(run)
         self.jobs.put(job)
         while not job.done.wait(POLL_SECONDS):
             if not context.is_active():  # its caller gave up (or its deadline passed)
@@ -92,7 +125,7 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                 context.abort(grpc.StatusCode.CANCELLED, "the call ended before its turn")
         if job.error is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(job.error))
-        return pb.EncodeReply(dim=job.rows.shape[1], values=job.rows.reshape(-1).tolist())
+        return job.result
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)
@@ -117,21 +150,21 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
     if detected.kind != kind:
         raise SystemExit(f"error: {model_path} is a {detected.kind} model, asked to load as "
                          f"{kind}")
-    encoder = Encoder(model_path, detected)
+    model = (Transcriber(model_path) if kind == TRANSCRIBE else Encoder(model_path, detected))
     load_seconds = time.monotonic() - t0
-    log.info("%s (%s) loaded in %.1fs: %.1f MB", model_id, kind, load_seconds,
-             encoder.nbytes() / 1e6)
+    log.info("%s (%s) loaded in %.1fs", model_id, kind, load_seconds)
     freeze_startup_heap()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_CALLS),
                          maximum_concurrent_rpcs=MAX_CALLS)
-    service = EncoderService(encoder, model_id)
+    service = EncoderService(model, model_id)
     pb_grpc.add_ShardWorkerServicer_to_server(service, server)
     port = cluster_tls.add_port(server, f"{host}:0", cluster_tls.Credentials.from_env())
     server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop())
     if ready_file:
-        write_ready(ready_file, {"pid": os.getpid(), "dtype": str(encoder.dtype),
+        dtype = model.dtype if isinstance(model, Encoder) else "float32"
+        write_ready(ready_file, {"pid": os.getpid(), "dtype": dtype,
                                  "load_seconds": load_seconds, "layer_start": 0,
                                  "layer_end": 1, "num_layers": 1, "port": port,
                                  "metrics_port": 0})

@@ -2,8 +2,9 @@
 
 Encoders (BERT, XLM-RoBERTa, ModernBERT) are mlx-embeddings' models; decoders (Qwen3-Embedding,
 Qwen3-Reranker) mlx-lm's. A request's inputs are sorted by length and cut into forward passes
-of similar lengths, each padded to a bucket of PAD_MULTIPLE tokens (few distinct shapes, little
-padding) and at most PASS_TOKENS tokens. Padding changes nothing of an input's result: an
+of similar lengths, each padded to its longest input (sorted, the padding stays small; a fixed
+bucket such as a multiple of 16 tokens cost short inputs up to 3x on a CPU) and at most
+PASS_TOKENS tokens. Padding changes nothing of an input's result: an
 encoder masks it out of attention and pooling; a decoder pads on the right, where causal
 attention keeps the real tokens from seeing it.
 
@@ -24,27 +25,23 @@ import numpy as np
 
 from omlx_shared.model_kinds import EMBED, ModelKind, detect_kind, max_input_tokens
 
-PAD_MULTIPLE = 16
 PASS_TOKENS = 16384  # padded tokens of one forward pass
 # Prefixes of a Hugging Face ...ForSequenceClassification checkpoint's encoder weights.
 _ENCODER_PREFIXES = ("roberta.", "bert.", "model.")
 
 
 def _passes(lengths: list[int], max_rows: int) -> list[tuple[list[int], int]]:
-    """The inputs (by index) of each forward pass and its padded length: by length, each pass
-    as many inputs as PASS_TOKENS padded tokens (and `max_rows`) hold."""
+    """The inputs (by index) of each forward pass and its padded length (its longest input's):
+    by length, each pass as many inputs as PASS_TOKENS padded tokens (and `max_rows`) hold."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    passes: list[tuple[list[int], int]] = []
-    rows: list[int] = []
+    groups: list[list[int]] = []
     for i in order:
-        width = -(-max(lengths[i], 1) // PAD_MULTIPLE) * PAD_MULTIPLE
-        if rows and ((len(rows) + 1) * width > PASS_TOKENS or len(rows) >= max_rows):
-            passes.append((rows, -(-max(lengths[rows[-1]], 1) // PAD_MULTIPLE) * PAD_MULTIPLE))
-            rows = []
-        rows.append(i)
-    if rows:
-        passes.append((rows, -(-max(lengths[rows[-1]], 1) // PAD_MULTIPLE) * PAD_MULTIPLE))
-    return passes
+        rows = groups[-1] if groups else []
+        if not rows or (len(rows) + 1) * lengths[i] > PASS_TOKENS or len(rows) >= max_rows:
+            groups.append([i])
+        else:
+            rows.append(i)
+    return [(rows, max(1, lengths[rows[-1]])) for rows in groups]
 
 
 def _pool(hidden: mx.array, mask: mx.array, lengths: mx.array, pooling: str) -> mx.array:
@@ -84,10 +81,6 @@ class Encoder:
     def dtype(self) -> str:
         from mlx.utils import tree_flatten
         return str(tree_flatten(self.model.parameters())[0][1].dtype).removeprefix("mlx.core.")
-
-    def nbytes(self) -> int:
-        from mlx.utils import tree_flatten
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def run(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
         if not inputs:

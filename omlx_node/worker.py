@@ -80,7 +80,7 @@ class WorkerConfig:
     ssd_cache_dir: Path | None = None  # None: RAM only
     ssd_cache_bytes: int = 0
     device_cache_bytes: int | None = None  # None: sized for the device (device_tier)
-    kind: str = "chat"  # omlx_shared.model_kinds: embed and rerank run encoder_worker's
+    kind: str = "chat"  # omlx_shared.model_kinds: the other kinds run encoder_worker's
 
     @property
     def world_size(self) -> int:

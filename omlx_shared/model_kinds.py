@@ -5,6 +5,7 @@ config), so the coordinator (no MLX) and the node agree without a flag:
 
 - an encoder (BERT, XLM-RoBERTa as in BGE-M3, ModernBERT: mlx-embeddings' families) is an
   embedding model; with a `...ForSequenceClassification` architecture, a cross-encoder reranker;
+- Whisper (`model_type` whisper, mlx-audio's) transcribes speech;
 - a decoder (an mlx-lm family) is a reranker when its name says "reranker" (Qwen3-Reranker: its
   config is a plain Qwen3ForCausalLM), an embedding model when a sentence-transformers pooling
   config comes with it or its name says "embedding" (Qwen3-Embedding), else a chat model.
@@ -20,14 +21,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-CHAT, EMBED, RERANK = "chat", "embed", "rerank"
-KINDS = (CHAT, EMBED, RERANK)
+CHAT, EMBED, RERANK, TRANSCRIBE = "chat", "embed", "rerank", "transcribe"
+KINDS = (CHAT, EMBED, RERANK, TRANSCRIBE)
 # The endpoints a kind serves, as /v1/models lists them.
 ENDPOINTS = {
     CHAT: ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
            "/api/chat", "/api/generate"),
     EMBED: ("/v1/embeddings", "/api/embed", "/api/embeddings"),
     RERANK: ("/v1/rerank",),
+    TRANSCRIBE: ("/v1/audio/transcriptions",),
 }
 ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta", "modernbert")
 POOLINGS = ("mean", "cls", "last")
@@ -75,6 +77,8 @@ def detect_kind(path: Path) -> ModelKind:
     config = _json(path / "config.json")
     if not isinstance(config, dict):
         config = {}
+    if str(config.get("model_type", "")) == "whisper":  # mlx-audio's Whisper
+        return ModelKind(TRANSCRIBE)
     architectures = [str(a) for a in config.get("architectures") or []]
     classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
     if str(config.get("model_type", "")) in ENCODER_TYPES:

@@ -416,6 +416,11 @@ class ShardWorkerStub:
                 request_serializer=proto_dot_omlx__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.EncodeReply.FromString,
                 _registered_method=True)
+        self.Transcribe = channel.unary_unary(
+                '/omlx.v1.ShardWorker/Transcribe',
+                request_serializer=proto_dot_omlx__pb2.TranscribeRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.TranscribeReply.FromString,
+                _registered_method=True)
 
 
 class ShardWorkerServicer:
@@ -469,6 +474,13 @@ class ShardWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transcribe(self, request, context):
+        """A speech-to-text (Whisper) model's worker: one audio file's transcript.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -501,6 +513,11 @@ def add_ShardWorkerServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=proto_dot_omlx__pb2.EncodeRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.EncodeReply.SerializeToString,
+            ),
+            'Transcribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transcribe,
+                    request_deserializer=proto_dot_omlx__pb2.TranscribeRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.TranscribeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -666,6 +683,33 @@ class ShardWorker:
             '/omlx.v1.ShardWorker/Encode',
             proto_dot_omlx__pb2.EncodeRequest.SerializeToString,
             proto_dot_omlx__pb2.EncodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transcribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.ShardWorker/Transcribe',
+            proto_dot_omlx__pb2.TranscribeRequest.SerializeToString,
+            proto_dot_omlx__pb2.TranscribeReply.FromString,
             options,
             channel_credentials,
             insecure,

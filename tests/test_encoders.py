@@ -53,8 +53,8 @@ def test_passes_bucket_by_length_within_the_bounds(monkeypatch):
     assert sorted(i for rows, _ in passes for i in rows) == list(range(len(lengths)))
     for rows, width in passes:
         assert len(rows) <= 3 and len(rows) * width <= 64 or len(rows) == 1
-        assert width % encoders.PAD_MULTIPLE == 0 and width >= max(lengths[i] for i in rows)
-    assert [rows for rows, _ in passes][0] == [3, 6, 0]  # shortest first
+        assert width == max(lengths[i] for i in rows)  # padded to its longest, no more
+    assert [rows for rows, _ in passes] == [[3, 6, 0], [4, 2], [5], [1]]  # shortest first
 
 
 @pytest.mark.parametrize("model_type,pooling", [("bert", "mean"), ("xlm-roberta", "cls")])

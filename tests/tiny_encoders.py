@@ -1,8 +1,11 @@
-"""Tiny random embedding and reranking models, built with their libraries' own classes.
+"""Tiny random embedding, reranking and speech-to-text models, built with their libraries' own
+classes.
 
 Encoders (BERT, XLM-RoBERTa) are mlx-embeddings' models; a cross-encoder's checkpoint is laid
 out as Hugging Face's ...ForSequenceClassification (prefixed encoder, `classifier.` head).
 Decoder embedders and rerankers are tiny_models' Qwen3 folders named as the real ones are.
+Whisper is mlx-audio's model with a Whisper tokenizer (the tiny models' BPE with Whisper's
+special tokens: languages, tasks, timestamps) and feature extractor, as its loader reads them.
 Every one has the tiny models' trained byte-level BPE tokenizer.
 """
 
@@ -21,17 +24,18 @@ MAX_POSITIONS = 64  # small, so that a too-long input is cheap to send
 
 
 def build_encoder(dest: Path, model_type: str = "bert", classifier: bool = False,
-                  seed: int = 0, pooling: str | None = None) -> Path:
+                  seed: int = 0, pooling: str | None = None, hidden_size: int = 64,
+                  num_layers: int = 2, max_positions: int = MAX_POSITIONS) -> Path:
     """A random `model_type` ("bert" or "xlm-roberta") folder; a one-label cross-encoder with
     `classifier`; `pooling` ("cls", "mean") writes sentence-transformers' modules.json."""
     dest.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(dest)
     roberta = model_type == "xlm-roberta"
     config = {
-        "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": vocab,
+        "model_type": model_type, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "intermediate_size": hidden_size * 2, "num_attention_heads": 4, "vocab_size": vocab,
         # XLM-RoBERTa numbers positions from the padding id + 1 (0 here)
-        "max_position_embeddings": MAX_POSITIONS + (1 if roberta else 0),
+        "max_position_embeddings": max_positions + (1 if roberta else 0),
         "type_vocab_size": 1 if roberta else 2, "layer_norm_eps": 1e-5, "pad_token_id": 0,
         "add_pooling_layer": not (roberta and classifier),
     }
@@ -80,3 +84,37 @@ def build_decoder(dest_parent: Path, kind: str, seed: int = 0) -> Path:
     name = "Qwen3-Embedding-tiny" if kind == "embed" else "Qwen3-Reranker-tiny"
     corpus = ["yes no " * 40, *(["The capital of France is Paris. yes no"] * 20)]
     return build_model(dest_parent / name, "qwen3", num_layers=2, seed=seed, corpus=corpus)
+
+
+def build_whisper(dest: Path, seed: int = 0) -> Path:
+    """A random Whisper (one encoder and one decoder layer, width 64) loadable by
+    mlx_audio.stt.utils.load_model."""
+    from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES
+    from mlx_audio.stt.models.whisper.whisper import Model, ModelDimensions
+    from transformers import WhisperFeatureExtractor, WhisperProcessor, WhisperTokenizerFast
+
+    from tests.tiny_models import train_tokenizer
+
+    dest.mkdir(parents=True, exist_ok=True)
+    raw = dest / "bpe.json"
+    # Whisper's decoding takes every id below end of text for text: the specials come last.
+    train_tokenizer(special_tokens=[]).save(str(raw))
+    tok = WhisperTokenizerFast(tokenizer_file=str(raw))
+    raw.unlink()
+    tok.add_tokens(["<|endoftext|>", "<|startoftranscript|>", *(f"<|{c}|>" for c in LANGUAGES),
+                    "<|translate|>",
+                    "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                    "<|notimestamps|>", *(f"<|{i * 0.02:.2f}|>" for i in range(1501))],
+                   special_tokens=True)
+    eot = "<|endoftext|>"
+    tok.add_special_tokens({"bos_token": eot, "eos_token": eot, "unk_token": eot,
+                            "pad_token": eot})
+    WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tok).save_pretrained(str(dest))
+    config = {"model_type": "whisper", "n_mels": 80, "n_audio_ctx": 1500, "n_audio_state": 64,
+              "n_audio_head": 4, "n_audio_layer": 1, "n_vocab": len(tok), "n_text_ctx": 448,
+              "n_text_state": 64, "n_text_head": 4, "n_text_layer": 1}
+    mx.random.seed(seed)
+    model = Model(ModelDimensions.from_dict(config), dtype=mx.float32)
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest

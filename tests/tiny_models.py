@@ -32,8 +32,10 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 384, corpus: list[str] | None = None):
-    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on `corpus` (CORPUS)."""
+def train_tokenizer(vocab_size: int = 384, corpus: list[str] | None = None,
+                    special_tokens: list[str] | None = None):
+    """A byte-level BPE tokenizer (a tokenizers.Tokenizer) trained on `corpus` (CORPUS), its
+    `special_tokens` (SPECIAL_TOKENS) first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,7 +43,7 @@ def train_tokenizer(vocab_size: int = 384, corpus: list[str] | None = None):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS if special_tokens is None else special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -109,7 +109,7 @@ def _expires_at(model: ServedModel) -> str:
 
 def _capabilities(model: ServedModel) -> list[str]:
     if model.kind.kind != CHAT:  # Ollama's word for what /api/embed serves; a reranker's own
-        return ["embedding" if model.kind.kind == EMBED else "rerank"]
+        return ["embedding" if model.kind.kind == EMBED else model.kind.kind]
     caps = ["completion"]
     if model.tokenizer.tool_call_format is not None:
         caps.append("tools")
