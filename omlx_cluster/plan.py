@@ -11,7 +11,9 @@ def plan_command(args: argparse.Namespace) -> int:
 
     from omlx_coordinator.layout_choice import plan_layout
     from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.planner import PlanError, format_plan, parse_node_arg
+    from omlx_coordinator.node_args import parse_node_arg
+    from omlx_coordinator.plan_table import format_plan
+    from omlx_coordinator.planner import PlanError
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
 

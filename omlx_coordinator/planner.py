@@ -49,10 +49,8 @@ same DP on the order found.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Sequence
 
@@ -623,14 +621,14 @@ def _budget_str(c: _Costs, j: int) -> str:
     """Node j's budget, or, when its reserve and prefix cache take more than its memory, by how
     much (what a stage there is short of on top of its own need)."""
     if c.budgets[j] >= 0:
-        return f"budget {_b(c.budgets[j])}"
+        return f"budget {human_bytes(c.budgets[j])}"
     nd = c.nodes[j]
     # Only what takes memory is named: a 0 B reserve is no reason.
     taken = [part for size, part in (
-        (c.os_reserve_bytes, f"the {_b(c.os_reserve_bytes)} OS reserve"),
-        (nd.cache_bytes, f"the {_b(nd.cache_bytes)} prefix cache")) if size]
+        (c.os_reserve_bytes, f"the {human_bytes(c.os_reserve_bytes)} OS reserve"),
+        (nd.cache_bytes, f"the {human_bytes(nd.cache_bytes)} prefix cache")) if size]
     return (f"no room: {' and '.join(taken)} take{'s' if len(taken) == 1 else ''} "
-            f"{_b(-c.budgets[j])} more than the node's {_b(nd.memory_bytes)}")
+            f"{human_bytes(-c.budgets[j])} more than the node's {human_bytes(nd.memory_bytes)}")
 
 
 def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -> PlanError:
@@ -644,15 +642,15 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
     have = sum(usable)
     missing = max(0, need - have)
     lines = [
-        f"{lay.model_id} does not fit: it needs {_b(need)} ({need} bytes: weights {_b(weights)} "
-        f"+ KV {_b(c.kv(0, L))}); the nodes offer {_b(have)} after the OS reserve"
+        f"{lay.model_id} does not fit: it needs {human_bytes(need)} ({need} bytes: weights {human_bytes(weights)} "
+        f"+ KV {human_bytes(c.kv(0, L))}); the nodes offer {human_bytes(have)} after the OS reserve"
         + (" and their workers' prefix caches." if any(n.cache_bytes for n in c.nodes) else ".")
     ]
     if missing:
-        lines.append(f"Missing overall: {_b(missing)} ({missing} bytes).")
+        lines.append(f"Missing overall: {human_bytes(missing)} ({missing} bytes).")
     else:
         lines.append(
-            f"The total would suffice ({_b(have - need)} spare), but no contiguous split fits: "
+            f"The total would suffice ({human_bytes(have - need)} spare), but no contiguous split fits: "
             f"layers are indivisible, the embedding sits on the first stage and norm + head on "
             f"the last."
         )
@@ -663,8 +661,8 @@ def _memory_error(c: _Costs, ranges: _Ranges, over: dict[str, int], what: str) -
         if name in placed:
             a, b = placed[name]
             short = over.get(name, 0)
-            status = f"short {_b(short)} ({short} bytes)" if short else "fits"
-            lines.append(f"  {name}: layers [{a}, {b}) need {_b(c.mem(a, b))}, "
+            status = f"short {human_bytes(short)} ({short} bytes)" if short else "fits"
+            lines.append(f"  {name}: layers [{a}, {b}) need {human_bytes(c.mem(a, b))}, "
                          f"{_budget_str(c, j)}: {status}")
         else:
             lines.append(f"  {name}: no layers ({_budget_str(c, j)})")
@@ -691,18 +689,18 @@ def _explain(
 ) -> list[str]:
     lay, nodes = c.layout, c.nodes
     out = [
-        f"Model {lay.model_id}: {lay.num_layers} layers, {_b(lay.total_weight_bytes)} of weights "
-        f"(embedding {_b(lay.embed_bytes)}, head "
-        f"{'tied to the embedding' if lay.tied_embeddings else _b(lay.head_bytes)}); KV reserved "
-        f"for {context_tokens} tokens x {max_sequences} sequences = {_b(c.kv(0, c.L))} ("
-        + (f"{_b(c.kv_layer)} per layer)." if not lay.layer_kv else
-           f"{_b(c.kv_layer)} per full-attention layer; sliding-window and linear-attention "
+        f"Model {lay.model_id}: {lay.num_layers} layers, {human_bytes(lay.total_weight_bytes)} of weights "
+        f"(embedding {human_bytes(lay.embed_bytes)}, head "
+        f"{'tied to the embedding' if lay.tied_embeddings else human_bytes(lay.head_bytes)}); KV reserved "
+        f"for {context_tokens} tokens x {max_sequences} sequences = {human_bytes(c.kv(0, c.L))} ("
+        + (f"{human_bytes(c.kv_layer)} per layer)." if not lay.layer_kv else
+           f"{human_bytes(c.kv_layer)} per full-attention layer; sliding-window and linear-attention "
            f"layers hold less).")
     ]
     if lay.layer_stream_bytes:
         out.append(
-            f"Mixture of experts: a decode step streams {_b(c.compute_bytes(0, c.L))} of "
-            f"{_b(lay.total_weight_bytes)} (the routed experts at their active share), so stage "
+            f"Mixture of experts: a decode step streams {human_bytes(c.compute_bytes(0, c.L))} of "
+            f"{human_bytes(lay.total_weight_bytes)} (the routed experts at their active share), so stage "
             f"times follow the active bytes while memory holds every expert.")
     if split is not None:
         out.append(f"Split given by the user: {_split_str(split)}.")
@@ -712,22 +710,22 @@ def _explain(
     for s, (j, a, b) in enumerate(ranges):
         nd = nodes[j]
         out.append(
-            f"Stage {s}: {nd.name} layers [{a}, {b}) ({b - a}): weights {_b(c.weights(a, b))}, "
-            f"KV {_b(c.kv(a, b))}"
-            + (f", prefix cache {_b(nd.cache_bytes)}" if nd.cache_bytes else "")
-            + f", uses {_b(c.mem(a, b) + nd.cache_bytes)} of "
-            f"{_b(max(c.budgets[j] + nd.cache_bytes, 0))} budget; "
+            f"Stage {s}: {nd.name} layers [{a}, {b}) ({b - a}): weights {human_bytes(c.weights(a, b))}, "
+            f"KV {human_bytes(c.kv(a, b))}"
+            + (f", prefix cache {human_bytes(nd.cache_bytes)}" if nd.cache_bytes else "")
+            + f", uses {human_bytes(c.mem(a, b) + nd.cache_bytes)} of "
+            f"{human_bytes(max(c.budgets[j] + nd.cache_bytes, 0))} budget; "
             f"est {c.ms(j, a, b):.3f} ms = {c.compute_ms(j, a, b):.3f} ms at {nd.speed:g} GB/s "
             f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
         if n := c.streamed(j, a, b):
             disk = c.prefix[b] - c.prefix[b - n]
             out.append(
-                f"Layers [{b - n}, {b}) of {nd.name} stream from its SSD ({_b(disk)} read each "
+                f"Layers [{b - n}, {b}) of {nd.name} stream from its SSD ({human_bytes(disk)} read each "
                 f"step at {nd.disk_gbps:g} GB/s: {disk_ms(disk, nd.disk_gbps):.1f} ms a step, "
                 f"shared by every row of a batch): its --weights-memory "
-                f"{_b(nd.weights_cap)} holds the other {b - a - n} layers' "
-                f"{_b(c.held(j, a, b) - STREAM_BUFFERS * c.largest_layer)} and "
+                f"{human_bytes(nd.weights_cap)} holds the other {b - a - n} layers' "
+                f"{human_bytes(c.held(j, a, b) - STREAM_BUFFERS * c.largest_layer)} and "
                 f"{STREAM_BUFFERS} streamed layers' buffers.")
     used = {j for j, _, _ in ranges}
     for j, nd in enumerate(nodes):
@@ -747,7 +745,7 @@ def _explain(
     link = c.link(j, a, b)
     out.append(
         f"Bottleneck: stage {worst} ({nodes[j].name}) at {bottleneck:.3f} ms per step: it streams "
-        f"{_b(c.compute_bytes(a, b))} of weights at "
+        f"{human_bytes(c.compute_bytes(a, b))} of weights at "
         f"{nodes[j].speed:g} GB/s" + (f" and pays a {link:g} ms link." if link else ".")
     )
     if split is not None:
@@ -792,7 +790,7 @@ def _explain(
             worst_node = max(over, key=over.get)
             out.append(
                 f"{label} {_split_str(counts)}: does not fit ({worst_node} over by "
-                f"{_b(over[worst_node])})."
+                f"{human_bytes(over[worst_node])})."
             )
         else:
             other = max(c.ms(*r) for r in rr)
@@ -815,109 +813,10 @@ def _split_str(split: Sequence[int]) -> str:
     return "[" + ", ".join(str(x) for x in split) + "]"
 
 
-def _b(n: float) -> str:
+def human_bytes(n: float) -> str:
     """Human bytes: GiB/MiB/KiB with two decimals (binary units, as memory is sold)."""
     n = float(n)
     for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as text for `omlx-cluster plan`: a table of stages, then the explanation."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"Plan {plan.plan_hash} for {plan.model_id} ({plan.layout_name}): bottleneck "
-              f"{plan.bottleneck_ms:.3f} ms",
-        title_justify="left",
-    )
-    cache = any(st.cache_bytes for st in plan.stages)
-    for col in ("stage", "node", "layers", "n", "weights", "KV", "prefix cache", "memory / budget",
-                "est ms"):
-        if col != "prefix cache" or cache:
-            table.add_column(col, justify="left" if col in ("node", "layers") else "right")
-    worst = plan.bottleneck_stage
-    for s, st in enumerate(plan.stages):
-        table.add_row(
-            str(s),
-            st.node,
-            f"[{st.layer_start}, {st.layer_end})",
-            str(st.num_layers),
-            _b(st.weight_bytes),
-            _b(st.kv_bytes),
-            *([_b(st.cache_bytes)] if cache else []),
-            f"{_b(st.memory_bytes)} / {_b(max(st.memory_budget, 0))}",
-            f"{st.est_ms:.3f}" + (" *" if s == worst else ""),
-        )
-    buf = io.StringIO()
-    Console(file=buf, width=120, color_system=None, force_terminal=False).print(table)
-    lines = [line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines()]
-    lines += [line for line in plan.explanation if not line.startswith("Stage ")]
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- CLI parsing
-
-_UNITS = {
-    "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """'64GiB' -> 68719476736; units B, KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal).
-    A bare number is refused: 64 could mean bytes or GiB, and a wrong guess is a bad plan."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(
-            f"memory size {text!r} is not a number with a unit, e.g. 64GiB, 96GB, 512MiB"
-        )
-    number, unit = m.groups()
-    if unit.lower() not in _UNITS:
-        raise ValueError(
-            f"unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
-        )
-    return int(float(number) * _UNITS[unit.lower()])
-
-
-def parse_node_arg(text: str) -> NodeSpec:
-    """Parse `--node NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]
-    [,disk_gbps=W]`, e.g. 'mac1=64GiB,speed=2.5,link_ms=0.6'.
-
-    speed is in GB/s of weights streamed (see the module docstring), link_ms in milliseconds,
-    link_gbps the link's bandwidth in GB/s; weights its --weights-memory (the rest of a stage
-    streams from its SSD, read at disk_gbps GB/s).
-    """
-    usage = ("expected NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]"
-             "[,disk_gbps=W], e.g. mac1=64GiB,speed=2.5,link_ms=0.6")
-    parts = [p.strip() for p in text.split(",")]
-    name, sep, mem = parts[0].partition("=")
-    name = name.strip()
-    if not sep or not name or not mem.strip():
-        raise ValueError(f"bad --node {text!r}: {usage}")
-    try:
-        memory = parse_size(mem)
-    except ValueError as e:
-        raise ValueError(f"bad --node {text!r}: {e}") from None
-    options: dict[str, float | int] = {}
-    for part in parts[1:]:
-        key, sep, value = part.partition("=")
-        key = {"weights": "weights_cap"}.get(key.strip(), key.strip())
-        if not sep or key not in ("speed", "link_ms", "link_gbps", "weights_cap", "disk_gbps"):
-            raise ValueError(f"bad --node {text!r}: unknown option {part!r}; {usage}")
-        if key in options:
-            raise ValueError(f"bad --node {text!r}: {key} given twice")
-        try:
-            options[key] = parse_size(value) if key == "weights_cap" else float(value)
-        except ValueError:
-            raise ValueError(f"bad --node {text!r}: {part!r} is not "
-                             f"{'a size' if key == 'weights_cap' else 'a number'}") from None
-    try:
-        return NodeSpec(name=name, memory_bytes=memory, **options)
-    except ValueError as e:
-        raise ValueError(f"bad --node {text!r}: {e}") from None

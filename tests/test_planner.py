@@ -20,16 +20,15 @@ from pathlib import Path
 import pytest
 
 from omlx_coordinator.model_layout import LayerKV, ModelLayout, read_layout
+from omlx_coordinator.node_args import parse_node_arg, parse_size
+from omlx_coordinator.plan_table import format_plan
 from omlx_coordinator.planner import (
     GiB,
     NodeSpec,
     Plan,
     PlanError,
     compute_plan_hash,
-    format_plan,
     make_plan,
-    parse_node_arg,
-    parse_size,
     ram_proportional_split,
 )
 from tests.helpers.layouts import uniform_layout
