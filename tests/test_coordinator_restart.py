@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import alive, free_port
 from tests.tiny_models import build_model
-from tests.helpers.processes import launch, settled_count
+from tests.helpers.processes import launch, settled_count, status
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -30,14 +30,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("restart")
     return {name: build_model(root / name, "llama", num_layers=4, seed=i)
             for i, name in enumerate(MODELS)}
-
-
-def status(url: str) -> dict:
-    try:
-        r = httpx.get(f"{url}/cluster/status", timeout=5)
-        return r.json() if r.status_code == 200 else {}
-    except httpx.HTTPError:
-        return {}
 
 
 def planned_over_both(url: str) -> bool:

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.test_coordinator_restart import launch, status, wait_until
+from tests.helpers.processes import launch, status
+from tests.helpers.waiting import wait_for
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
                      "1GiB", "--model", f"main={model}"], tmp_path / "home-coordinator",
                     tmp_path / "coordinator.log"), join("a")]
     try:
-        wait_until(lambda: main_replica(url).get("ready") is True, "main served by a", 120)
+        wait_for(lambda: main_replica(url).get("ready") is True, 120, "main served by a")
         reference, short = ask(url, TOKENS), ask(url, 8)
         epoch = main_replica(url)["epoch"]
 

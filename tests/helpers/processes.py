@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
+
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.conftest import descendants
@@ -29,3 +31,12 @@ def settled_count(pid: int) -> int:
 
     wait_for(steady, 60, "the node's processes to settle")
     return counts[-1]
+
+
+def status(url: str) -> dict:
+    """The coordinator's /cluster/status, {} while it does not answer."""
+    try:
+        r = httpx.get(f"{url}/cluster/status", timeout=5)
+        return r.json() if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
