@@ -213,3 +213,18 @@ def test_the_plan_counts_the_draft_on_the_first_stage(models):
     with pytest.raises(PlanError):
         make_plan(layout, [NodeSpec("a", need + layout.draft_bytes // 2, speed=100.0)],
                   os_reserve_bytes=0, context_tokens=16, max_sequences=1)
+
+
+def test_a_row_that_drafts_late_catches_its_draft_up(models, mlx_lm_model):
+    """Admitted with more rows than may speculate, a row's prompt skips the draft model; once
+    the others end it drafts, its draft first computing all it missed, and its tokens stay
+    mlx-lm's."""
+    model, tok = mlx_lm_model
+    prompt = tok.encode("The capital of France is")
+    batcher = engine(models, "target", max_rows=1)
+    seqs = [batcher.submit(SeqRequest(str(n), prompt, n)) for n in (3, 5, 30)]
+    results = drain(batcher, seqs)
+    ref = reference(model, prompt, 30)
+    assert [tokens for tokens, _ in results] == [ref[:3], ref[:5], ref]
+    assert seqs[0].spec.drafted == seqs[1].spec.drafted == 0
+    assert seqs[2].spec.accepted == seqs[2].spec.drafted > 0
