@@ -20,9 +20,8 @@ from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
-from tests.test_constraints_node import assert_logprobs_match, reference_logprobs
-from tests.test_engine import drain, reference
-from tests.test_speculation import FLAT, TEXT, run_one
+from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
+from tests.helpers.speculation import FLAT, TEXT, run_one
 from tests.tiny_models import CORPUS, build_model, truncated_model
 
 

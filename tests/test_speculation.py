@@ -31,15 +31,9 @@ from omlx_node.speculation import (
 from omlx_shared.speculative_modes import check_mode
 from omlx_node.stage import StageRunner
 from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
+from tests.helpers.speculation import FLAT, TEXT, run_one
 from tests.tiny_models import build_model
 
-# Repetitive: a random model's greedy output soon loops, and prompt lookup drafts the loop.
-TEXT = "one two three four five six seven eight nine ten. " * 4 + "one two three"
-
-
-# A weight-bound device's cost curve (k+1 positions cost what one does): rows draft all k_max
-# tokens while their drafts stand. The measured curve decides on a real node (tests below).
-FLAT = {1: 1.0, 256: 1.0}
 
 
 @pytest.fixture(autouse=True)
@@ -65,12 +59,6 @@ def engine(model_path: Path, mode: str = "ngram", max_rows: int | None = None,
     if max_rows is not None:
         batcher.speculator.max_rows = max_rows
     return batcher
-
-
-def run_one(batcher: Batcher, req: SeqRequest) -> tuple[list[int], str, object]:
-    seq = batcher.submit(req)
-    [(tokens, finish)] = drain(batcher, [seq])
-    return tokens, finish.reason, seq
 
 
 def test_proposers_read_on_where_they_matched():
