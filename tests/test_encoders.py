@@ -128,3 +128,16 @@ def test_gateway_refusals_without_a_node(root):
                         ({"model": "emb", "input": [1, "a"]}, "input")):
         r = ask(app, "POST", "/v1/embeddings", json=body)
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_transcription_refusals_without_a_node(root):
+    from tests.in_process_gateway import app_for
+
+    app = app_for(build_model(root / "chat-only", "llama", num_layers=1))
+    r = ask(app, "POST", "/v1/audio/transcriptions", data={"model": "m"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    r = ask(app, "POST", "/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")},
+            data={"model": "m"})
+    assert r.status_code == 400 and "is a chat model" in r.json()["error"]["message"]
+    r = ask(app, "POST", "/v1/embeddings", json={"model": "m", "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_model_kind"
