@@ -13,6 +13,8 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/placement.py)
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
     speculative = "off"            # off, ngram or auto (default: the node's --speculative)
+    kind = "rerank"                # chat, embed, rerank or transcribe (default: read from the
+                                   # folder, omlx_shared/model_kinds.py)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from omlx_shared.model_kinds import KINDS
 from omlx_shared.speculative_modes import MODES
 
 Replicas = int | str  # a count, or "auto"
@@ -44,6 +47,7 @@ class ModelConfig:
     slots: int | None = None  # sequences its replicas decode at once (priority.py); None: default
     batch_share: float = 0.5  # of the slots, what batch-class requests may run in
     speculative: str = ""  # a speculative_modes mode; "": the node's --speculative
+    kind: str = ""  # a model_kinds kind; "": read from the folder
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -59,6 +63,9 @@ class ModelConfig:
                                                and self.max_queue >= 1):
             raise ModelConfigError(f"model {self.name}: max_queue must be a positive integer, "
                                    f"got {self.max_queue!r}")
+        if self.kind and self.kind not in KINDS:
+            raise ModelConfigError(f"model {self.name}: kind must be one of {', '.join(KINDS)}, "
+                                   f"got {self.kind!r}")
         if self.speculative and self.speculative not in MODES:
             raise ModelConfigError(f"model {self.name}: speculative must be one of "
                                    f"{', '.join(MODES)}, got {self.speculative!r}")
@@ -169,7 +176,8 @@ def from_file(path: Path) -> list[ModelConfig]:
     tables = data.get("model")
     if not isinstance(tables, list) or not tables:
         raise ModelConfigError(f"the models config {path} has no [[model]] table")
-    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative"}
+    known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative",
+             "kind"}
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
@@ -188,6 +196,8 @@ def from_file(path: Path) -> list[ModelConfig]:
                               ("pin", isinstance(t.get("pin", False), bool), "true or false"),
                               ("speculative", isinstance(t.get("speculative", ""), str),
                                f"a string: {', '.join(MODES)}"),
+                              ("kind", isinstance(t.get("kind", ""), str),
+                               f"a string: {', '.join(KINDS)}"),
                               ("aliases", isinstance(aliases, list)
                                and all(isinstance(a, str) for a in aliases),
                                'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):
@@ -197,7 +207,7 @@ def from_file(path: Path) -> list[ModelConfig]:
         out.append(ModelConfig(name, t["path"], tuple(aliases), t.get("pin", False),
                                _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what),
                                max_queue=t.get("max_queue"),
-                               speculative=t.get("speculative", "")))
+                               speculative=t.get("speculative", ""), kind=t.get("kind", "")))
     check_names(out)
     return out
 
