@@ -14,6 +14,8 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
     speculative = "off"            # off, ngram, auto or draft=PATH (default: the node's --speculative)
     parallel = "tensor"            # auto, pipeline or tensor (default: --parallel)
+    kind = "rerank"                # chat, embed, rerank or transcribe (default: read from the
+                                   # folder, omlx_shared/model_kinds.py)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from omlx_shared.model_kinds import KINDS
 from omlx_shared.speculative_modes import MODES, check_mode
 
 PARALLEL = ("auto", "pipeline", "tensor")  # omlx_coordinator/layout_choice.py plans each
@@ -48,6 +51,7 @@ class ModelConfig:
     batch_share: float = 0.5  # of the slots, what batch-class requests may run in
     speculative: str = ""  # a speculative_modes mode; "": the node's --speculative
     parallel: str = ""  # "auto", "pipeline" or "tensor"; "": the gateway's --parallel
+    kind: str = ""  # a model_kinds kind; "": read from the folder
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -63,6 +67,9 @@ class ModelConfig:
                                                and self.max_queue >= 1):
             raise ModelConfigError(f"model {self.name}: max_queue must be a positive integer, "
                                    f"got {self.max_queue!r}")
+        if self.kind and self.kind not in KINDS:
+            raise ModelConfigError(f"model {self.name}: kind must be one of {', '.join(KINDS)}, "
+                                   f"got {self.kind!r}")
         if self.speculative:
             try:
                 check_mode(self.speculative)
@@ -179,7 +186,7 @@ def from_file(path: Path) -> list[ModelConfig]:
     if not isinstance(tables, list) or not tables:
         raise ModelConfigError(f"the models config {path} has no [[model]] table")
     known = {"name", "path", "aliases", "pin", "ttl", "replicas", "max_queue", "speculative",
-             "parallel"}
+             "parallel", "kind"}
     out = []
     for i, t in enumerate(tables):
         what = f"{path}: model {i + 1}"
@@ -200,6 +207,8 @@ def from_file(path: Path) -> list[ModelConfig]:
                                f"a string: {', '.join(MODES)} or draft=PATH"),
                               ("parallel", isinstance(t.get("parallel", ""), str),
                                f"a string: {', '.join(PARALLEL)}"),
+                              ("kind", isinstance(t.get("kind", ""), str),
+                               f"a string: {', '.join(KINDS)}"),
                               ("aliases", isinstance(aliases, list)
                                and all(isinstance(a, str) for a in aliases),
                                'a list of strings, e.g. aliases = ["gpt-4o-mini"]')):
@@ -210,7 +219,7 @@ def from_file(path: Path) -> list[ModelConfig]:
                                _ttl(t.get("ttl", 0), what), _replicas(t.get("replicas", 1), what),
                                max_queue=t.get("max_queue"),
                                speculative=t.get("speculative", ""),
-                               parallel=t.get("parallel", "")))
+                               parallel=t.get("parallel", ""), kind=t.get("kind", "")))
     check_names(out)
     return out
 

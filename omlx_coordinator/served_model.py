@@ -25,7 +25,7 @@ from omlx_coordinator.model_layout import (
 )
 from omlx_coordinator.tokenizer import ChatTokenizer
 from omlx_coordinator.weight_transfer import WeightSource
-from omlx_shared.model_kinds import CHAT, detect_kind, max_input_tokens
+from omlx_shared.model_kinds import CHAT, kind_of, max_input_tokens
 from omlx_shared.speculative_modes import draft_path
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class ServedModel:
     def __init__(self, config: ModelConfig, path: Path):
         self.config, self.path, self.name = config, path, config.name
         settings = json.loads((path / "config.json").read_text())
-        self.kind = detect_kind(path)  # chat, embed or rerank (omlx_shared/model_kinds.py)
+        # chat, embed, rerank or transcribe (omlx_shared/model_kinds.py); a config may say
+        self.kind = kind_of(path, config.kind)
         self.max_context = _text_setting(settings, "max_position_embeddings")
         if self.kind.kind != CHAT:  # the longest input its position table takes
             self.max_context = max_input_tokens(settings)

@@ -27,7 +27,7 @@ from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
-from omlx_shared.model_kinds import TRANSCRIBE, detect_kind
+from omlx_shared.model_kinds import TRANSCRIBE, kind_of
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -146,11 +146,8 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
                        ready_file: Path | None) -> int:
     """Loads the model, serves Encode until SIGTERM; returns the exit code."""
     t0 = time.monotonic()
-    detected = detect_kind(model_path)
-    if detected.kind != kind:
-        raise SystemExit(f"error: {model_path} is a {detected.kind} model, asked to load as "
-                         f"{kind}")
-    model = (Transcriber(model_path) if kind == TRANSCRIBE else Encoder(model_path, detected))
+    model = (Transcriber(model_path) if kind == TRANSCRIBE
+             else Encoder(model_path, kind_of(model_path, kind)))
     load_seconds = time.monotonic() - t0
     log.info("%s (%s) loaded in %.1fs", model_id, kind, load_seconds)
     freeze_startup_heap()

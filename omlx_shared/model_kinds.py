@@ -103,3 +103,16 @@ def max_input_tokens(config: dict) -> int:
     if limit and str(config.get("model_type", "")).replace("-", "_") == "xlm_roberta":
         limit -= int(config.get("pad_token_id", 1)) + 1
     return max(0, limit)
+
+
+def kind_of(path: Path, kind: str = "") -> ModelKind:
+    """The folder's kind, or `kind` where its configuration names one the folder does not say
+    (a reranker or embedder whose folder was renamed): the detected family and pooling kept,
+    a decoder embedder's pooling its last token."""
+    detected = detect_kind(path)
+    if not kind or kind == detected.kind:
+        return detected
+    if detected.encoder:
+        return ModelKind(kind, encoder=True, pooling=detected.pooling,
+                         normalize=detected.normalize)
+    return ModelKind(kind, pooling="last")

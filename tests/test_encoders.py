@@ -128,3 +128,35 @@ def test_gateway_refusals_without_a_node(root):
                         ({"model": "emb", "input": [1, "a"]}, "input")):
         r = ask(app, "POST", "/v1/embeddings", json=body)
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_transcription_refusals_without_a_node(root):
+    from tests.in_process_gateway import app_for
+
+    app = app_for(build_model(root / "chat-only", "llama", num_layers=1))
+    r = ask(app, "POST", "/v1/audio/transcriptions", data={"model": "m"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    r = ask(app, "POST", "/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")},
+            data={"model": "m"})
+    assert r.status_code == 400 and "is a chat model" in r.json()["error"]["message"]
+    r = ask(app, "POST", "/v1/embeddings", json={"model": "m", "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_model_kind"
+
+
+def test_a_config_names_the_kind_a_folder_does_not_say(root, tmp_path):
+    from omlx_coordinator.model_config import ModelConfigError, from_file
+    from omlx_coordinator.served_model import ServedModel
+    from omlx_shared.model_kinds import kind_of
+
+    folder = build_decoder(root, "rerank").rename(root / "renamed")  # its name no longer says
+    assert detect_kind(folder).kind == CHAT
+    config = tmp_path / "models.toml"
+    config.write_text(f'[[model]]\nname = "rr"\npath = "{folder}"\nkind = "rerank"\n')
+    served = ServedModel(from_file(config)[0], folder)
+    assert served.kind == kind_of(folder, "rerank") == ModelKind(RERANK, pooling="last")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    scores = Encoder(folder, served.kind).run([tok("yes")["input_ids"], tok("no")["input_ids"]])
+    assert scores.shape == (2, 1) and ((scores > 0) & (scores < 1)).all()
+    config.write_text(f'[[model]]\npath = "{folder}"\nkind = "vision"\n')
+    with pytest.raises(ModelConfigError, match="kind must be one of"):
+        from_file(config)
