@@ -190,7 +190,7 @@ def test_a_budget_for_two_evicts_the_least_recently_used_kind(folders, tmp_path)
     from omlx_coordinator.model_config import ModelConfig
     from omlx_coordinator.planner import NodeSpec, make_plan
     from omlx_coordinator.served_model import ServedModel
-    from tests.test_models_serving import CACHE_FLAGS
+    from tests.helpers.serving import CACHE_FLAGS
 
     names = {"chat": folders["chat"], "xlmr": folders["xlmr"], "ce": folders["ce"]}
     sizes = {}

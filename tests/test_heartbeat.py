@@ -20,7 +20,7 @@ from omlx_coordinator.cluster import (
     ClusterOptions,
 )
 from tests.cluster_secret import SECRET
-from tests.test_weight_transfer import agent_process
+from tests.helpers.weights import agent_process
 
 pytestmark = pytest.mark.slow
 
