@@ -133,6 +133,13 @@ def plan_layout(layout: ModelLayout, nodes: list[NodeSpec], parallel: str = "pip
                         "--parallel tensor")
     if parallel == "pipeline" or split is not None:
         return make_plan(layout, nodes, split=split, **settings)
+    if parallel == "tensor" and len(nodes) == 1:
+        # The one node left (the first to join, the survivor of a lost rank) serves alone
+        # until another comes, as a pipeline's first node does.
+        plan = make_plan(layout, nodes, **settings)
+        return replace(plan, explanation=[*plan.explanation, (
+            f"--parallel tensor: {nodes[0].name} serves the whole model alone until a second "
+            f"node joins (a tensor-parallel stage needs 2 or more).")])
     if parallel == "tensor":
         return make_tensor_plan(layout, nodes, **settings)
     found = candidates(layout, nodes, **settings)

@@ -144,3 +144,15 @@ def test_killed_node_agent_mid_stream_replans_over_the_rest(model, tmp_path):
             time.sleep(0.5)
         assert r.status_code == 503, r.text
         assert "cannot be served" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_killed_rank_of_a_tensor_parallel_stage_mid_stream(model, tmp_path, rank):
+    """A rank of a tensor-parallel stage dies mid-stream (rank 0 serves every stream, rank 1
+    only computes its heads): the stage is loaded again and every stream resumes unchanged."""
+    with start_server(model, "--nodes", "2", "--parallel", "tensor", home=tmp_path / "h",
+                      keepalive=None) as server:
+        refs, outs, status = run_and_kill(server, lambda h: h["nodes"][rank]["worker_pid"])
+        assert outs == refs
+        assert status["epoch"] == 2 and status["parallel"] == "tensor x2 over ring"
+        assert all(n["healthy"] for n in status["nodes"])

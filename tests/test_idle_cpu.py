@@ -79,8 +79,11 @@ def complete(server: Server) -> str:
     return choice["text"]
 
 
-def test_an_idle_two_node_serve_uses_no_cpu_and_answers_as_before(model, tmp_path):
-    with start_server(model, "--nodes", "2", home=tmp_path / "h", keepalive=None) as server:
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+def test_an_idle_two_node_serve_uses_no_cpu_and_answers_as_before(model, tmp_path, parallel):
+    """A pipeline's stages, or a tensor-parallel stage's ranks, sleep on their doorbells."""
+    with start_server(model, "--nodes", "2", "--parallel", parallel, home=tmp_path / "h",
+                      keepalive=None) as server:
         nodes = httpx.get(server.url + "/health", timeout=10).json()["nodes"]
         workers = {n["worker_pid"] for n in nodes}
         assert len(workers) == 2 and None not in workers

@@ -56,7 +56,11 @@ def test_tensor_refused_at_plan_time_saying_why(shape, nodes, why):
 
 def test_tensor_needs_two_nodes_and_room_on_each():
     with pytest.raises(PlanError, match="at least 2 nodes"):
-        plan_layout(layout(), macs(1, 64, 0.05), "tensor", **SETTINGS)
+        make_tensor_plan(layout(), macs(1, 64, 0.05), **SETTINGS)
+    # One node (the first to join, or the survivor of a lost rank) serves alone meanwhile.
+    alone = plan_layout(layout(), macs(1, 64, 0.05), "tensor", **SETTINGS)
+    assert alone.layout_name == "pipeline x1"
+    assert "mac0 serves the whole model alone until a second node joins" in alone.explanation[-1]
     with pytest.raises(PlanError, match="does not fit tensor-parallel over 2 nodes") as err:
         plan_layout(layout(), macs(2, 12, 0.05), "tensor", **SETTINGS)
     assert set(err.value.missing_by_node) == {"mac0", "mac1"}
