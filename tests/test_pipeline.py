@@ -14,18 +14,7 @@ from openai import OpenAI
 from omlx_shared.child import ChildError, ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from tests.conftest import free_port, start_server
-from tests.helpers.pipeline import generate, pipeline, run_concurrently
-
-PROMPTS = [
-    "The capital of France is",
-    "Hello",
-    "x",
-    "def add(a, b):\n    return",
-    "A pipeline splits the layers of a model across several machines. " * 5,
-    "Numbers: 0 1 2 3",
-    "Large language models predict",
-    "How are you today?",
-]
+from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from omlx_shared.child import ChildError, ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
-from tests.test_pipeline import PROMPTS, generate, run_concurrently
+from tests.helpers.pipeline import PROMPTS, generate, run_concurrently
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow

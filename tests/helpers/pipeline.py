@@ -16,6 +16,19 @@ from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port
 
 
+# Prompts of every kind a pipeline's greedy output is checked on: short, long, code, one char.
+PROMPTS = [
+    "The capital of France is",
+    "Hello",
+    "x",
+    "def add(a, b):\n    return",
+    "A pipeline splits the layers of a model across several machines. " * 5,
+    "Numbers: 0 1 2 3",
+    "Large language models predict",
+    "How are you today?",
+]
+
+
 @contextmanager
 def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
              extra: tuple[str, ...] = ()):
