@@ -99,7 +99,7 @@ def main() -> int:
             r, s = statistics.median(res), statistics.median(stm)
             step_bound = max(streamed_bytes / (disk * 1e9), rows / r)
             bound = rows / step_bound
-            rows_out.append((rows, r, s, bound, rows / (predicted_ms / 1e3)))
+            rows_out.append((rows, r, s, bound, 1e3 / predicted_ms if rows == 1 else None))
             print(f"batch {rows}: resident {r:.1f} tok/s, half streamed {s:.1f} tok/s "
                   f"({s / r:.2f}x), bound {bound:.1f} ({s / bound:.2f} of it)", flush=True)
 
@@ -123,11 +123,11 @@ def main() -> int:
     ]
     for rows, r, s, bound, pred in rows_out:
         lines.append(f"| {rows} | {r:.1f} | {s:.1f} | {s / r:.2f}x | {bound:.1f} | "
-                     f"{s / bound:.2f} | {pred:.1f} |")
+                     f"{s / bound:.2f} | {'-' if pred is None else f'{pred:.1f}'} |")
     lines += ["", "The bound: a step can not be shorter than reading the streamed bytes at the "
               "measured disk speed, nor than the resident run's step. The planner predicts one "
-              "step's time at batch 1 (weights at the measured speed plus the disk read); at "
-              "larger batches it scales rows by that step, as a batch shares each read."]
+              "step's time at batch 1 (weights at the measured speed plus the disk read); its "
+              "cost model is bandwidth-bound decode, so it predicts no batched rate."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
