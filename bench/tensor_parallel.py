@@ -18,7 +18,7 @@ planner's prediction (omlx_coordinator/layout_choice.py) from this machine's own
 the weight-streaming speed of one core (omlx_node.calibrate.measure_speed, pinned to core 0)
 and the latency of an all_sum of one hidden state between two processes pinned to cores 0 and 1.
 
-    python bench/tensor_parallel.py [--tokens 48] [--repeats 3] [--streams 8]
+    python -m bench.tensor_parallel [--tokens 48] [--repeats 3] [--streams 8]
 
 Results: bench/results/tensor-parallel-cpu.json (the .md is written by hand from it).
 """
@@ -39,8 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_idle import JoinedCluster  # noqa: E402
-from bench.bench_single_node import stream_batch, stream_one, write_random_llama  # noqa: E402
+from bench.idle import JoinedCluster  # noqa: E402
+from bench.common import stream_batch, stream_one, write_random_llama  # noqa: E402
 from omlx_coordinator.layout_choice import candidates  # noqa: E402
 from omlx_coordinator.model_layout import read_layout  # noqa: E402
 from omlx_coordinator.planner import GiB, NodeSpec  # noqa: E402
