@@ -16,6 +16,7 @@ import pytest
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.netns import namespace, netns_popen, netns_run, skip_unless_netns
+from tests.helpers.processes import stop_all
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -62,18 +63,6 @@ def start(ns: str, args: list[str], log: Path, secret: str | None = SECRET) -> s
     env.pop("OMLX_CLUSTER_SECRET", None)
     cmd = omlx_command(*args) + (["--secret", secret] if secret else [])
     return netns_popen(ns, cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
 
 
 def seconds_between(log: str, first: str, second: str) -> float:
@@ -143,7 +132,7 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
             assert complete(ns, model)["body"]["choices"][0]["text"] == reference
 
             # The coordinator restarts: the node is admitted again within 5 s.
-            stop([coord])
+            stop_all([coord])
             coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT)],
                           tmp_path / "coordinator2.log")
             procs.append(coord)
@@ -169,7 +158,7 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
                                  "mac-c to register and be planned")
             assert complete(ns, model)["body"]["choices"][0]["text"] == reference
         finally:
-            stop(procs)
+            stop_all(procs)
 
 
 def test_no_node_means_a_clear_503(model, tmp_path):
@@ -188,4 +177,4 @@ def test_no_node_means_a_clear_503(model, tmp_path):
             assert r["status"] == 503
             assert "no node has joined yet" in r["body"]["error"]["message"]
         finally:
-            stop([coord])
+            stop_all([coord])

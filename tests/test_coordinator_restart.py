@@ -6,7 +6,6 @@ their models after --orphan-grace and keep running."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from tests.conftest import alive, free_port
 from tests.tiny_models import build_model
-from tests.helpers.processes import launch, settled_count, status
+from tests.helpers.processes import launch, settled_count, status, stop_all
 from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -125,11 +124,4 @@ def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):
             assert settled_count(p.pid) < before[name], name
             assert alive(p.pid)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

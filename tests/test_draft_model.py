@@ -20,8 +20,8 @@ from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
-from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
-from tests.helpers.speculation import FLAT, TEXT, run_one
+from tests.helpers.engine import assert_logprobs_match, drain, reference
+from tests.helpers.speculation import FLAT, TEXT, mixed_requests, run_one
 from tests.tiny_models import CORPUS, build_model, truncated_model
 
 
@@ -118,21 +118,8 @@ def test_eight_streams_mix_drafting_and_plain_rows(models, mlx_lm_model):
     """Draft-model rows, prediction rows and rows that never draft (a penalty) share each
     step; each gets what it gets alone, logprobs included."""
     model, tok = mlx_lm_model
-    texts = [TEXT, "Hello", TEXT[:60], "The capital of France is", TEXT[10:], "x y x y x y",
-             "def add(a, b):\n    return", TEXT[:90]]
-    prompts = [tok.encode(t) for t in texts]
     n = 30
-    refs = [reference_logprobs(model, p, n) for p in prompts]
-    reqs = []
-    for i, p in enumerate(prompts):
-        kw = {}
-        if i % 3 == 1:
-            kw["prediction"] = tuple(t for t, _ in refs[i])
-        if i % 2 == 0:
-            kw["sampling"] = SamplingParams(logprobs=3)
-        if i == 5:
-            kw["sampling"] = SamplingParams(repetition_penalty=1.0001)
-        reqs.append(SeqRequest(str(i), p, n + i, **kw))
+    prompts, refs, reqs = mixed_requests(model, tok, n, longer=True)
     batcher = engine(models, "early", max_rows=8)
     seqs = [batcher.submit(r) for r in reqs]
     results = drain(batcher, seqs)

@@ -5,7 +5,6 @@ the move ends with the same tokens, and no request is refused or fails."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import threading
 import time
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.helpers.processes import launch, status
+from tests.helpers.processes import launch, status, stop_all
 from tests.helpers.waiting import wait_for
 from tests.tiny_models import build_model
 
@@ -100,11 +99,4 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
         assert ask(url, TOKENS) == reference
         assert "moving main while it serves" in (tmp_path / "coordinator.log").read_text()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -40,3 +41,17 @@ def status(url: str) -> dict:
         return r.json() if r.status_code == 200 else {}
     except httpx.HTTPError:
         return {}
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process still running, then up to 20 s each before a SIGKILL (and its
+    reaping)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
