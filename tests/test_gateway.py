@@ -480,8 +480,10 @@ def test_non_streaming_client_timeout_cancels_generation(server: Server,
     wait_for(lambda: _idle(server), 15, "an idle server")
     before = _cancel_counters(server, "completions")
     limit = 1900
+    # A penalised row never drafts: speculation must not finish the whole completion before
+    # the gateway sees the client go (a random model's greedy output loops, and drafts stand).
     body = {"model": server.model_id, "prompt": "Hello world! How are", "max_tokens": limit,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, "presence_penalty": 0.01}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", json=body, timeout=1.0)
     _assert_generation_stopped(server, "completions", before, limit)
@@ -493,7 +495,8 @@ def test_non_streaming_client_timeout_cancels_generation(server: Server,
     short = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         short.completions.create(model=server.model_id, prompt="Hello world! How are",
-                                 max_tokens=limit, temperature=0, extra_body={"ignore_eos": True})
+                                 max_tokens=limit, temperature=0, presence_penalty=0.01,
+                                 extra_body={"ignore_eos": True})
     _assert_generation_stopped(server, "completions", before, limit)
     _quick_request_works(client, server)
     # A client that goes away is routine: no traceback in the server's log.
