@@ -103,6 +103,9 @@ def test_bad_audio_format_and_kind_are_400s(server):
     fmt = httpx.post(url, timeout=TIMEOUT, files={"file": ("tone.wav", tone_wav(0.5))},
                      data={"model": "whisper", "response_format": "mp3"})
     assert fmt.status_code == 400 and "response_format" in fmt.json()["error"]["message"]
+    streamed = httpx.post(url, timeout=TIMEOUT, files={"file": ("tone.wav", tone_wav(0.5))},
+                          data={"model": "whisper", "stream": "true"})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
     chat = httpx.post(server.base_url + "/chat/completions", timeout=TIMEOUT, json={
         "model": "whisper", "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400

@@ -29,6 +29,9 @@ from proto import omlx_pb2 as pb
 MAX_AUDIO_BYTES = 25 << 20
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
+# The form fields served; OpenAI's others (stream, chunking_strategy, include[]) are refused.
+FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature",
+          "timestamp_granularities[]"}
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -78,6 +81,9 @@ def add_routes(app: FastAPI, manager: ModelManager, settings: GatewaySettings,
             response_format: str = Form("json"), temperature: float | None = Form(None),
             granularities: list[str] | None = Form(None, alias="timestamp_granularities[]"),
     ) -> Response:
+        if unknown := sorted(set((await request.form()).keys()) - FIELDS):
+            raise APIError(400, f"{unknown[0]} is not supported here; the fields served: "
+                                f"{', '.join(sorted(FIELDS))}", param=unknown[0])
         served = await check_servable(manager, model, account_of(request.scope), TRANSCRIBE)
         if response_format not in FORMATS:
             raise APIError(400, f"response_format {response_format!r}: one of "
