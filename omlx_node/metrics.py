@@ -42,7 +42,7 @@ KINDS = ("decode", "prefill")
 
 
 class KVHolder(Protocol):
-    """What holds a stage's KV (batcher.StageState, which imports this module)."""
+    """What holds a stage's KV (stage_state.StageState, which imports this module)."""
 
     def kv_bytes(self) -> int: ...
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from omlx_node import wire
-from omlx_node.batcher import Batcher, StageState
+from omlx_node.batcher import Batcher
+from omlx_node.stage_state import StageState
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics, StageProfile

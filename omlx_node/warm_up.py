@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
-from omlx_node.batcher import StageState
+from omlx_node.stage_state import StageState
 from omlx_node.metrics import StageProfile
 from omlx_node.sampling import (
     RowSampler,
