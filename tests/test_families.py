@@ -159,7 +159,7 @@ def restore_round(tiny: Tiny, block_size: int, chunk: int, caplog) -> None:
     layout = None if tiny.family in PREFIX_OFF else block_layout(stage, block_size)
     with PrefixCache(f"tiny/{tiny.family}", (0, LAYERS), block_size=block_size,
                      layout=layout) as cache:
-        with caplog.at_level(logging.INFO, logger="omlx_node.batcher"):
+        with caplog.at_level(logging.INFO, logger="omlx_node.stage_state"):
             # Small chunks: a window layer's blocks are cut chunk by chunk as it slides.
             batcher = Batcher(stage, NodeMetrics(), prefill_chunk=chunk, prefix_cache=cache)
         if tiny.family in PREFIX_OFF:
