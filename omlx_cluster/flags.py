@@ -12,6 +12,7 @@ from pathlib import Path
 from omlx_cluster import validators
 from omlx_cluster.api_keys import add_api_key_flags
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
+from omlx_shared.parallel_modes import PARALLEL
 from omlx_shared.speculative_modes import check_mode, draft_path
 
 log = logging.getLogger("omlx_cluster")
@@ -204,7 +205,7 @@ PARALLEL_HELP = ("how a model is laid out over several nodes. pipeline: each nod
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+    p.add_argument("--parallel", choices=PARALLEL, default="pipeline",
                    help=PARALLEL_HELP + "; a model's parallel in --models-config wins "
                         "(default: pipeline)")
     p.add_argument("--micro-batches", type=validators.positive, default=None, metavar="K",

@@ -23,6 +23,7 @@ from omlx_cluster.flags import (
 )
 from omlx_shared import __version__
 from omlx_shared.model_kinds import KINDS
+from omlx_shared.parallel_modes import PARALLEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "for each node")
     plan.add_argument("--split", type=validators.layer_counts, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
-    plan.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+    plan.add_argument("--parallel", choices=PARALLEL, default="pipeline",
                       help=PARALLEL_HELP + " (default: pipeline)")
     plan.add_argument("--os-reserve", type=validators.size, default="8GiB", metavar="SIZE",
                       help="memory kept free on every node (default: 8GiB, a joined Mac's; "
