@@ -19,7 +19,7 @@ import pytest
 from omlx_coordinator.cluster import NODE_BACK_SECONDS
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import NodeSpec, Plan, make_plan
-from omlx_coordinator.rebalancer import (
+from omlx_coordinator.rebalance_policy import (
     NodeState,
     Policy,
     Reading,
@@ -139,6 +139,31 @@ def test_cooldown_holds_the_next_move():
     assert not held.move and held.why.startswith("cooldown") and held.plan is not None
     moved = decide(readings, plan, LAYOUT, NODES, 60, last_move_at=-400, policy=policy)
     assert moved.move and moved.plan.plan_hash == held.plan.plan_hash
+
+
+def test_a_restarted_counter_or_a_way_back_holds():
+    policy = Policy(window=30, cooldown=0)
+    plan = first_plan()
+
+    def readings(restart_at: float | None) -> list[Reading]:
+        # n1 three times slower than the others from the start.
+        def at(t: float) -> float:
+            return t - restart_at if restart_at is not None and t >= restart_at else t
+        return [Reading(t, plan.plan_hash, tuple(
+            StageReading(s.node, (3 if s.node == "n1" else 1) * at(t), at(t))
+            for s in plan.stages)) for t in range(0, 62, 2)]
+
+    assert decide(readings(None), plan, LAYOUT, NODES, 60, policy=policy).move
+    # A worker restarted under the same plan (its counters went back): its window holds.
+    restarted = decide(readings(44), plan, LAYOUT, NODES, 60, policy=policy)
+    assert not restarted.move and "a counter restarted" in restarted.why
+    # Going back to the plan just left must promise twice the threshold.
+    target = decide(readings(None), plan, LAYOUT, NODES, 60, policy=policy)
+    strict = Policy(window=30, cooldown=0, threshold=target.gain * 0.6)
+    assert decide(readings(None), plan, LAYOUT, NODES, 60, policy=strict).move
+    back = decide(readings(None), plan, LAYOUT, NODES, 60, policy=strict,
+                  left_plan_hash=target.plan.plan_hash)
+    assert not back.move and back.why.startswith("not sustained")
 
 
 def test_memory_pressure_sheds_layers():
