@@ -261,6 +261,9 @@ class _Costs:
         # The head matmul streams lm_head, or the embedding when tied.
         self.head_compute = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
         self.largest_layer = max(layout.layer_bytes, default=0)
+        # The split search asks each (node, range) many times: fits, held, ms, in every order.
+        self._streamed: dict[tuple[int, int, int], int | None] = {}
+        self._ms: dict[tuple[int, int, int], float] = {}
 
     def weights(self, i: int, k: int) -> int:
         lay = self.layout
@@ -283,10 +286,13 @@ class _Costs:
 
     def streamed(self, j: int, i: int, k: int) -> int | None:
         """Layers of [i, k) node j keeps on disk (0: none); None when the stage cannot fit."""
-        cap = self.nodes[j].weights_cap
-        room = self.limits[j] - self.kv(i, k)
-        return streamed_layers(self.prefix, i, k, self.weights(i, k),
-                               min(room, cap) if cap else room, bool(cap), self.largest_layer)
+        if (j, i, k) not in self._streamed:
+            cap = self.nodes[j].weights_cap
+            room = self.limits[j] - self.kv(i, k)
+            self._streamed[j, i, k] = streamed_layers(
+                self.prefix, i, k, self.weights(i, k), min(room, cap) if cap else room,
+                bool(cap), self.largest_layer)
+        return self._streamed[j, i, k]
 
     def held(self, j: int, i: int, k: int) -> int:
         """Weights the stage keeps in memory: all, or the resident ones and streaming buffers."""
@@ -315,7 +321,9 @@ class _Costs:
         return 0.0 if (i == 0 and k == self.L) else self.nodes[j].link_ms
 
     def ms(self, j: int, i: int, k: int) -> float:
-        return self.compute_ms(j, i, k) + self.link(j, i, k)
+        if (j, i, k) not in self._ms:
+            self._ms[j, i, k] = self.compute_ms(j, i, k) + self.link(j, i, k)
+        return self._ms[j, i, k]
 
 
 # A split as (node index, layer_start, layer_end) triples, in pipeline order.

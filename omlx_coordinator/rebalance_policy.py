@@ -10,6 +10,7 @@ this decides; its docstring says how speeds are measured and why each rule holds
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 from collections.abc import Mapping, Sequence
@@ -127,9 +128,15 @@ class Decision:
 def stage_bytes(layout: ModelLayout, plan: Plan) -> dict[str, float]:
     """Bytes each stage of `plan` streams per decode step in the planner's cost model: its
     estimate at 1 GB/s (ms at 1 GB/s = bytes / 1e6). Asking the planner keeps one cost model."""
-    costed = make_plan(layout, [NodeSpec(s.node, _UNLIMITED) for s in plan.stages],
-                       os_reserve_bytes=0, split=plan.split)
-    return {s.node: s.est_ms * 1e6 for s in costed.stages}
+    return dict(_stage_bytes(layout, tuple(s.node for s in plan.stages), tuple(plan.split)))
+
+
+@functools.lru_cache(maxsize=64)  # every tick asks again for the same plan
+def _stage_bytes(layout: ModelLayout, nodes: tuple[str, ...],
+                 split: tuple[int, ...]) -> tuple[tuple[str, float], ...]:
+    costed = make_plan(layout, [NodeSpec(n, _UNLIMITED) for n in nodes], os_reserve_bytes=0,
+                       split=list(split))
+    return tuple((s.node, s.est_ms * 1e6) for s in costed.stages)
 
 
 def _covering(readings: Sequence[Reading], now: float, span: float) -> list[Reading] | None:
