@@ -18,6 +18,8 @@ from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.pipeline import pipeline
 
+pytestmark = pytest.mark.slow  # real processes signalled
+
 # linux/connector.h and linux/cn_proc.h
 NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC = 11, 1, 1
 SO_RCVBUFFORCE = 33  # asm-generic/socket.h (root may pass the rmem_max cap)
@@ -101,7 +103,6 @@ def test_sigterm_stops_every_rank_with_code_0(model):
         assert "exits with code 0" in log.splitlines()[-1]
 
 
-@pytest.mark.slow
 def test_a_two_node_serve_stops_every_worker_with_code_0(model, tmp_path):
     with exit_codes() as collect:
         with start_server(model, "--nodes", "2", home=tmp_path / "h") as server:

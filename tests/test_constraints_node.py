@@ -265,6 +265,7 @@ def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(model_path
         assert tokens_of(generate(stub, prompts[0], 12)) == reference(model, prompts[0], 12)
 
 
+@pytest.mark.slow
 def test_grammar_failing_on_the_tail_ends_only_its_request(model_path, mlx_lm_model, tmp_path):
     """A tail whose folder has no tokenizer cannot compile the grammar the head accepted: that
     request ends with the tail's error; the others in its micro-batch go on."""

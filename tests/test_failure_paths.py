@@ -101,6 +101,7 @@ def long_request(max_tokens: int = 1500) -> GenerationRequest:
                              ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_node_status_codes_map_to_http(model):
     """INVALID_ARGUMENT (the node refuses the request) is the client's 400; any other status
     that is not a lost node (here UNAUTHENTICATED: the worker does not take this session) is a
@@ -126,6 +127,7 @@ def test_node_status_codes_map_to_http(model):
     assert isinstance(fine, Done) and len(tokens) == 4
 
 
+@pytest.mark.slow
 def test_a_recovery_that_outlasts_the_request_is_a_504(model):
     async def scenario(cluster: ModelManager):
         replan = asyncio.create_task(cluster.main.recover("test: a new plan", always=True))
@@ -315,6 +317,7 @@ def test_a_bad_manifest_is_refused_and_nothing_is_written(model, tmp_path, case)
     assert store.prepare(_manifest(source)).files  # the store still takes a good one
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_write_aborts_and_the_transfer_resumes(big, tmp_path):
     """The store had room when it prepared; then something else fills its disk (a file written
     into the agent's tmpfs through its mount namespace). The write fails with ENOSPC:

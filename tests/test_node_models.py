@@ -20,6 +20,8 @@ from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow  # a real node agent starting and stopping shard workers
+
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 

@@ -40,6 +40,8 @@ from tests.helpers.weights import (
     push,
 )
 
+pytestmark = pytest.mark.slow  # real node agents receiving weights
+
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
@@ -138,7 +140,6 @@ def test_tied_embeddings_travel_to_the_last_stage(tmp_path):
     assert mx.array_equal(whole(h, whole.make_cache()), part(h, part.make_cache())).item()
 
 
-@pytest.mark.slow
 def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     ref_model, tok = load(str(small))
     prompt = tok.encode("The capital of France is")

@@ -25,6 +25,8 @@ from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow  # a real shard worker process
+
 PROMPTS = ["The capital of France is", "One two three", "def main():", "Hello"]
 
 
