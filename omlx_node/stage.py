@@ -301,6 +301,12 @@ class StageRunner:
     def streamed_layers(self) -> int:
         return len(self.layers) - self._kept
 
+    @property
+    def streamed_bytes_read(self) -> int:
+        """Bytes its streamed layers' turns have read from disk so far (routed experts: only
+        those the tokens chose)."""
+        return self._stream.bytes_read if self._stream else 0
+
     def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
         """Token ids (B, L) on the first stage, hidden states (B, L, D) on the others.
 
