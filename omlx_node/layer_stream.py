@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ class LayerStream:
         self._spans = {i: _merged(s) for i, s in self._spans.items()}
         self._ahead_spans = {i: _merged(s) for i, s in self._ahead_spans.items()}
         self.bytes_read = 0  # what turns have read of streamed layers (routed experts: theirs)
+        self._turn_s: dict[int, float] = {}
         self._order = sorted(layers)
         # What a layer's modules hold between turns: placeholders of the weights' shapes, lazy
         # and never evaluated, so they take no memory.
@@ -131,6 +133,7 @@ class LayerStream:
     def run(self, i: int, call: Callable[[], mx.array]) -> mx.array:
         """`call()` (the layer's forward) with layer i's weights in place, evaluated; the
         weights are released when it returns. Raises OSError when they cannot be read."""
+        t0 = time.perf_counter()
         ahead = self._ahead.pop(i, None)
         if ahead is not None:
             ahead.result()  # a failed read raises here, for the requests of this step
@@ -150,7 +153,15 @@ class LayerStream:
                 swap(layer, bank.path, bank.module)
             layer.update(tree_unflatten(self._idle[i]))
             self._drop(i)
+        self._turn_s[i] = time.perf_counter() - t0
         return h
+
+    @property
+    def seconds_a_pass(self) -> float:
+        """What the last turns of the streamed layers took, one each (reads not hidden behind
+        compute and the layers' own compute): what a forward pass pays for streaming them; 0
+        before any has run."""
+        return sum(self._turn_s.values())
 
     def _count(self, n: int) -> None:
         self.bytes_read += n

@@ -307,6 +307,12 @@ class StageRunner:
         those the tokens chose)."""
         return self._stream.bytes_read if self._stream else 0
 
+    @property
+    def streamed_seconds(self) -> float:
+        """What a forward pass spends in its streamed layers (their reads and compute), as last
+        measured; 0 for a stage that streams none, or before its first pass."""
+        return self._stream.seconds_a_pass if self._stream else 0.0
+
     def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
         """Token ids (B, L) on the first stage, hidden states (B, L, D) on the others.
 
