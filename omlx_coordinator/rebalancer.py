@@ -14,7 +14,12 @@ reading's own timing does not matter). The planner costs a stage as the bytes it
 the node's speed; dividing the stage's bytes in that model by the measured time gives the
 node's speed in the planner's own units (GB/s of weights under the current load, overheads
 included), so the planner's prediction for the current split is what was measured, and its
-best split over those speeds is comparable to it. A node with no stage in the plan keeps the
+best split over those speeds is comparable to it. A stage that streams layers from its disk
+(`--weights-memory`) spends part of its step reading them: the planner's read time for them
+(their bytes at the node's measured disk speed) is taken off its measured time before its
+speed is derived, and the splits it is compared with are planned with each node's cap and disk,
+read time included, so a streaming stage is not mistaken for a slow one, nor given layers its
+cap cannot hold. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
 the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
 model's re-plans after a loss or a join split by these speeds too (`Deployment.speed`): a node
@@ -47,6 +52,7 @@ from typing import TYPE_CHECKING, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from omlx_coordinator.disk_layers import DEFAULT_DISK_GBPS, disk_ms
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
 
@@ -74,6 +80,9 @@ PRESSURE_LEVELS = {"psi_some_avg10": 0.10, "memorystatus_level": 0.75}
 DEFAULT_PRESSURE_LEVEL = 0.10
 # Memory does not bound a stage's cost: costing a split asks the planner with unlimited memory.
 _UNLIMITED = 1 << 62
+# The least of a streaming stage's measured step counted as compute: a disk that reads faster
+# than measured at join (its pages still cached) must not make the compute look free.
+MIN_COMPUTE_SHARE = 0.1
 
 COMPUTE = "omlx_node_stage_compute_seconds"
 WAIT = "omlx_node_stage_receive_wait_seconds"
@@ -135,14 +144,17 @@ class Reading:
 class NodeState:
     """A node the plan may use: the memory a plan may take of it now, its calibrated speed
     (GB/s), and the memory it has for the model (its footprint is held against this one, not
-    against a budget lowered by shedding; 0: budget_bytes), and what its shard worker keeps
-    for its RAM prefix cache (NodeSpec.cache_bytes)."""
+    against a budget lowered by shedding; 0: budget_bytes), what its shard worker keeps
+    for its RAM prefix cache (NodeSpec.cache_bytes), its --weights-memory (0: none) and its
+    disk's read speed (GB/s), which a stage streaming layers from it pays."""
 
     name: str
     budget_bytes: int
     speed: float = 1.0
     memory_bytes: int = 0
     cache_bytes: int = 0
+    weights_cap: int = 0
+    disk_gbps: float = DEFAULT_DISK_GBPS
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,25 @@ def stage_bytes(layout: ModelLayout, plan: Plan) -> dict[str, float]:
     costed = make_plan(layout, [NodeSpec(s.node, _UNLIMITED) for s in plan.stages],
                        os_reserve_bytes=0, split=plan.split)
     return {s.node: s.est_ms * 1e6 for s in costed.stages}
+
+
+def read_seconds(layout: ModelLayout, plan: Plan, nodes: Mapping[str, NodeState]
+                 ) -> dict[str, float]:
+    """Seconds each stage of `plan` spends a decode step reading its streamed layers, as the
+    planner counts them (at batch 1, at its node's disk speed); 0 for a stage that streams
+    none."""
+    out = {}
+    for s in plan.stages:
+        read = sum(layout.read_bytes(i) for i in range(s.layer_end - s.streamed_layers,
+                                                       s.layer_end))
+        node = nodes.get(s.node)
+        out[s.node] = disk_ms(read, node.disk_gbps if node else DEFAULT_DISK_GBPS) / 1e3
+    return out
+
+
+def _compute_seconds(step: float, reading: float) -> float:
+    """A stage's step time less its disk reads: what its speed is derived from."""
+    return max(step - reading, MIN_COMPUTE_SHARE * step)
 
 
 def _covering(readings: Sequence[Reading], now: float, span: float) -> list[Reading] | None:
@@ -282,8 +313,11 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
     for d in intervals:
         _add(totals, d or {})
     nbytes = stage_bytes(layout, plan)
+    state = {n.name: n for n in nodes}
+    reads = read_seconds(layout, plan, state)
     step_s = {node: t for node, d in totals.items() if (t := _own_seconds(d)) is not None}
-    speeds = {node: nbytes[node] / t / 1e9 for node, t in step_s.items()}
+    speeds = {node: nbytes[node] / _compute_seconds(t, reads[node]) / 1e9
+              for node, t in step_s.items()}
     measured = tuple(s.node for s in plan.stages if s.node in speeds)
     calibrated = {n.name: n.speed for n in nodes}
     ratios = [speeds[n] / calibrated[n] for n in measured if n in calibrated]
@@ -299,7 +333,8 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
 
     def best_plan(budget: Mapping[str, int]) -> Plan:
         return make_plan(layout, [NodeSpec(n.name, budget[n.name], speeds[n.name],
-                                           cache_bytes=n.cache_bytes)
+                                           cache_bytes=n.cache_bytes, weights_cap=n.weights_cap,
+                                           disk_gbps=n.disk_gbps)
                                   for n in nodes], os_reserve_bytes=0)
 
     # Memory pressure first: it does not wait for the gain, only for the pressure to last.
@@ -355,6 +390,7 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
                         f"{policy.window:.0f} s window; {numbers}", **found)
     # Sustained: each part of the window, costed on its own, predicts the gain.
     target_bytes = stage_bytes(layout, target)
+    target_reads = read_seconds(layout, target, state)
     start = now - policy.window
     for k in range(SUSTAIN_PARTS):
         lo, hi = start + k * policy.window / SUSTAIN_PARTS, start + (k + 1) * policy.window / SUSTAIN_PARTS
@@ -371,9 +407,10 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
             return Decision(False, "", f"not sustained: too few decode steps {when}; {numbers}",
                             **found)
         at = dict(speeds)
-        at.update({n: nbytes[n] / t / 1e9 for n, t in own.items()})
+        at.update({n: nbytes[n] / _compute_seconds(t, reads[n]) / 1e9 for n, t in own.items()})
         now_s = max(own.values())
-        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 for s in target.stages)
+        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 + target_reads[s.node]
+                     for s in target.stages)
         if 1 - then_s / now_s <= threshold:
             return Decision(False, "", f"not sustained: {1 - then_s / now_s:+.0%} {when} (needs "
                             f"> {threshold:.0%}); {numbers}", **found)
@@ -475,7 +512,8 @@ class Rebalancer:
         # What the model may hold on each node: other models' plans (and earlier shedding)
         # leave it less than the node's budget.
         nodes = [NodeState(m.name, self.deployment.room(m.name), m.speed,
-                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes)
+                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes,
+                           m.weights_cap, m.disk_speed)
                  for m in self.cluster.servable()]
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,
