@@ -133,8 +133,9 @@ def test_every_layer_on_disk_is_refused(tmp_path: Path):
         StageRunner(path, 0, 2, streamed=2)
 
 
-def test_a_weights_file_gone_mid_serving_fails_the_step(tmp_path: Path):
-    path = build_model(tmp_path / "m", num_layers=4)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_weights_file_gone_mid_serving_fails_the_step(tmp_path: Path, family: str):
+    path = build_model(tmp_path / "m", family=family, num_layers=4)
     stage = StageRunner(path, streamed=2)
     assert len(greedy(stage, 2)) == 2
     weights = path / "model.safetensors"
