@@ -145,7 +145,8 @@ def main() -> int:
         "# Layers on the SSD: half a model's layers streamed (issue 45)",
         "",
         f"- machine: {device}{'; ' + args.machine_note if args.machine_note else ''}; commit "
-        f"{machine['git_commit']}; `python -m bench.disk_layers`",
+        f"{machine['git_commit']}; `python -m bench.disk_layers"
+        f"{' --family qwen3_moe' if moe else ''}`",
         f"- model: random {args.family}, {args.layers} layers, hidden {args.hidden}"
         + (f", {args.experts} experts of width {args.hidden // 4}, 2 a token" if moe else "")
         + f", float32, {layout.total_weight_bytes / 2**20:.0f} MiB; the last {half} layers "
