@@ -247,9 +247,11 @@ class _Costs:
         self.nodes = list(nodes)
         self.L = layout.num_layers
         self.prefix, self.stream_prefix, self.kv_prefix = [0], [0], [0]
+        self.read_prefix = [0]  # what a batch-1 step reads of layers kept on disk
         for i, b in enumerate(layout.layer_bytes):
             self.prefix.append(self.prefix[-1] + b)
             self.stream_prefix.append(self.stream_prefix[-1] + layout.stream_bytes(i))
+            self.read_prefix.append(self.read_prefix[-1] + layout.read_bytes(i))
             self.kv_prefix.append(
                 self.kv_prefix[-1] + layout.kv_bytes(i, context_tokens) * max_sequences)
         # What one full-attention layer reserves, for the explanation.
@@ -314,7 +316,7 @@ class _Costs:
     def compute_ms(self, j: int, i: int, k: int) -> float:
         ms = self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
         if n := self.streamed(j, i, k):
-            ms += disk_ms(self.prefix[k] - self.prefix[k - n], self.nodes[j].disk_gbps)
+            ms += disk_ms(self.read_prefix[k] - self.read_prefix[k - n], self.nodes[j].disk_gbps)
         return ms
 
     def link(self, j: int, i: int, k: int) -> float:
@@ -727,11 +729,14 @@ def _explain(
             f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
         if n := c.streamed(j, a, b):
-            disk = c.prefix[b] - c.prefix[b - n]
+            disk = c.read_prefix[b] - c.read_prefix[b - n]
+            whole = c.prefix[b] - c.prefix[b - n]
+            share = (f"; at batch 1 only the routed experts of their {human_bytes(whole)} are "
+                     f"read, a batch's rows route to more, up to all" if disk < whole else "")
             out.append(
                 f"Layers [{b - n}, {b}) of {nd.name} stream from its SSD ({human_bytes(disk)} read each "
                 f"step at {nd.disk_gbps:g} GB/s: {disk_ms(disk, nd.disk_gbps):.1f} ms a step, "
-                f"shared by every row of a batch): its --weights-memory "
+                f"shared by every row of a batch{share}): its --weights-memory "
                 f"{human_bytes(nd.weights_cap)} holds the other {b - a - n} layers' "
                 f"{human_bytes(c.held(j, a, b) - STREAM_BUFFERS * c.largest_layer)} and "
                 f"{STREAM_BUFFERS} streamed layers' buffers.")

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from omlx_coordinator.disk_layers import DEFAULT_DISK_GBPS, disk_ms
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
 
@@ -35,6 +36,9 @@ PRESSURE_LEVELS = {"psi_some_avg10": 0.10, "memorystatus_level": 0.75}
 DEFAULT_PRESSURE_LEVEL = 0.10
 # Memory does not bound a stage's cost: costing a split asks the planner with unlimited memory.
 _UNLIMITED = 1 << 62
+# The least of a streaming stage's measured step counted as compute: a disk that reads faster
+# than measured at join (its pages still cached) must not make the compute look free.
+MIN_COMPUTE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,17 @@ class Reading:
 class NodeState:
     """A node the plan may use: the memory a plan may take of it now, its calibrated speed
     (GB/s), and the memory it has for the model (its footprint is held against this one, not
-    against a budget lowered by shedding; 0: budget_bytes), and what its shard worker keeps
-    for its RAM prefix cache (NodeSpec.cache_bytes)."""
+    against a budget lowered by shedding; 0: budget_bytes), what its shard worker keeps
+    for its RAM prefix cache (NodeSpec.cache_bytes), its --weights-memory (0: none) and its
+    disk's read speed (GB/s), which a stage streaming layers from it pays."""
 
     name: str
     budget_bytes: int
     speed: float = 1.0
     memory_bytes: int = 0
     cache_bytes: int = 0
+    weights_cap: int = 0
+    disk_gbps: float = DEFAULT_DISK_GBPS
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,25 @@ def _stage_bytes(layout: ModelLayout, nodes: tuple[str, ...],
     costed = make_plan(layout, [NodeSpec(n, _UNLIMITED) for n in nodes], os_reserve_bytes=0,
                        split=list(split))
     return tuple((s.node, s.est_ms * 1e6) for s in costed.stages)
+
+
+def read_seconds(layout: ModelLayout, plan: Plan, nodes: Mapping[str, NodeState]
+                 ) -> dict[str, float]:
+    """Seconds each stage of `plan` spends a decode step reading its streamed layers, as the
+    planner counts them (at batch 1, at its node's disk speed); 0 for a stage that streams
+    none."""
+    out = {}
+    for s in plan.stages:
+        read = sum(layout.read_bytes(i) for i in range(s.layer_end - s.streamed_layers,
+                                                       s.layer_end))
+        node = nodes.get(s.node)
+        out[s.node] = disk_ms(read, node.disk_gbps if node else DEFAULT_DISK_GBPS) / 1e3
+    return out
+
+
+def _compute_seconds(step: float, reading: float) -> float:
+    """A stage's step time less its disk reads: what its speed is derived from."""
+    return max(step - reading, MIN_COMPUTE_SHARE * step)
 
 
 def _covering(readings: Sequence[Reading], now: float, span: float) -> list[Reading] | None:
@@ -219,6 +245,7 @@ class _Measured:
     window: list[Reading] | None  # those covering the last `window` seconds, None if too few
     intervals: list[dict[str, Delta] | None]  # between consecutive readings of the window
     nbytes: dict[str, float]  # each stage's bytes a step in the planner's cost model
+    reads: dict[str, float]  # seconds each stage reads its streamed layers a step
     step_s: dict[str, float]  # measured seconds a step, per stage with enough steps
     speeds: dict[str, float]  # GB/s each node is planned at
     measured: tuple[str, ...]
@@ -240,9 +267,11 @@ def _measure(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequen
     span = window or ours  # not a full window yet: what there is, to show and to apply by hand
     intervals = [_deltas(a, b) for a, b in itertools.pairwise(span)]
     nbytes = stage_bytes(layout, plan)
+    reads = read_seconds(layout, plan, {n.name: n for n in nodes})
     step_s = {node: t for node, d in _summed(intervals).items()
               if (t := d.own_seconds()) is not None}
-    speeds = {node: nbytes[node] / t / 1e9 for node, t in step_s.items()}
+    speeds = {node: nbytes[node] / _compute_seconds(t, reads[node]) / 1e9
+              for node, t in step_s.items()}
     measured = tuple(s.node for s in plan.stages if s.node in speeds)
     calibrated = {n.name: n.speed for n in nodes}
     ratios = [speeds[n] / calibrated[n] for n in measured if n in calibrated]
@@ -252,14 +281,15 @@ def _measure(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequen
             speeds[n.name] = (remembered or {}).get(n.name) or n.speed * scale
     held = {s.node for s in plan.stages}
     current_s = max(step_s.values()) if len(measured) == len(held) else None
-    return _Measured(plan, ours, window, intervals, nbytes, step_s, speeds, measured, scale,
-                     current_s)
+    return _Measured(plan, ours, window, intervals, nbytes, reads, step_s, speeds, measured,
+                     scale, current_s)
 
 
 def _best_plan(layout: ModelLayout, nodes: Sequence[NodeState], speeds: Mapping[str, float],
                budget: Mapping[str, int]) -> Plan:
     return make_plan(layout, [NodeSpec(n.name, budget[n.name], speeds[n.name],
-                                       cache_bytes=n.cache_bytes) for n in nodes],
+                                       cache_bytes=n.cache_bytes, weights_cap=n.weights_cap,
+                                       disk_gbps=n.disk_gbps) for n in nodes],
                      os_reserve_bytes=0)
 
 
@@ -359,7 +389,7 @@ def _imbalance(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], no
         return Decision(False, "", f"measuring: {now - m.ours[0].at:.0f} s of the "
                         f"{policy.window:.0f} s window; {numbers}", **found)
     threshold = policy.threshold * (BACK_FACTOR if target.plan_hash == left_plan_hash else 1)
-    held = _sustained(m, layout, target, now, threshold, policy)
+    held = _sustained(m, layout, nodes, target, now, threshold, policy)
     if held is not None:
         return Decision(False, "", f"not sustained: {held}; {numbers}", **found)
     if last_move_at is not None and now - last_move_at < policy.cooldown:
@@ -369,12 +399,13 @@ def _imbalance(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], no
                     **found)
 
 
-def _sustained(m: _Measured, layout: ModelLayout, target: Plan, now: float, threshold: float,
-               policy: Policy) -> str | None:
+def _sustained(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], target: Plan,
+               now: float, threshold: float, policy: Policy) -> str | None:
     """Each part of the window, costed on its own, must predict the gain: None when every part
     does, else why not."""
     assert m.window is not None
     target_bytes = stage_bytes(layout, target)
+    target_reads = read_seconds(layout, target, {n.name: n for n in nodes})
     held = [s.node for s in m.plan.stages]
     start = now - policy.window
     for k in range(SUSTAIN_PARTS):
@@ -392,9 +423,11 @@ def _sustained(m: _Measured, layout: ModelLayout, target: Plan, now: float, thre
         if any(t is None for t in own.values()):
             return f"too few decode steps {when}"
         at = dict(m.speeds)
-        at.update({n: m.nbytes[n] / t / 1e9 for n, t in own.items()})
+        at.update({n: m.nbytes[n] / _compute_seconds(t, m.reads[n]) / 1e9
+                   for n, t in own.items()})
         now_s = max(own.values())
-        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 for s in target.stages)
+        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 + target_reads[s.node]
+                     for s in target.stages)
         if 1 - then_s / now_s <= threshold:
             return f"{1 - then_s / now_s:+.0%} {when} (needs > {threshold:.0%})"
     return None

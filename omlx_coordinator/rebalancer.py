@@ -15,7 +15,12 @@ reading's own timing does not matter). The planner costs a stage as the bytes it
 the node's speed; dividing the stage's bytes in that model by the measured time gives the
 node's speed in the planner's own units (GB/s of weights under the current load, overheads
 included), so the planner's prediction for the current split is what was measured, and its
-best split over those speeds is comparable to it. A node with no stage in the plan keeps the
+best split over those speeds is comparable to it. A stage that streams layers from its disk
+(`--weights-memory`) spends part of its step reading them: the planner's read time for them
+(their bytes at the node's measured disk speed) is taken off its measured time before its
+speed is derived, and the splits it is compared with are planned with each node's cap and disk,
+read time included, so a streaming stage is not mistaken for a slow one, nor given layers its
+cap cannot hold. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
 the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
 model's re-plans after a loss or a join split by these speeds too (`Deployment.speed`): a node
@@ -167,7 +172,8 @@ class Rebalancer:
         # What the model may hold on each node: other models' plans (and earlier shedding)
         # leave it less than the node's budget.
         nodes = [NodeState(m.name, self.deployment.room(m.name), m.speed,
-                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes)
+                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes,
+                           m.weights_cap, m.disk_speed)
                  for m in self.cluster.servable()]
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,

@@ -53,6 +53,7 @@ import mlx.core as mx
 
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
 from omlx_node.draft_model import DraftModel
+from omlx_node.fuller_steps import SHARE, gather_window, wait_left
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.prefill_order import waits_for_ahead
@@ -222,6 +223,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk or device_prefill_chunk()
         # How much of a prompt an iteration prefills while others decode (step_pace.py).
         self.pace = StepPace()
+        # How long new requests wait for others on a stage that streams layers, as a share of
+        # a pass over them (fuller_steps.py).
+        self.gather_share = SHARE
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
@@ -319,7 +323,7 @@ class Engine:
         Python thread that later exits can abort the interpreter at shutdown (seen with mlx 0.32)."""
         while not self._stop.is_set():
             self.step(block=True)
-        self._drain_inbox(block=False)  # requests that came during the last step end too
+        self._drain_inbox(0.0)  # requests that came during the last step end too
         # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
         self._finish_all(Finish("aborted", "the node is shutting down"))
         self._deliver()
@@ -327,8 +331,9 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         """One iteration: new requests and cancellations, then the subclass's work. `block`
-        waits (bounded) for work when there is none."""
-        self._drain_inbox(block=block and self.idle)
+        waits (bounded) for work when there is none, or for more requests to start with the
+        waiting ones (fuller_steps.py)."""
+        self._drain_inbox(self._nap() if block else 0.0)
         key = random_key()
         try:
             self._work()
@@ -363,9 +368,25 @@ class Engine:
         `ready` again, or stops the engine (the worker then exits) if it cannot."""
         raise NotImplementedError
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _nap(self) -> float:
+        """Seconds the engine may wait on its inbox before this iteration's work."""
+        if self.idle:
+            return 0.5
+        return 0.0 if self.running_seqs() else self._gather_left(self.max_batch)
+
+    def _gather_left(self, room: int) -> float:
+        """Seconds the waiting requests, none started yet, still wait for others to start
+        with them on a stage that streams layers (fuller_steps.py); 0: they start now."""
+        if not self._waiting or any(s.prefill_started for s in self._waiting):
+            return 0.0
+        window = gather_window(self.stage.streamed_seconds, self.gather_share)
+        return wait_left(window, time.perf_counter(),
+                         min(s.submitted for s in self._waiting), len(self._waiting), room)
+
+    def _drain_inbox(self, timeout: float) -> None:
+        """New requests and cancellations; waits up to `timeout` seconds for the first."""
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            msg = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -400,6 +421,8 @@ class Engine:
         """Plans one prefill chunk: (sequence, start, n) pieces of at most the pace's budget
         (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
         most `room` new sequences."""
+        if self._gather_left(room) > 0:
+            return []
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
         for seq in self._waiting:
             if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \

@@ -301,6 +301,18 @@ class StageRunner:
     def streamed_layers(self) -> int:
         return len(self.layers) - self._kept
 
+    @property
+    def streamed_bytes_read(self) -> int:
+        """Bytes its streamed layers' turns have read from disk so far (routed experts: only
+        those the tokens chose)."""
+        return self._stream.bytes_read if self._stream else 0
+
+    @property
+    def streamed_seconds(self) -> float:
+        """What a forward pass spends in its streamed layers (their reads and compute), as last
+        measured; 0 for a stage that streams none, or before its first pass."""
+        return self._stream.seconds_a_pass if self._stream else 0.0
+
     def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
         """Token ids (B, L) on the first stage, hidden states (B, L, D) on the others.
 

@@ -365,9 +365,11 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     metrics.load_seconds.set(stage.info.load_seconds)
     metrics.shard_bytes.set(stage.nbytes())
     info = stage.info
-    log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s)", config.rank,
+    log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s%s)", config.rank,
              config.world_size, info.layer_start, info.layer_end, config.model_id,
-             info.load_seconds, info.dtype)
+             info.load_seconds, info.dtype,
+             f"; the last {stage.streamed_layers} stream from disk" if stage.streamed_layers
+             else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
     log.info("rank %d: warmed up in %.2fs", config.rank, warm_up(stage))
