@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
 
 from omlx_node.calibrate import row_costs, step_cost
 from omlx_node.metrics import NodeMetrics
@@ -252,22 +251,6 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 
-
-def trim_rows(caches: list, extra: Sequence[int]) -> None:
-    """Drops each row's last extra[i] positions from a decode step's layer caches: the
-    rejected draft tokens (and a short draft's filler). A one-row KVCache trims its offset;
-    a BatchKVCache trims what every row drops, then shifts each row right by the rest, into
-    its left padding (mlx-lm's own right-padding finalize), so no row keeps a rejected token."""
-    common = min(extra)
-    for c in caches:
-        if common:
-            c.trim(common)
-        if not isinstance(c, BatchKVCache) or max(extra) == common:
-            continue
-        c._right_padding = mx.array([e - common for e in extra])
-        c.finalize()
-
-
 def verify_rows(logits: mx.array, drafts: list[list[int]], samplers: list[RowSampler]
                 ) -> tuple[list[Verdict], dict[int, str]]:
     """One step's verdicts from its logits (B, L, V). A row with a draft keeps what
@@ -365,8 +348,9 @@ class Speculator:
             return PredictionProposer(prediction)
         return self.drafter() if self.drafter is not None else NgramProposer()
 
-    def draft(self, proposer: Proposer | None, stats: SpecStats, sampler: RowSampler,
-              tokens: Sequence[int], output: Sequence[int], room: int) -> list[int]:
+    def draft(self, proposer: Proposer | None, stats: SpecStats, params: SamplingParams,
+              constrained: bool, tokens: Sequence[int], output: Sequence[int], room: int
+              ) -> list[int]:
         """A row's draft for this step, as long as its acceptance makes worth it: none for a
         row under a grammar or penalties (their state would have to follow each drafted
         token), for a seeded sampled row (its tokens depend on its seed alone, and a step
@@ -374,8 +358,8 @@ class Speculator:
         gets depends on the batch's size) or with no `room` (tokens it may still generate
         beyond the one this step gives it anyway), nor for one backing off after drafts that
         all failed."""
-        if (proposer is None or stats.wait or sampler.processors or sampler.grammar is not None
-                or (sampler.key is not None and not sampler.params.greedy)):
+        if (proposer is None or stats.wait or params.penalized or constrained
+                or (params.seed is not None and not params.greedy)):
             return []
         share = self.draft_share if proposer.source == "draft" else 0.0
         k = min(best_k(stats.alpha, self.costs, self.k, share), room)
