@@ -241,17 +241,20 @@ class Engine:
         self.ready, self.status = True, "ready"
         self.speculator: Speculator | None = None  # `_speculate` sets it
 
-    def _speculate(self, mode: str, costs: dict[int, float] | None = None) -> None:
+    def _speculate(self, mode: str, max_rows: int | None = None,
+                   costs: dict[int, float] | None = None) -> None:
         """Turns speculative decoding on in `mode` (omlx_node.speculation's: "off", "ngram",
         "auto", "draft=PATH", whose draft model is loaded here) where every layer's cache can
-        be trimmed to a row's accepted tokens. `costs`: the cost curve by positions, measured
-        here unless given."""
+        be trimmed to a row's accepted tokens. `max_rows`: the most rows a drafting step holds
+        (None: as the cost curve says); `costs`: that curve by positions, measured here unless
+        given."""
         if not self.stage.trimmable:
             return
         path = draft_path(check_mode(mode))
         draft = DraftModel(path, self.stage) if path else None
         self.speculator = Speculator(
             mode, self.stage, self.metrics, max_batch=self.max_batch, costs=costs,
+            max_rows=max_rows,
             drafter=draft.proposer if draft else None,
             draft_share=draft.nbytes() / self.stage.nbytes() if draft else 0.0)
 
@@ -618,9 +621,11 @@ class Batcher(Engine):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
-                 grammars: Grammars | None = None, speculative: str = "auto"):
+                 grammars: Grammars | None = None, speculative: str = "auto",
+                 speculative_rows: int | None = None):
         """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
-        the draft model is loaded here)."""
+        the draft model is loaded here); `speculative_rows`: the most rows a drafting step
+        holds (None: measured)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -633,7 +638,7 @@ class Batcher(Engine):
         self._records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None = None
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
-        self._speculate(speculative)
+        self._speculate(speculative, speculative_rows)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch

@@ -298,8 +298,10 @@ class Speculator:
 
     def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
                  k: int = DRAFT_TOKENS, drafter: Callable[[], Proposer] | None = None, draft_share: float = 0.0,
-                 costs: dict[int, float] | None = None, max_batch: int = 64):
+                 costs: dict[int, float] | None = None, max_batch: int = 64,
+                 max_rows: int | None = None):
         """`stage`: the model, whose cost curve is measured here unless `costs` gives it;
+        `max_rows`: the most rows a drafting step holds (None: the measured crossover);
         `drafter`: makes a row's draft model
         proposer ("draft=PATH" modes: omlx_node.draft_model), whose pass costs `draft_share`
         of the target's."""
@@ -313,7 +315,7 @@ class Speculator:
         if mode == "auto":
             self.on = measured > 0
         # An explicit mode drafts at least one row at a time, whatever the curve says.
-        self.max_rows = max(measured, 1)
+        self.max_rows = max_rows or max(measured, 1)
         if self.on:
             log.info("speculative decoding on (%s): up to %d rows a step; %d positions cost "
                      "%.1f of one", mode, self.max_rows, k + 1,

@@ -70,7 +70,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
     max_batch: int = 64
-    speculative: str = "auto"  # omlx_node.speculation's mode (one-stage pipelines only)
+    speculative: str = "auto"  # omlx_node.speculation's mode (drafts on rank 0)
+    speculative_rows: int | None = None  # None: the crossover measured at start-up
     stream_interval: float = 0.02  # seconds (session.Session's interval)
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
@@ -403,7 +404,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                                     grammars)
     elif group is None:
         engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
-                         grammars, config.speculative)
+                         grammars, config.speculative, config.speculative_rows)
     else:
         costs = None
         if not config.micro_batches:
@@ -414,7 +415,8 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
                               config.micro_batches or config.world_size, config.prefill_chunk,
-                              config.max_batch, prefix_cache, costs, grammars)
+                              config.max_batch, prefix_cache, costs, grammars,
+                              config.speculative, config.speculative_rows)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
                          maximum_concurrent_rpcs=MAX_STREAMS)
     service = WorkerService(engine, config, ready["metrics_port"])
