@@ -98,6 +98,15 @@ def position_costs(stage: StageRunner) -> dict[int, float]:
                      rows=COST_POSITIONS, budget_seconds=1.0)
 
 
+def collective_position_costs(stage: StageRunner) -> dict[int, float]:
+    """`position_costs` on a tensor-parallel stage, run by every rank at once: each call of
+    its sharded MLP ends in an all_sum, so every rank makes the same calls, up to 64 positions
+    and with no time budget (which would end the ranks' loops at different sizes)."""
+    return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
+                     rows=tuple(r for r in COST_POSITIONS if r <= 64),
+                     budget_seconds=float("inf"))
+
+
 def crossover(costs: dict[int, float], k: int, limit: int) -> int:
     """The most rows (up to `limit`) a step may hold and still speculate: the largest B whose
     B(k+1) positions cost at most AUTO_MAX_COST times B positions; 0 when one row's do not."""

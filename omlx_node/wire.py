@@ -65,8 +65,8 @@ DECODE payload: [n_cut, cuts..., n_keep, keep row indices..., n_admit, admitted 
 n_answers, answers..., drafts...] where `cuts` (n_cut = 0 or the rows of the micro-batch's last
 step) says how many positions of that step each row drops from its KV before anything else:
 what a verified step ran past the tokens that stood (the tail's answer says; every stage trims
-on this header). `drafts`, only when tokens > 1: for each row [n, its n draft tokens], which
-the tail verifies. `keep` lists the rows of the micro-batch that stay (-1 for n_keep means "all rows stay"),
+on this header). `drafts`, only in a pipeline's step of tokens > 1: for each row [n, its n
+draft tokens], which the tail verifies (a tensor stage's ranks need none). `keep` lists the rows of the micro-batch that stay (-1 for n_keep means "all rows stay"),
 and an answer [row, n, n tokens] gives a leaving row's tokens, its prompt and what was sampled,
 so that every stage's prefix cache keeps the KV the row computed past its prompt before the row
 is dropped (only when the head keeps a prefix cache). An admitted record is
@@ -225,7 +225,7 @@ class Step:
         if self.op == DECODE:
             keep = [-1] if self.keep is None else [len(self.keep), *self.keep]
             answers = [i for row, t in self.answers.items() for i in (row, len(t), *t)]
-            drafts = ([i for d in self.drafts for i in (len(d), *d)] if self.tokens > 1 else [])
+            drafts = [i for d in self.drafts for i in (len(d), *d)]
             return [len(self.cuts), *self.cuts, *keep, len(self.admits),
                     *(i for a in self.admits for i in a.encode()), len(self.answers), *answers,
                     *drafts]
@@ -251,7 +251,7 @@ class Step:
             for _ in range(r.one()):
                 row = r.one()
                 self.answers[row] = r.take(r.one())
-            if self.tokens > 1:
+            if r.at < len(payload):
                 self.drafts = [r.take(r.one()) for _ in range(self.rows)]
         elif self.op == FREE:
             self.freed = payload

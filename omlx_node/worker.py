@@ -361,6 +361,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
+    from omlx_node.speculation import collective_position_costs
     from omlx_node.tensor import TensorFollower, TensorHead
 
     metrics.load_seconds.set(stage.info.load_seconds)
@@ -384,6 +385,10 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         "stage": str(config.rank), "layers": f"{info.layer_start}:{info.layer_end}"})
 
     freeze_startup_heap()  # the loaded model and every module: no full collection walks them
+    tensor_costs = None
+    if config.tensor and config.speculative != "off":
+        # Every rank at once: the sharded MLP's all_sums need them all.
+        tensor_costs = collective_position_costs(stage)
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
         # kill it before that STOP lands, and rank 0 would fail sending it. An agent that cannot
@@ -401,7 +406,8 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     if config.tensor:
         engine: Engine = TensorHead(stage, metrics, group, plan, doorbells[1],
                                     config.prefill_chunk, config.max_batch, prefix_cache,
-                                    grammars)
+                                    grammars, config.speculative, config.speculative_rows,
+                                    tensor_costs)
     elif group is None:
         engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
                          grammars, config.speculative, config.speculative_rows)

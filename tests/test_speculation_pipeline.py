@@ -2,7 +2,8 @@
 loopback): the head drafts, the tail verifies, every stage trims. Greedy output equal, token
 for token, to mlx-lm's and to the same pipeline without speculation, with eight concurrent
 streams mixing drafting and plain rows, a stop token and `max_tokens` inside accepted runs;
-and the same through the gateway, with a stop string."""
+and the same through the gateway, with a stop string; and a tensor-parallel stage, whose
+rank 0 drafts and whose other rank mirrors the cache trims."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mlx_lm.generate import generate_step
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.engine import assert_logprobs_match
-from tests.helpers.pipeline import pipeline, run_concurrently
+from tests.helpers.pipeline import pipeline, run_concurrently, tensor_stage
 from tests.helpers.speculation import TEXT, mixed_requests
 
 pytestmark = pytest.mark.slow
@@ -39,8 +40,8 @@ def stop_inside(ref: list[int]) -> int:
 
 def requests(model_path) -> tuple[list[pb.GenerateRequest], list[list[int]], list]:
     """The mixed set (tests.helpers.speculation) as GenerateRequests, each asking fewer
-    tokens than the last, row 1 (a prediction's) with a stop token; with what each must give (tokens, and
-    mlx-lm's (token, logprobs) for the rows that ask for logprobs)."""
+    tokens than the last, row 1 (a prediction's) with a stop token; with what each must give
+    (tokens), and mlx-lm's (token, logprobs) for every row."""
     model, tok = load(str(model_path))
     _, refs, reqs = mixed_requests(model, tok, N)
     out, expected = [], []
@@ -71,8 +72,8 @@ def run_all(stub, reqs: list[pb.GenerateRequest]) -> list[tuple[list[int], list,
     return run_concurrently(one, reqs)
 
 
-def head_metrics(workers) -> dict[str, float]:
-    port = json.loads(workers[0].ready_file.read_text())["metrics_port"]
+def metrics_at(port: int) -> dict[str, float]:
+    """A worker's /metrics, series by name and labels."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
                                         if line and not line.startswith("#"))}
@@ -89,7 +90,7 @@ def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
     for mode in (SPECULATE, ("--speculative", "off")):
         with pipeline(model, SPLIT, 2, extra=mode) as (stub, workers):
             results[mode] = run_all(stub, reqs)
-            metrics = head_metrics(workers)
+            metrics = metrics_at(json.loads(workers[0].ready_file.read_text())["metrics_port"])
         if mode == SPECULATE:
             assert drafted(metrics, "accepted") > 0, metrics
             assert drafted(metrics, "draft") >= drafted(metrics, "accepted")
@@ -112,6 +113,23 @@ def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
             assert accepted > 0, i  # read from the prediction, verified on the tail
         else:
             assert accepted == 0
+
+
+def test_tensor_stage_drafts_on_rank_0(model):
+    """The mixed streams on two tensor-parallel ranks: rank 0 drafts and verifies, rank 1 trims
+    as told, and the output is mlx-lm's (this model's top two logits are nowhere near a tie)."""
+    reqs, expected, refs = requests(model)
+    with tensor_stage(model, extra=SPECULATE) as (stub, infos):
+        results = run_all(stub, reqs)
+        metrics = metrics_at(infos[0]["metrics_port"])
+    assert drafted(metrics, "accepted") > 0, metrics
+    for i, (req, want) in enumerate(zip(reqs, expected)):
+        tokens, logprobs, reason, accepted = results[i]
+        assert tokens == want, i
+        assert reason == ("stop" if req.stop_token_ids else "length"), i
+        if req.logprobs:
+            assert_logprobs_match([(t, *lp) for t, lp in zip(tokens, logprobs)],
+                                  refs[i][:len(tokens)], req.top_logprobs)
 
 
 def test_gateway_over_a_speculating_pipeline(model, tmp_path):
