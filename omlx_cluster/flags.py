@@ -165,8 +165,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "folder PATH (same tokenizer; loaded beside the model on the node that "
                         "runs it), off decodes one token a step; a request's OpenAI "
                         "`prediction` drafts unless off; a model's speculative in "
-                        "--models-config wins; pipelines of several stages never speculate "
-                        "(default: auto)")
+                        "--models-config wins; in a pipeline the first stage drafts and the "
+                        "last verifies; on a tensor-parallel stage rank 0 drafts (default: auto)")
+    p.add_argument("--speculative-rows", type=validators.positive, default=None, metavar="N",
+                   help="most rows a decode step may hold and still draft (default: measured "
+                        "at start-up, where a wider step stops being cheaper than the steps "
+                        "its drafts save)")
     p.add_argument("--stream-interval", type=validators.milliseconds, default=20.0, metavar="MS",
                    help="where a node decodes faster than this, the tokens of one interval go "
                         "to the gateway as one message (a third less gateway CPU a token at "
@@ -284,6 +288,8 @@ def engine_args(args: argparse.Namespace) -> list[str]:
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
            "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level,
            "--stream-interval", str(args.stream_interval), "--speculative", args.speculative]
+    if args.speculative_rows:
+        out += ["--speculative-rows", str(args.speculative_rows)]
     if args.weights_memory:
         out += ["--weights-memory", f"{args.weights_memory}B"]
     if args.prefill_chunk:  # else the worker sizes it for its own device

@@ -214,7 +214,8 @@ def worker_command(args: argparse.Namespace) -> int:
         rdma_devices=args.rdma_devices, plan_hash=args.plan_hash, tensor=args.tensor,
         micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,
         prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
-        speculative=args.speculative, stream_interval=args.stream_interval / 1000,
+        speculative=args.speculative, speculative_rows=args.speculative_rows,
+        stream_interval=args.stream_interval / 1000,
         metrics_port=args.metrics_port, init_timeout=args.init_timeout,
         cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
         ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else

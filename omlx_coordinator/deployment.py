@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,7 +26,7 @@ from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage
 from omlx_coordinator.routing import PrefixIndex
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.status_log import LoggedStatus
-from omlx_coordinator.weight_transfer import TransferProgress, ensure_weights
+from omlx_coordinator.weight_transfer import TransferProgress, WeightSource, ensure_weights
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
 RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most this far apart
 ABANDONED_LOAD_SECONDS = 10.0  # the most a re-plan waits for agents to drop an abandoned load
+
+
+@dataclass(frozen=True)
+class Folders:
+    """Where the remote nodes of a plan load from (local ones read the coordinator's folders)."""
+
+    model: dict[str, str]  # each remote node's folder of the model, by node name
+    head_draft: str = ""  # a remote head's folder of the draft model ("": PATH as configured)
 
 
 class Deployment:
@@ -164,11 +173,11 @@ class Deployment:
             self.status = f"cannot serve: {e}"
             raise NoCapacity(str(e)) from None
         self.placed = plan  # what it holds from now on, for the other models' budgets
-        paths = await self._transfer_weights(members, plan)
+        folders = await self._transfer_weights(members, plan)
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
         async with self.cluster.plan_loads:
             try:
-                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
             except grpc.aio.AioRpcError as e:
                 if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
                     raise
@@ -177,7 +186,7 @@ class Deployment:
                             "ring", plan.plan_hash, error)
                 self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
-                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
         if self.node is not None:
             await self.node.close()
         self.node = members[0].agent.worker(replies[0].worker_address)
@@ -200,7 +209,7 @@ class Deployment:
         return choose_backend(self.cluster.options.backend, [m.rdma_ports for m in members],
                               [m.name for m in members])
 
-    async def _load_stages(self, plan: Plan, members: list[Member], paths: dict[str, str],
+    async def _load_stages(self, plan: Plan, members: list[Member], folders: Folders,
                            choice: BackendChoice, keep_serving: bool = False
                            ) -> list[pb.LoadShardReply]:
         """Has every stage load its range over `choice`'s backend. Waits for every agent to
@@ -218,13 +227,15 @@ class Deployment:
         async def load(rank: int, m: Member, stage: Stage) -> pb.LoadShardReply:
             try:
                 return await m.agent.load_shard(pb.LoadShardRequest(
-                    model_path=paths.get(m.name, str(self.model.path)),
+                    model_path=folders.model.get(m.name, str(self.model.path)),
                     model_id=self.model.name, layer_start=stage.layer_start,
                     layer_end=stage.layer_end, rank=rank, world_size=world, peers=peers,
                     backend=choice.backend if world > 1 else "",
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
                     micro_batches=self.cluster.options.micro_batches,
-                    speculative=self.model.config.speculative, kind=self.model.kind.kind,
+                    speculative=(f"draft={folders.head_draft}" if rank == 0 and folders.head_draft
+                                 else self.model.config.speculative),
+                    kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers,
                     tensor=plan.parallel == "tensor", keep_serving=keep_serving))
             except BaseException as e:
@@ -264,13 +275,15 @@ class Deployment:
                     break
                 await asyncio.sleep(0.2)
 
-    async def _transfer_weights(self, members: list[Member], plan: Plan) -> dict[str, str]:
-        """Sends every remote stage the tensors of its range it lacks, all nodes at once;
-        returns each remote node's folder to load from. Local nodes read the model's folder."""
+    async def _transfer_weights(self, members: list[Member], plan: Plan) -> Folders:
+        """Sends every remote stage the tensors of its range it lacks, and a remote head the
+        draft model's files where this machine holds them, all nodes at once; returns each
+        remote node's folder to load from. Local nodes read the model's folder."""
         remote = [(m, s) for m, s in zip(members, plan.stages) if m.process is None]
         if not remote:
-            return {}
+            return Folders({})
         source = await self.model.weight_source()
+        draft = await self.model.draft_source() if members[0].process is None else None
         progress: dict[str, TransferProgress] = {}
         before = self.status
 
@@ -282,11 +295,10 @@ class Deployment:
                 f"{q.node} {q.bytes_sent / 1e6:.0f}/{q.bytes_to_send / 1e6:.0f} MB"
                 for q in progress.values())
 
-        async def one(m: Member, stage: Stage) -> str:
+        async def one(m: Member, source: WeightSource, start: int, end: int, label: str) -> str:
             try:
-                result = await ensure_weights(m.agent, source, stage.layer_start,
-                                              stage.layer_end, show,
-                                              self.cluster.weight_counters, label=m.name)
+                result = await ensure_weights(m.agent, source, start, end, show,
+                                              self.cluster.weight_counters, label=label)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     m.weights_error = e.details()
@@ -298,12 +310,16 @@ class Deployment:
                        f"{', '.join(m.name for m, _ in remote)}")
         # Every transfer runs to its end before a failure is raised: a retry must not race a
         # transfer still writing into the same node folder.
-        results = await asyncio.gather(*(one(m, s) for m, s in remote), return_exceptions=True)
+        jobs = [one(m, source, s.layer_start, s.layer_end, m.name) for m, s in remote]
+        if draft is not None:  # the head drafts: the draft model runs beside its layers
+            jobs.append(one(members[0], draft, 0, draft.num_layers, f"{members[0].name} (draft)"))
+        results = await asyncio.gather(*jobs, return_exceptions=True)
         self.status = before
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        return {m.name: path for (m, _), path in zip(remote, results)}
+        return Folders({m.name: path for (m, _), path in zip(remote, results)},
+                       results[-1] if draft is not None else "")
 
     # ---- failures, moves and unloads --------------------------------------------------------
 

@@ -70,7 +70,7 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
-from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, verify_rows
+from omlx_node.speculation import Proposer, Speculator, SpecStats, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.stage_state import StageState
 from omlx_node.step_pace import StepPace
@@ -243,6 +243,48 @@ class Engine:
         self._urgent: set[int] = set()
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
+        self.speculator: Speculator | None = None  # `_speculate` sets it
+
+    def _speculate(self, mode: str, max_rows: int | None = None,
+                   costs: dict[int, float] | None = None) -> None:
+        """Turns speculative decoding on in `mode` (omlx_node.speculation's: "off", "ngram",
+        "auto", "draft=PATH", whose draft model is loaded here) where every layer's cache can
+        be trimmed to a row's accepted tokens. `max_rows`: the most rows a drafting step holds
+        (None: as the cost curve says); `costs`: that curve by positions, measured here unless
+        given."""
+        if not self.stage.trimmable:
+            return
+        path = draft_path(check_mode(mode))
+        draft = DraftModel(path, self.stage) if path else None
+        self.speculator = Speculator(
+            mode, self.stage, self.metrics, max_batch=self.max_batch, costs=costs,
+            max_rows=max_rows,
+            drafter=draft.proposer if draft else None,
+            draft_share=draft.nbytes() / self.stage.nbytes() if draft else 0.0)
+
+    def _feed_proposers(self, plan: list[tuple[Sequence, int, int]]) -> None:
+        """Gives the sequences of a prefill chunk their proposers, which take the prompt as far
+        as it is prefilled: a draft model computes it alongside, so its first draft waits for
+        none of it (not while the batch is to be too large to speculate: it may never draft)."""
+        if (self.speculator is None
+                or len(self.running_seqs()) + len(self._waiting) > self.speculator.max_rows):
+            return
+        for seq, start, n in plan:
+            self._give_proposer(seq)
+            if seq.proposer is not None:
+                seq.proposer.feed(seq.to_prefill[:start + n])
+
+    def _give_proposer(self, seq: Sequence) -> None:
+        """A sequence's proposer, once it decodes (or prefills, `_feed_proposers`), while
+        speculation is on."""
+        if self.speculator is not None and seq.proposer is None:
+            seq.proposer = self.speculator.proposer(seq.req.prediction)
+
+    def _draft(self, seq: Sequence, params: SamplingParams, constrained: bool) -> list[int]:
+        """A decoding row's draft for its next step (its input, the last token it was given,
+        is in `seq.fed` already)."""
+        return self.speculator.draft(seq.proposer, seq.spec, params, constrained, seq.fed,
+                                     seq.sampled, seq.req.max_tokens - seq.generated - 1)
 
     # ---- API for other threads -------------------------------------------------------------
 
@@ -532,6 +574,24 @@ class Engine:
         self.metrics.tokens_generated(emitted)
         return keep
 
+    def _emit_runs(self, rows: list[Sequence], runs: list[list[int]],
+                   logprobs: list[list[Logprob] | None] | None = None,
+                   verdicts: dict[Sequence, tuple[Verdict, str]] | None = None,
+                   failed: dict[Sequence, str] | None = None) -> set[int]:
+        """Hands out a verified step's tokens: each row's run (what stood of its draft, and
+        maybe its own next token), one position at a time as steps of their own, so a stop or
+        `max_tokens` inside a run ends the row there. `verdicts` and `failed` concern the
+        runs' first tokens. Returns the indices of the rows that ended."""
+        ended: set[int] = set()
+        for j in range(max(map(len, runs), default=0)):
+            now = [i for i, r in enumerate(runs) if len(r) > j and i not in ended]
+            keep = self._emit_step([rows[i] for i in now], [runs[i][j] for i in now],
+                                   {rows[i]: logprobs[i][j] for i in now
+                                    if logprobs and logprobs[i]},
+                                   verdicts if j == 0 else None, failed if j == 0 else None)
+            ended |= set(now) - {now[k] for k in keep}
+        return ended
+
     @staticmethod
     def _logprobs(rows: list[Sequence], ints: list[int]) -> dict[Sequence, Logprob]:
         """A step's logprob records (sampling.sample_batch) by sequence: `rows` are the rows
@@ -584,9 +644,11 @@ class Batcher(Engine):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
-                 grammars: Grammars | None = None, speculative: str = "auto"):
+                 grammars: Grammars | None = None, speculative: str = "auto",
+                 speculative_rows: int | None = None):
         """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
-        the draft model is loaded here)."""
+        the draft model is loaded here); `speculative_rows`: the most rows a drafting step
+        holds (None: measured)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -599,15 +661,7 @@ class Batcher(Engine):
         self._records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None = None
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
-        # Drafts need every layer's cache trimmable to a row's accepted tokens.
-        self.speculator = None
-        if self.state.batchable:
-            path = draft_path(check_mode(speculative))
-            draft = DraftModel(path, stage) if path else None
-            self.speculator = Speculator(
-                speculative, stage, metrics, max_batch=max_batch,
-                drafter=draft.proposer if draft else None,
-                draft_share=draft.nbytes() / stage.nbytes() if draft else 0.0)
+        self._speculate(speculative, speculative_rows)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
@@ -638,14 +692,7 @@ class Batcher(Engine):
     def _prefill_step(self) -> int:
         """Runs one prefill chunk; returns its tokens."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
-        if (self.speculator is not None
-                and len(self._batch) + len(self._waiting) <= self.speculator.max_rows):
-            for seq, start, n in plan:
-                # A draft model computes the prompt alongside: its first draft waits for none.
-                # (Not while the batch is to be too large to speculate: it may never draft.)
-                seq.proposer = seq.proposer or self.speculator.proposer(seq.req.prediction)
-                if seq.proposer is not None:
-                    seq.proposer.feed(seq.to_prefill[:start + n])
+        self._feed_proposers(plan)
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
@@ -671,8 +718,7 @@ class Batcher(Engine):
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
             for s in ready:
-                if self.speculator is not None and s.proposer is None:
-                    s.proposer = self.speculator.proposer(s.req.prediction)
+                self._give_proposer(s)
                 # One whose sampler cannot be made rides a stand-in's until its error is out.
                 sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)
                 self._samplers.append(sampler)
@@ -784,8 +830,7 @@ class Batcher(Engine):
         if not self._batch:
             return
         rows, inputs = list(self._batch), self._y.tolist()
-        drafts = [self.speculator.draft(s.proposer, s.spec, sampler, s.fed, s.sampled,
-                                        s.req.max_tokens - s.generated - 1)
+        drafts = [self._draft(s, sampler.params, sampler.grammar is not None)
                   for s, sampler in zip(rows, self._samplers)]
         if not any(drafts):
             self._launch(self._y, advanced=True)
@@ -795,17 +840,12 @@ class Batcher(Engine):
         logits = self.state.forward(self.MB, x)
         self.state.settle()  # a prompt's last chunk, which this step was built beside
         verdicts, failed = verify_rows(logits, drafts, self._samplers)
-        trim_rows(self.state.caches[self.MB], [width - 1 - len(v.accepted) for v in verdicts])
+        self.state.trim_rows(self.MB, [width - 1 - len(v.accepted) for v in verdicts])
         for s, d, v in zip(rows, drafts, verdicts):
             if d:
                 self.speculator.counted(s.proposer, s.spec, len(d), len(v.accepted))
-        ended: set[int] = set()
-        for j in range(max(len(v.accepted) for v in verdicts)):
-            now = [i for i, v in enumerate(verdicts) if len(v.accepted) > j and i not in ended]
-            keep = self._emit_step([rows[i] for i in now], [verdicts[i].accepted[j] for i in now],
-                                   {rows[i]: verdicts[i].logprobs[j] for i in now
-                                    if verdicts[i].logprobs})
-            ended |= set(now) - {now[k] for k in keep}
+        ended = self._emit_runs(rows, [v.accepted for v in verdicts],
+                                [v.logprobs for v in verdicts])
         self._y = mx.array([v.token for v in verdicts])
         self._records = {s: v.logprobs[-1] for s, v in zip(rows, verdicts) if v.logprobs}
         self._failed = {rows[i]: f"sampling failed: {e}" for i, e in failed.items()}

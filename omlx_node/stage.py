@@ -185,6 +185,9 @@ class StageRunner:
         # Its sliding-window layers drop old tokens: the prefix cache must cut each block while
         # they still hold it, so prefill chunks end on block boundaries.
         self.has_windows = any(isinstance(c, RotatingKVCache) for c in every)
+        # Speculative decoding trims a step's rejected positions from every layer's cache:
+        # plain KV caches only (decided from every layer, so all stages agree).
+        self.trimmable = all(type(c) is KVCache for c in every)
         tied = not anatomy.head_parts()
         self._templates = caches
         self._departure = anatomy.departure

@@ -70,7 +70,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
     max_batch: int = 64
-    speculative: str = "auto"  # omlx_node.speculation's mode (one-stage pipelines only)
+    speculative: str = "auto"  # omlx_node.speculation's mode (drafts on rank 0)
+    speculative_rows: int | None = None  # None: the crossover measured at start-up
     stream_interval: float = 0.02  # seconds (session.Session's interval)
     metrics_port: int = 0  # 0: any free port
     node_id: str = ""  # the agent's, a label on every metric
@@ -360,6 +361,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
+    from omlx_node.speculation import collective_position_costs
     from omlx_node.tensor import TensorFollower, TensorHead
 
     metrics.load_seconds.set(stage.info.load_seconds)
@@ -385,6 +387,10 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         "stage": str(config.rank), "layers": f"{info.layer_start}:{info.layer_end}"})
 
     freeze_startup_heap()  # the loaded model and every module: no full collection walks them
+    tensor_costs = None
+    if config.tensor and config.speculative != "off":
+        # Every rank at once: the sharded MLP's all_sums need them all.
+        tensor_costs = collective_position_costs(stage)
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
         # kill it before that STOP lands, and rank 0 would fail sending it. An agent that cannot
@@ -402,10 +408,11 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     if config.tensor:
         engine: Engine = TensorHead(stage, metrics, group, plan, doorbells[1],
                                     config.prefill_chunk, config.max_batch, prefix_cache,
-                                    grammars)
+                                    grammars, config.speculative, config.speculative_rows,
+                                    tensor_costs)
     elif group is None:
         engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
-                         grammars, config.speculative)
+                         grammars, config.speculative, config.speculative_rows)
     else:
         costs = None
         if not config.micro_batches:
@@ -416,7 +423,8 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
                               config.micro_batches or config.world_size, config.prefill_chunk,
-                              config.max_batch, prefix_cache, costs, grammars)
+                              config.max_batch, prefix_cache, costs, grammars,
+                              config.speculative, config.speculative_rows)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
                          maximum_concurrent_rpcs=MAX_STREAMS)
     service = WorkerService(engine, config, ready["metrics_port"])

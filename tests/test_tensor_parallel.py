@@ -5,10 +5,8 @@ generation on tiny random fp32 models of the families that have `shard()`."""
 from __future__ import annotations
 
 import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import httpx
 import mlx.core as mx
 import pytest
@@ -16,11 +14,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from openai import OpenAI
 
-from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
-from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
-from tests.helpers.pipeline import PROMPTS, generate, run_concurrently
+from tests.helpers.pipeline import PROMPTS, generate, run_concurrently, tensor_stage
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -58,27 +55,6 @@ def assert_matches(tokens: list[int], ref: list[tuple[int, float, float]], promp
             assert gap < TIE, f"{prompt!r}: token {i} is {tokens[i]}, mlx-lm's {t} (gap {gap})"
             return
     assert len(tokens) == len(ref), prompt
-
-
-@contextmanager
-def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
-    """Starts one `omlx-cluster worker --tensor` per rank; yields rank 0's ShardWorker stub."""
-    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(ranks))
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", "0:",
-        "--peers", peers, "--tensor", "--plan-hash", "0123456789abcdef", "--prefill-chunk", "8",
-        *extra), f"rank {r}") for r in range(ranks)]
-    try:
-        infos = [w.wait_ready(120) for w in workers]
-        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
-        yield pb_grpc.ShardWorkerStub(channel), infos
-        channel.close()
-        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
-            w.stop()
-            assert w.proc.returncode == 0, w.log_tail()
-    finally:
-        for w in workers:
-            w.stop()
 
 
 def test_tensor_stage_greedy_matches_mlx_lm(model):

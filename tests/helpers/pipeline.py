@@ -53,6 +53,27 @@ def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout
             w.stop()
 
 
+@contextmanager
+def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
+    """Starts one `omlx-cluster worker --tensor` per rank; yields rank 0's ShardWorker stub."""
+    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(ranks))
+    workers = [ChildProcess(omlx_command(
+        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", "0:",
+        "--peers", peers, "--tensor", "--plan-hash", "0123456789abcdef", "--prefill-chunk", "8",
+        *extra), f"rank {r}") for r in range(ranks)]
+    try:
+        infos = [w.wait_ready(120) for w in workers]
+        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
+        yield pb_grpc.ShardWorkerStub(channel), infos
+        channel.close()
+        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
     chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
                                                    prompt_tokens=ids, max_tokens=max_tokens),
