@@ -180,7 +180,6 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     assert_holds_exactly(b_folder, source.files_for(start, end))
 
 
-@pytest.mark.slow
 def test_a_remote_head_receives_the_draft_model_and_drafts_with_it(small, tmp_path):
     """A model whose draft (`speculative = "draft=PATH"`) only the coordinator holds, over two
     joined nodes: the head receives the draft's files as it receives its layers, into its own
