@@ -100,6 +100,7 @@ class TwoStages:
         self.embed_tokens = first.embed_tokens
         # What speculative decoding's cost probe reads (one layer's MLP): the first stage's.
         self.feed_forward, self.hidden_size = first.feed_forward, first.hidden_size
+        self.trimmable = first.trimmable  # decided from every layer of the model
 
     def make_cache(self) -> list:
         return self.first.make_cache() + self.second.make_cache()
