@@ -23,6 +23,13 @@ Every other stage receives the hidden states lazily, so its graph is built befor
 When the head has nothing in flight it says so with an IDLE step, and every stage sleeps on a
 doorbell until the next step (`omlx_node.wire`): an idle pipeline costs no CPU.
 
+Speculative decoding (omlx_node.speculation): the head drafts (prompt lookup, a prediction, a
+draft model on its node), and a step of a micro-batch that drafts carries 1 + its longest draft
+positions a row (rows without a draft carry filler); the tail verifies each row as the single
+node's engine does and answers its run of tokens, and the next step's header says how many
+positions each row drops, which every stage trims before anything else. Around such a step the
+head reads the tokens before it builds the next one: a draft follows them.
+
 A row whose sampling fails on the tail (`omlx_node.sampling.sample_rows`) is reported in the
 tail's answer and ends alone, with its own error. Anything else that fails a step leaves the
 stages disagreeing on their state: the head ends its sequences as "lost" and its worker exits,

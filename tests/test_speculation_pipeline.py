@@ -90,7 +90,18 @@ def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
     for mode in (SPECULATE, ("--speculative", "off")):
         with pipeline(model, SPLIT, 2, extra=mode) as (stub, workers):
             results[mode] = run_all(stub, reqs)
-            metrics = metrics_at(json.loads(workers[0].ready_file.read_text())["metrics_port"])
+            # A sampled row drafts from its prediction too: the tail's rejection rule keeps it
+            # on the model's distribution (tests/test_speculation.py checks the rule itself).
+            sampled = pb.GenerateRequest(request_id="t", prompt_tokens=reqs[1].prompt_tokens,
+                                         max_tokens=N, ignore_eos=True,
+                                         sampling=pb.SamplingParams(temperature=0.7),
+                                         prediction_tokens=reqs[1].prediction_tokens)
+            port = json.loads(workers[0].ready_file.read_text())["metrics_port"]
+            before = drafted(metrics_at(port), "draft")
+            [(tokens, _, reason, _)] = run_all(stub, [sampled])
+            assert (len(tokens), reason) == (N, "length")
+            metrics = metrics_at(port)
+            assert (drafted(metrics, "draft") > before) is (mode == SPECULATE)
         if mode == SPECULATE:
             assert drafted(metrics, "accepted") > 0, metrics
             assert drafted(metrics, "draft") >= drafted(metrics, "accepted")
