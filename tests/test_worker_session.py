@@ -18,7 +18,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.generation import RETRIABLE
+from omlx_coordinator.retry import RETRIABLE
 from omlx_coordinator.worker_session import WorkerSession
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
