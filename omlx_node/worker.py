@@ -23,13 +23,11 @@ import subprocess
 import sys
 import threading
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from omlx_shared import __version__, auth, cluster_tls
-from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine, Finish
@@ -42,6 +40,7 @@ from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
 from omlx_node.stage import StageRunner
 from omlx_node.warm_up import warm_up
 from omlx_node.wire import Doorbell, link_doorbells
+from omlx_node.worker_config import WorkerConfig, WorkerJob
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
@@ -50,41 +49,6 @@ log = logging.getLogger(__name__)
 # Every running Generate stream holds one handler thread while it waits for tokens; a Session
 # holds two (requests, events) for at most this many sequences.
 MAX_STREAMS = 512
-
-
-@dataclass
-class WorkerConfig:
-    model_path: Path
-    model_id: str
-    layer_start: int
-    layer_end: int | None
-    streamed_layers: int = 0  # the range's last layers kept on disk (omlx_node/layer_stream.py)
-    rank: int = 0
-    peers: tuple[str, ...] = ()
-    backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
-    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
-    rdma_devices: str = ""
-    plan_hash: str = ""
-    tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)
-    micro_batches: int = 0
-    host: str = "127.0.0.1"
-    prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
-    max_batch: int = 64
-    speculative: str = "auto"  # omlx_node.speculation's mode (one-stage pipelines only)
-    stream_interval: float = 0.02  # seconds (session.Session's interval)
-    metrics_port: int = 0  # 0: any free port
-    node_id: str = ""  # the agent's, a label on every metric
-    init_timeout: float = 60.0
-    cache_block_size: int = DEFAULT_BLOCK_SIZE
-    hot_cache_bytes: int = 0  # 0: no prefix cache at all
-    ssd_cache_dir: Path | None = None  # None: RAM only
-    ssd_cache_bytes: int = 0
-    device_cache_bytes: int | None = None  # None: sized for the device (device_tier)
-    kind: str = "chat"  # omlx_shared.model_kinds: the other kinds run encoder_worker's
-
-    @property
-    def world_size(self) -> int:
-        return max(1, len(self.peers))
 
 
 class WorkerService(pb_grpc.ShardWorkerServicer):
@@ -144,7 +108,8 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
 
     def Session(self, requests, context: grpc.ServicerContext):
         self._authorize(context)
-        session = Session(self.engine, MAX_STREAMS, self.compiler, self.config.stream_interval)
+        session = Session(self.engine, MAX_STREAMS, self.compiler,
+                          self.config.engine.stream_interval)
         with self._sessions_lock:
             self._sessions.add(session)
         context.add_callback(lambda: session.close("the call ended"))
@@ -216,8 +181,9 @@ def join_group(config: WorkerConfig):
         try:
             row = json.loads(config.rdma_devices)[rank]
         except (ValueError, IndexError, TypeError):
-            raise SystemExit(f"error: --rdma-devices must be MLX's device matrix as JSON with a "
-                             f"row for rank {rank}, got {config.rdma_devices!r}") from None
+            raise SystemExit(f"error: the plan's RDMA devices (rdma_devices) must be MLX's "
+                             f"device matrix as JSON with a row for rank {rank}, got "
+                             f"{config.rdma_devices!r}") from None
         devices = scratch / "devices.json"
         devices.write_text(config.rdma_devices)
         os.environ["MLX_IBV_DEVICES"] = str(devices)
@@ -295,7 +261,7 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
                       tensor_group=None) -> PrefixCache | None:
     """`tensor_group`: the ranks of a tensor-parallel stage keep a prefix cache only if every
     one does (its lookups and `block_layout`'s forward pass are collective), each of its heads."""
-    wanted = config.hot_cache_bytes > 0
+    wanted = config.engine.hot_cache_bytes > 0
     name = f"{config.model_id}@{weights_fingerprint(config.model_path)}"
     if tensor_group is not None:
         import mlx.core as mx
@@ -304,16 +270,17 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
         name += f"/tensor{tensor_group.rank()}of{tensor_group.size()}"
     if not wanted:
         return None
-    info = stage.info
-    layout = None if stage.prefix_cache_off else block_layout(stage, config.cache_block_size)
+    info, engine = stage.info, config.engine
+    layout = None if stage.prefix_cache_off else block_layout(stage, engine.cache_block_size)
     return PrefixCache(
         name,
-        (info.layer_start, info.layer_end), config.cache_block_size,
-        hot_max_bytes=config.hot_cache_bytes, ssd_dir=config.ssd_cache_dir,
-        ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
+        (info.layer_start, info.layer_end), engine.cache_block_size,
+        hot_max_bytes=engine.hot_cache_bytes,
+        ssd_dir=Path(engine.ssd_cache_dir) if engine.ssd_cache_dir else None,
+        ssd_max_bytes=engine.ssd_cache_bytes, metrics_registry=metrics.registry,
         dtype=info.dtype,
-        device_max_bytes=(default_max_bytes() if config.device_cache_bytes is None
-                          else config.device_cache_bytes), layout=layout)
+        device_max_bytes=(default_max_bytes() if engine.device_cache_bytes is None
+                          else engine.device_cache_bytes), layout=layout)
 
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
@@ -397,13 +364,14 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
             StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
         return 0
 
+    settings = config.engine
     if config.tensor:
         engine: Engine = TensorHead(stage, metrics, group, plan, doorbells[1],
-                                    config.prefill_chunk, config.max_batch, prefix_cache,
+                                    settings.prefill_chunk, settings.max_batch, prefix_cache,
                                     grammars)
     elif group is None:
-        engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
-                         grammars, config.speculative)
+        engine = Batcher(stage, metrics, settings.prefill_chunk, settings.max_batch,
+                         prefix_cache, grammars, settings.speculative)
     else:
         costs = None
         if not config.micro_batches:
@@ -413,8 +381,8 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                      next((r for r in (2 ** i for i in range(1, 12))
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
-                              config.micro_batches or config.world_size, config.prefill_chunk,
-                              config.max_batch, prefix_cache, costs, grammars)
+                              config.micro_batches or config.world_size, settings.prefill_chunk,
+                              settings.max_batch, prefix_cache, costs, grammars)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
                          maximum_concurrent_rpcs=MAX_STREAMS)
     service = WorkerService(engine, config, ready["metrics_port"])
@@ -431,3 +399,36 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         engine.shutdown_pipeline()
     server.stop(grace=2).wait(5)
     return 0 if engine.ready else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m omlx_node.worker --ready-file F`: a worker started by its node agent (or a
+    test), which reads its WorkerJob as one JSON line on stdin. Started ahead of its plan (a
+    standby), it has imported MLX and mlx-lm by the time the line comes."""
+    import argparse
+
+    from omlx_shared.child import watch_parent
+    from omlx_shared.typed_json import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m omlx_node.worker")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--ready-file", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A worker is only ever its agent's: when the agent goes, so does it.
+    watch_parent(lambda: os._exit(0))
+    line = sys.stdin.readline()
+    if not line:  # the agent went away without a plan for us
+        return 0
+    try:
+        job = WorkerJob.from_json(line)
+    except ConfigError as e:
+        print(f"error: the worker's job: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(job.env)
+    return run_worker(job.config, args.ready_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

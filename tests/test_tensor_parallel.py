@@ -16,11 +16,12 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from openai import OpenAI
 
-from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
 from tests.helpers.pipeline import PROMPTS, generate, run_concurrently
+from tests.helpers.workers import stage_worker
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -62,12 +63,11 @@ def assert_matches(tokens: list[int], ref: list[tuple[int, float, float]], promp
 
 @contextmanager
 def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
-    """Starts one `omlx-cluster worker --tensor` per rank; yields rank 0's ShardWorker stub."""
-    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(ranks))
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", "0:",
-        "--peers", peers, "--tensor", "--plan-hash", "0123456789abcdef", "--prefill-chunk", "8",
-        *extra), f"rank {r}") for r in range(ranks)]
+    """Starts one shard worker per rank of a tensor-parallel stage (its engine with `extra`
+    flags); yields rank 0's ShardWorker stub."""
+    peers = tuple(f"127.0.0.1:{free_port()}" for _ in range(ranks))
+    workers = [stage_worker(model, r, (0, None), peers, ("--prefill-chunk", "8", *extra),
+                            tensor=True) for r in range(ranks)]
     try:
         infos = [w.wait_ready(120) for w in workers]
         channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
