@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -30,13 +29,13 @@ import grpc
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
-from omlx_node.batcher import Batcher, Engine, Finish
+from omlx_node.batcher import Batcher, Engine
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.metrics import KINDS, NodeMetrics
-from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
+from omlx_node.session import Session
 from omlx_node.stage import StageRunner
 from omlx_node.warm_up import warm_up
 from omlx_node.wire import Doorbell, link_doorbells
@@ -46,14 +45,14 @@ from proto import omlx_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Every running Generate stream holds one handler thread while it waits for tokens; a Session
-# holds two (requests, events) for at most this many sequences.
+# The most sequences a Session call carries, and calls the server runs at once (each Session
+# holds two handler threads: requests, events).
 MAX_STREAMS = 512
 
 
 class WorkerService(pb_grpc.ShardWorkerServicer):
-    """Generate/Cancel/Stats/Health of the head worker. Handlers never touch MLX: they talk to
-    the engine through its queue and read each sequence's events back."""
+    """Session and Health of the head worker. Handlers never touch MLX: they talk to the
+    engine through its queue and read each sequence's events back."""
 
     def __init__(self, engine: Engine, config: WorkerConfig, metrics_port: int):
         self.engine, self.config, self.metrics_port = engine, config, metrics_port
@@ -70,41 +69,6 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
         if not auth.check(self.session.encode(), auth.presented(context).encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "not admitted: calls to a shard worker need the cluster session")
-
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        try:
-            seq = self.engine.submit(seq_request(request))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # Runs when the call ends for any reason, a client that went away included.
-        context.add_callback(lambda: self.engine.cancel(request.request_id))
-        first = True
-        while True:
-            try:
-                event = seq.events.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            tokens: list[int] = []
-            while isinstance(event, int):
-                tokens.append(event)
-                try:
-                    event = seq.events.get_nowait()
-                except queue.Empty:
-                    event = None
-            chunk = fill_chunk(pb.TokenChunk(), seq, tokens, event, first)
-            first = False
-            if isinstance(event, Finish) and event.reason == "lost":
-                # The node failed under the sequence: answered as a worker that went away is,
-                # so the coordinator tells it from a clean stop ("aborted").
-                if tokens:
-                    yield chunk
-                context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-            yield chunk
-            if isinstance(event, Finish):
-                return
 
     def Session(self, requests, context: grpc.ServicerContext):
         self._authorize(context)
@@ -130,11 +94,6 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
         for session in sessions:
             session.close("the worker is shutting down")
 
-    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        self.engine.cancel(request.request_id)
-        return pb.CancelReply(found=True)
-
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)
         e, info, c = self.engine, self.engine.stage.info, self.config
@@ -144,15 +103,6 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                               num_layers=info.num_layers, metrics_port=self.metrics_port,
                               pid=os.getpid(), worker_pid=os.getpid(), rank=c.rank,
                               world_size=c.world_size)
-
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        e = self.engine
-        return pb.StatsReply(running=e.running, waiting=e.waiting,
-                             prompt_tokens_total=e.prompt_total,
-                             generated_tokens_total=e.generated_total,
-                             requests_total=e.requests_total,
-                             decode_tokens_per_second=e.decode_rate())
 
 
 def plan_int(plan_hash: str) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import mlx.core as mx
 import pytest
@@ -18,6 +17,7 @@ from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
 from tests.conftest import free_port, start_server
 from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
+from tests.helpers.session import SessionClient, wait_idle
 from tests.helpers.workers import stage_worker
 
 
@@ -59,11 +59,9 @@ def test_pipeline_concurrency_with_cancellation(model, references):
         def one(i: int):
             p = PROMPTS[i % len(PROMPTS)]
             if i % 4 == 3:  # these leave after their first tokens
-                call = stub.Generate(pb.GenerateRequest(request_id=f"c{i}",
-                                                        prompt_tokens=tok.encode(p),
-                                                        max_tokens=500), timeout=120)
-                next(call)
-                call.cancel()
+                with SessionClient(stub) as session:  # closed: the sequence is cancelled
+                    next(session.generate(pb.GenerateRequest(
+                        request_id=f"c{i}", prompt_tokens=tok.encode(p), max_tokens=500)))
                 cancelled.append(p)
                 return None
             return p, generate(stub, tok.encode(p), rid=f"r{i}")
@@ -74,10 +72,7 @@ def test_pipeline_concurrency_with_cancellation(model, references):
             if r is not None:
                 p, (tokens, _) = r
                 assert tokens == references[p]
-        deadline = time.monotonic() + 10
-        while stub.Stats(pb.StatsRequest(), timeout=5).running and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stub.Stats(pb.StatsRequest(), timeout=5).running == 0
+        assert wait_idle(stub)["omlx_node_requests_processing"] == 0
         # The pipeline keeps serving after the cancellations.
         assert generate(stub, tok.encode(PROMPTS[1]))[0] == references[PROMPTS[1]]
 

@@ -14,6 +14,7 @@ import llguidance
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port
+from tests.helpers.session import generate_chunks
 from tests.helpers.workers import stage_worker
 
 SCHEMA = {
@@ -57,9 +58,9 @@ def two_stages(head: Path, tail: Path, micro_batches: int):
 
 
 def generate(stub, ids: list[int], max_tokens: int, **fields) -> list[pb.TokenChunk]:
-    return list(stub.Generate(pb.GenerateRequest(
+    return generate_chunks(stub, pb.GenerateRequest(
         request_id=str(time.monotonic_ns()), prompt_tokens=ids, max_tokens=max_tokens,
-        **fields), timeout=120))
+        **fields))
 
 
 def tokens_of(chunks: list[pb.TokenChunk]) -> list[int]:

@@ -13,6 +13,7 @@ import grpc
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port
+from tests.helpers.session import generate_chunks
 from tests.helpers.workers import stage_worker
 
 
@@ -51,9 +52,8 @@ def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout
 
 
 def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
-    chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
-                                                   prompt_tokens=ids, max_tokens=max_tokens),
-                                timeout=120))
+    chunks = generate_chunks(stub, pb.GenerateRequest(
+        request_id=rid or str(time.monotonic_ns()), prompt_tokens=ids, max_tokens=max_tokens))
     return [t for c in chunks for t in c.tokens], chunks[-1].finish_reason
 
 
