@@ -32,7 +32,8 @@ POLL_SECONDS = 0.5
 
 class RequestLease:
     """`tokens()` is what the request's replica holds once an attempt has run: its prompt and
-    what it generated so far (routing matches it against each replica's prefixes)."""
+    what it generated so far (routing matches it against each replica's prefixes); none by
+    default, as for an encode, whose inputs no prefix cache keeps."""
 
     def __init__(self, manager: ModelManager, model: ServedModel, deadline: float,
                  keepalive_seconds: float, tokens: Callable[[], list[int]] = list):
