@@ -249,17 +249,20 @@ def timed_generate(stub, prompt: list[int], n: int) -> tuple[list[int], float]:
     """One greedy request through a worker: its tokens and decode tok/s (first to last
     token, as each message of them arrives)."""
     from proto import omlx_pb2 as pb
+    from tests.helpers.session import SessionClient
 
     tokens, first, last, firsts = [], 0.0, 0.0, 0
-    for chunk in stub.Generate(pb.GenerateRequest(request_id=str(time.monotonic_ns()),
-                                                  prompt_tokens=prompt, max_tokens=n,
-                                                  ignore_eos=True), timeout=600):
-        if chunk.tokens:
-            now = time.perf_counter()
-            first, last = first or now, now
-            if not tokens:
-                firsts = len(chunk.tokens)  # those arrived at `first`: not timed
-            tokens += chunk.tokens
+    with SessionClient(stub) as session:
+        chunks = session.generate(pb.GenerateRequest(request_id=str(time.monotonic_ns()),
+                                                     prompt_tokens=prompt, max_tokens=n,
+                                                     ignore_eos=True), 600)
+        for chunk in chunks:
+            if chunk.tokens:
+                now = time.perf_counter()
+                first, last = first or now, now
+                if not tokens:
+                    firsts = len(chunk.tokens)  # those arrived at `first`: not timed
+                tokens += chunk.tokens
     rate = (len(tokens) - firsts) / (last - first) if last > first else 0.0
     return tokens, rate
 

@@ -282,7 +282,7 @@ def cluster_secret(args: argparse.Namespace) -> str | None:
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
-    """The engine flags as given, to pass on to the process that runs the engine."""
+    """The engine flags as given, for the `node` processes `serve` starts (their own CLI)."""
     out = ["--max-batch", str(args.max_batch),
            "--hot-cache-max-size", f"{args.hot_cache_max_size}B",
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
@@ -295,13 +295,35 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     if args.prefill_chunk:  # else the worker sizes it for its own device
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
-        if not args.paged_ssd_cache_max_size:
-            log.warning("--paged-ssd-cache-dir has no effect: --paged-ssd-cache-max-size 0 "
-                        "keeps the prefix cache in RAM only")
+        _warn_unused_ssd_dir(args)
         out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
     if args.device_cache_max_size is not None:
         out += ["--device-cache-max-size", f"{args.device_cache_max_size}B"]
     return out
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine flags, typed, for a node agent to give each of its workers."""
+    from omlx_shared.engine_config import EngineConfig
+    from omlx_shared.model_store import data_home
+
+    if args.paged_ssd_cache_dir:
+        _warn_unused_ssd_dir(args)
+    ssd_dir = (None if args.paged_ssd_cache_max_size == 0 else
+               str(args.paged_ssd_cache_dir or data_home() / "kv-cache"))
+    return EngineConfig(
+        prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
+        speculative=args.speculative, speculative_rows=args.speculative_rows,
+        stream_interval=args.stream_interval / 1000,
+        cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
+        ssd_cache_dir=ssd_dir, ssd_cache_bytes=args.paged_ssd_cache_max_size,
+        device_cache_bytes=args.device_cache_max_size, log_level=args.log_level)
+
+
+def _warn_unused_ssd_dir(args: argparse.Namespace) -> None:
+    if not args.paged_ssd_cache_max_size:
+        log.warning("--paged-ssd-cache-dir has no effect: --paged-ssd-cache-max-size 0 "
+                    "keeps the prefix cache in RAM only")
 
 
 def add_ssh_flags(p: argparse.ArgumentParser) -> None:

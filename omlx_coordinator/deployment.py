@@ -194,12 +194,22 @@ class Deployment:
             m.health = await m.agent.health()
         self.plan, self.backend, self.capacity_error = plan, choice, ""
         self.load_seconds = max(r.load_seconds for r in replies)
-        self.epoch += 1
         log.info("serving %s on %d stage(s) over %s (%s), split %s (plan %s, epoch %d)",
                  self.name, len(members), choice.backend, choice.reason, plan.split,
-                 plan.plan_hash, self.epoch)
+                 plan.plan_hash, self.epoch + 1)
+        self.serving()
+
+    def serving(self) -> None:
+        """Sequences go to `self.node`, the head worker of the plan just loaded, from now on: a
+        new epoch, which requests lost on an earlier one resume on."""
+        self.epoch += 1
         self.ready, self.status = True, "ready"
         self._ready_event.set()
+
+    def pause(self, status: str) -> None:
+        """No sequence goes to it until it is `serving` again (a re-plan, an unload)."""
+        self.ready, self.status = False, status
+        self._ready_event.clear()
 
     def _choose_backend(self, members: list[Member]) -> BackendChoice:
         """The data plane for `members` (in rank order); raises BackendError."""
@@ -365,9 +375,7 @@ class Deployment:
                 await self._prefetch_weights(plan)
                 if move and await self._move(plan, reason):
                     return
-            self.ready = False
-            self._ready_event.clear()
-            self.status = f"recovering: {reason}"
+            self.pause(f"recovering: {reason}")
             log.warning("re-planning %s: %s", self.name, reason)
             t0, started_at = time.monotonic(), time.time()
             delay = 1.0
@@ -478,9 +486,7 @@ class Deployment:
         each agent saw its worker exit, so the memory is free. Never re-planned afterwards."""
         self.unloaded = True  # a recovery retrying a failed load stops at its next try
         async with self._replanning:
-            self.ready = False
-            self._ready_event.clear()
-            self.status = "unloading"
+            self.pause("unloading")
             by_name = {m.name: m for m in self.cluster.members}
             stages = [by_name[n] for n in self.stages_on() if n in by_name
                       and by_name[n].alive]

@@ -232,10 +232,6 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._stop = threading.Event()
-        self.generated_total = 0
-        self.prompt_total = 0
-        self.requests_total = 0
-        self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
         self._stores_due: list[int] = []  # prompts kept at the next step (`_emit_step`)
         # Events bound for shared outboxes, handed over together (`_deliver`), and the
         # outboxes (ids) whose events this step include a first token or an end.
@@ -351,13 +347,6 @@ class Engine:
     def idle(self) -> bool:
         return not self.running_seqs() and not self._waiting and self._inbox.empty()
 
-    def decode_rate(self) -> float:
-        """Generated tokens per second over the recent steps."""
-        if len(self._rate) < 2:
-            return 0.0
-        span = self._rate[-1][0] - self._rate[0][0]
-        return sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
-
     # ---- engine thread ---------------------------------------------------------------------
 
     def run(self) -> None:
@@ -435,8 +424,6 @@ class Engine:
             kind, arg = msg
             if kind == "submit":
                 self._waiting.append(arg)
-                self.requests_total += 1
-                self.prompt_total += len(arg.req.prompt)
                 self.metrics.requests.inc()
                 self.metrics.prompt_tokens.inc(len(arg.req.prompt))
             elif kind == "cancel":
@@ -569,8 +556,6 @@ class Engine:
         # keeps its blocks a step later (one that starts alike takes them at once: `lookup`).
         self.state.flush_stores(self._stores_due + ended)
         self._stores_due = [s for s in firsts if s not in ended]
-        self._rate.append((now, emitted))
-        self.generated_total += emitted
         self.metrics.tokens_generated(emitted)
         return keep
 

@@ -1,5 +1,5 @@
 """The shard worker of an embedding, reranking or speech-to-text model: the whole model on one
-node, serving Encode or Transcribe (proto/omlx.proto) instead of Generate.
+node, serving Encode or Transcribe (proto/omlx.proto) instead of Session.
 
 These models are small and answer in one forward pass per batch, so there is no pipeline, no
 KV cache and no continuous batcher: each call's inputs run as the forward passes
@@ -53,7 +53,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
         self.model, self.model_id = model, model_id
         self.session = os.environ.get(auth.SESSION_ENV)
         self.jobs: queue.Queue[_Job] = queue.Queue()
-        self.requests = self.tokens = 0
         self.stopping = False  # set by a signal handler: a plain flag takes no lock
 
     def serve(self) -> None:
@@ -69,7 +68,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                 job.result = job.run()
             except ValueError as e:
                 job.error = e
-            self.requests += 1
             job.done.set()
 
     def stop(self) -> None:
@@ -90,7 +88,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                           f"{self.model_id} is a speech-to-text model: it does not encode")
         if not inputs or any(not x for x in inputs):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every input needs one token or more")
-        self.tokens += sum(len(x) for x in inputs)
         rows = self._run(lambda: self.model.run(inputs, types if any(types) else None), context)
         return pb.EncodeReply(dim=rows.shape[1], values=rows.reshape(-1).tolist())
 
@@ -133,13 +130,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                               version=__version__, layer_start=0, layer_end=1, num_layers=1,
                               pid=os.getpid(), worker_pid=os.getpid(), world_size=1)
 
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        return pb.StatsReply(requests_total=self.requests, prompt_tokens_total=self.tokens)
-
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"{self.model_id} is an embedding or reranking model: it does not generate")
 
 
 def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,

@@ -17,6 +17,7 @@ import pytest
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.pipeline import pipeline
+from tests.helpers.session import SessionClient
 
 pytestmark = pytest.mark.slow  # real processes signalled
 
@@ -85,11 +86,11 @@ def exit_codes():
 
 def test_sigterm_stops_every_rank_with_code_0(model):
     """Both ranks get SIGTERM at once, as their agents send it, one stream still running."""
-    with pipeline(model, [2, 2]) as (stub, workers):
-        assert len(list(stub.Generate(pb.GenerateRequest(
+    with pipeline(model, [2, 2]) as (stub, workers), SessionClient(stub) as session:
+        assert len(list(session.generate(pb.GenerateRequest(
             request_id="a", prompt_tokens=[5, 6, 7], max_tokens=8), timeout=60))) >= 1
-        running = stub.Generate(pb.GenerateRequest(request_id="b", prompt_tokens=[5, 6, 7],
-                                                   max_tokens=1800), timeout=60)
+        running = session.generate(pb.GenerateRequest(request_id="b", prompt_tokens=[5, 6, 7],
+                                                      max_tokens=1800), timeout=60)
         next(running)
         for w in workers:
             w.proc.send_signal(signal.SIGTERM)

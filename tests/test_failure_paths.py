@@ -20,7 +20,6 @@ from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
-    MAX_ATTEMPTS,
     Delta,
     Done,
     GatewaySettings,
@@ -28,6 +27,7 @@ from omlx_coordinator.generation import (
     generate,
 )
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.retry import MAX_ATTEMPTS
 from omlx_coordinator.weight_transfer import WeightSource, ensure_weights
 from omlx_coordinator.worker_session import WorkerSession
 from omlx_node.kv_cache import PrefixCache

@@ -1106,11 +1106,14 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
 
     from omlx_node.batcher import Batcher, SeqRequest
     from omlx_node.metrics import NodeMetrics
-    from omlx_node.worker import WorkerConfig, make_prefix_cache, weights_fingerprint
+    from omlx_node.worker import make_prefix_cache, weights_fingerprint
+    from omlx_node.worker_config import WorkerConfig
+    from omlx_shared.engine_config import EngineConfig
 
     config = WorkerConfig(model_path=model_path, model_id="tiny", layer_start=0, layer_end=None,
-                          cache_block_size=BS, hot_cache_bytes=BIG, ssd_cache_dir=tmp_path,
-                          ssd_cache_bytes=BIG, device_cache_bytes=0)
+                          engine=EngineConfig(cache_block_size=BS, hot_cache_bytes=BIG,
+                                              ssd_cache_dir=str(tmp_path), ssd_cache_bytes=BIG,
+                                              device_cache_bytes=0))
     prompt = rand_tokens(3 * BS + 1, vocab, seed=11)
     odd = PrefixCache(f"tiny@{weights_fingerprint(model_path)}", (0, stage.info.num_layers), BS,
                       ssd_dir=tmp_path, dtype=stage.info.dtype)

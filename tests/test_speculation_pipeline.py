@@ -21,6 +21,7 @@ from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.engine import assert_logprobs_match
 from tests.helpers.pipeline import pipeline, run_concurrently, tensor_stage
+from tests.helpers.session import generate_chunks
 from tests.helpers.speculation import TEXT, mixed_requests
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def requests(model_path) -> tuple[list[pb.GenerateRequest], list[list[int]], lis
 def run_all(stub, reqs: list[pb.GenerateRequest]) -> list[tuple[list[int], list, str, int]]:
     """Every request at once: (tokens, logprobs, finish reason, accepted prediction tokens)."""
     def one(req):
-        chunks = list(stub.Generate(req, timeout=120))
+        chunks = generate_chunks(stub, req)
         return ([t for c in chunks for t in c.tokens],
                 [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
                  for c in chunks for lp in c.logprobs],

@@ -18,6 +18,7 @@ from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
 from tests.conftest import free_port, start_server
 from tests.helpers.pipeline import PROMPTS, generate, run_concurrently, tensor_stage
+from tests.helpers.session import generate_chunks
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -76,9 +77,9 @@ def test_tensor_stage_greedy_matches_mlx_lm(model):
         for p, (tokens, _) in zip(PROMPTS * 2, outs):
             assert_matches(tokens, refs[p], p)
         # Logprobs (sampled on rank 0) within 1e-4 of mlx-lm's.
-        chunks = list(stub.Generate(pb.GenerateRequest(
+        chunks = generate_chunks(stub, pb.GenerateRequest(
             request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
-            logprobs=True, top_logprobs=2, ignore_eos=True), timeout=120))
+            logprobs=True, top_logprobs=2, ignore_eos=True))
         got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
         assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
         for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
