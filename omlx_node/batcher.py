@@ -239,6 +239,9 @@ class Engine:
         self._urgent: set[int] = set()
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
+        # When the last iteration ended: a prefill chunk, a decode step or an idle wait. A
+        # step that does not return (a pipeline whose data plane is cut) leaves it behind.
+        self.stepped_at = time.monotonic()
 
     # ---- API for other threads -------------------------------------------------------------
 
@@ -347,6 +350,7 @@ class Engine:
             self._finish_all(Finish(self.failure_reason, self.failure_message))
             self._recover()
         self._deliver()
+        self.stepped_at = time.monotonic()
         self.state.give_back_if_idle()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
