@@ -120,9 +120,13 @@ class GuardedHttp(HttpToolsProtocol):
         self._idle_since = None
         if self._answered:  # a request pipelined behind one answered at once: never served
             return
-        # (Not a request pipelined behind one still being answered: it runs in its own time.)
+        # Not a request pipelined behind one still being answered (it runs in its own time),
+        # nor one that asks for an upgrade (a websocket's scope is another's): the app is told
+        # of each request it was asked about that runs (admission.Arrivals), so each must run
+        # now, in the scope it was asked about.
         if (self.answer_at_once is not None
                 and (self.cycle is None or self.cycle.response_complete)
+                and not self.parser.should_upgrade()
                 and (response := self._answer()) is not None):
             self._send_and_close(response)
             return

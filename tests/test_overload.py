@@ -116,6 +116,21 @@ def test_two_thousand_at_once_are_each_served_or_refused_and_none_hangs(bounded)
     _serves_again(bounded)
 
 
+def test_requests_that_ask_for_an_upgrade_take_no_place(bounded):
+    """A generation request that asks for a websocket is handed to uvicorn's websocket
+    protocol, in a scope of its own: were it counted among the requests on their way to
+    admission, it would never leave them, and a few would refuse everything after."""
+    port = int(bounded.url.rsplit(":", 1)[1])
+    for _ in range(8):  # twice the bound
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                      b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                      b"Sec-WebSocket-Version: 13\r\n"
+                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+            assert s.recv(4096)  # whatever it answers, it answers
+    _serves_again(bounded)
+
+
 def test_anthropic_excess_is_its_529_overloaded_error(bounded):
     results = asyncio.run(_burst(bounded.url, "/v1/messages", {
         "model": bounded.model_id, "max_tokens": 32,
