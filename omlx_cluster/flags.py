@@ -105,8 +105,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="a model's plan whose head worker sent nothing for this long while it "
                         "had requests (a pipeline wedged: the link between two stages cut) is "
-                        "re-planned, its requests resumed; keep it above the slowest prompt's "
-                        "whole prefill, which sends nothing (default: 600)")
+                        "re-planned, its requests resumed; a prefill whose steps advance is "
+                        "not silent (the worker reports each second of progress), so keep it "
+                        "above the longest single step only (default: 600)")
     p.add_argument("--keepalive", type=validators.positive_seconds, default=5.0, metavar="SECONDS",
                    help="a stream that wrote nothing for this long (a prompt being prefilled, "
                         "a tool call held back until it is whole, a model loading) sends an "

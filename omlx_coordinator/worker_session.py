@@ -170,7 +170,8 @@ class WorkerSession:
 
     def silent_seconds(self) -> float:
         """How long the worker has sent nothing while sequences of this session were open (0
-        while none is)."""
+        while none is). A worker whose engine advances sends at least an empty message a
+        second (omlx_node/session.py): silence means its steps stopped, not a long prefill."""
         if self._stream is None or not self._stream.alive or not self._stream.calls:
             return 0.0
         return time.monotonic() - self._stream.heard

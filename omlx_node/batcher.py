@@ -240,6 +240,9 @@ class Engine:
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
         self.speculator: Speculator | None = None  # `_speculate` sets it
+        # When the last iteration ended: a prefill chunk, a decode step or an idle wait. A
+        # step that does not return (a pipeline whose data plane is cut) leaves it behind.
+        self.stepped_at = time.monotonic()
 
     def _speculate(self, mode: str, max_rows: int | None = None,
                    costs: dict[int, float] | None = None) -> None:
@@ -383,6 +386,7 @@ class Engine:
             self._finish_all(Finish(self.failure_reason, self.failure_message))
             self._recover()
         self._deliver()
+        self.stepped_at = time.monotonic()
         self.state.give_back_if_idle()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))

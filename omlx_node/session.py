@@ -15,6 +15,11 @@ gateway to read and stream (on an H200 at batch 1, a third less gateway CPU a to
 bench/stream_interval.py). A sequence's first token and its end are never held
 (`Outbox.urgent`): a client waits for those.
 
+While its sequences have nothing to send (a long prompt being prefilled), the handler sends an
+empty message every POLL_SECONDS that the engine completed a step since the last one: the
+gateway takes a worker that sends nothing past --stall-timeout for a wedged plan, and a prefill
+that advances is not one.
+
 Requests are read on a thread of their own while the handler writes. A sequence's events read
 as a call of its own would stream it (`fill_chunk`); a request that cannot run, and a sequence
 the node failed under ("lost"), end with the status such a call would end with. When the
@@ -223,6 +228,9 @@ class Session:
             except queue.Empty:
                 if not context.is_active():
                     return
+                if self._live and self.engine.stepped_at > sent:  # progress, nothing to say
+                    yield pb.SessionEvents()
+                    sent = time.monotonic()
                 continue
             hold = sent + self.interval - time.monotonic()
             if hold > 0 and not behind and items[0] is not None:
