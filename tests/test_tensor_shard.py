@@ -7,9 +7,10 @@ summed by the test; tests/test_tensor_parallel.py runs them as processes.)"""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
-from omlx_node.tensor_shard import common_shape_refusal, shard_layer
+from omlx_node.tensor_shard import ShardError, common_shape_refusal, shard_layer
 from omlx_shared.tensor_split import ALIASES, COMMON_SHAPE, head_slice
 from tests.tiny_models import FAMILY_CONFIGS, instantiate, tiny_config
 
@@ -71,3 +72,33 @@ def test_rank_slices_sum_to_the_whole(family, n_heads, n_kv, ranks):
         mlp = mlp + layer.mlp(x)
     assert mx.allclose(attn, want_attn, atol=1e-5).item()
     assert mx.allclose(mlp, want_mlp, atol=1e-5).item()
+
+
+def quantized_layer(config: dict):
+    model = instantiate(config)
+    nn.quantize(model, group_size=32, bits=8)
+    return model.layers[0]
+
+
+def test_quantized_slices_sum_to_the_whole():
+    """A GPU keeps the weights quantized: slices fall on whole quantization groups."""
+    config = tiny_config("llama", num_layers=1)
+    whole = quantized_layer(config)
+    x = mx.random.normal((2, 5, config["hidden_size"]), key=mx.random.key(1))
+    group = mx.distributed.init()
+    attn = mlp = 0
+    for rank in range(2):
+        layer = quantized_layer(config)
+        shard_layer(layer, 2, rank, group)
+        attn = attn + layer.self_attn(x, None, None)
+        mlp = mlp + layer.mlp(x)
+    assert mx.allclose(attn, whole.self_attn(x, None, None), atol=1e-4).item()
+    assert mx.allclose(mlp, whole.mlp(x), atol=1e-4).item()
+
+
+def test_quantized_heads_off_the_groups_are_refused():
+    """3 ranks of 4 heads of 16: rank 1's o_proj columns [32, 48) cut a group of 32."""
+    layer = quantized_layer(tiny_config("llama", num_layers=1))
+    with pytest.raises(ShardError, match=r"input features \[32, 48\) do not fall on the "
+                                         r"quantization groups of 32; dequantize the model"):
+        shard_layer(layer, 3, 1, mx.distributed.init())
