@@ -7,7 +7,8 @@ Two sharders do it (omlx_node/tensor_shard.py):
 - mlx-lm's own `Model.shard(group)`, for the families that have one, where the rank count divides
   every size it splits (it splits evenly, and needs at least one KV head a rank);
 - the generic sharder, for families of the common decoder shape (every layer a `self_attn` of
-  q/k/v/o projections with per-head norms at most, and an `mlp` of gate/up/down projections),
+  q/k/v/o projections with per-head norms at most, and an `mlp` of gate/up/down projections, or
+  an MoE block of SwitchGLU experts, dense shared experts and routers, split by width),
   with or without `shard()`: it gives each rank a contiguous run of KV heads with their query
   heads, ceil or floor of KV heads/ranks; with fewer KV heads than ranks, a run of query heads
   (ceil or floor of heads/ranks) with the KV heads they read (a KV head whose query heads
@@ -36,7 +37,8 @@ SHARDABLE = frozenset({
 # mlx-lm 0.32's model modules of the common decoder shape (the generic sharder's).
 COMMON_SHAPE = frozenset({
     "cohere2", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "granite",
-    "hunyuan_v1_dense", "llama", "qwen2", "qwen3", "seed_oss", "smollm3",
+    "hunyuan_v1_dense", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss",
+    "smollm3",
 })
 # config.json model types mlx-lm loads with another family's module (its MODEL_REMAPPING).
 ALIASES = {"mistral": "llama", "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3",
@@ -48,7 +50,9 @@ DIVIDED = (("num_attention_heads", "attention heads"),
            ("moe_intermediate_size", "expert intermediate size"),
            ("shared_expert_intermediate_size", "shared expert intermediate size"))
 # What the generic sharder splits, at least one a rank.
-SPLIT = (("num_attention_heads", "attention heads"), ("intermediate_size", "MLP intermediate size"))
+SPLIT = (("num_attention_heads", "attention heads"), ("intermediate_size", "MLP intermediate size"),
+         ("moe_intermediate_size", "expert intermediate size"),
+         ("shared_expert_intermediate_size", "shared expert intermediate size"))
 
 
 @dataclass(frozen=True)
@@ -122,14 +126,14 @@ def largest_share(config: dict, ranks: int) -> tuple[float, float]:
     share, KV share and MLP share (plan sizes need not be exact, only not short)."""
     even = 1 / ranks
     heads, kv = _setting(config, "num_attention_heads"), _setting(config, "num_key_value_heads")
-    width = _setting(config, "intermediate_size")
+    widths = [w for key, _ in SPLIT[1:] if isinstance(w := _setting(config, key), int) and w]
     if uses_model_shard(config, ranks) or not isinstance(heads, int):
         return even, even
     kv = kv if isinstance(kv, int) and kv else heads
     slices = [head_slice(heads, kv, ranks, r) for r in range(ranks)]
     q = max(s.q_end - s.q_start for s in slices) / heads
     kv_share = max(len(s.kv) for s in slices) / kv
-    mlp = -(-width // ranks) / width if isinstance(width, int) and width else even
+    mlp = max((-(-w // ranks) / w for w in widths), default=even)
     return max(q, kv_share, mlp), kv_share
 
 
@@ -153,9 +157,9 @@ def tensor_refusal(config: dict, ranks: int) -> str:
     if family in SHARDABLE:
         return (f"{model_type} has {_undivided(config, ranks)}; mlx-lm's Model.shard() splits "
                 f"evenly and {model_type} is not of the common decoder shape the uneven split "
-                f"serves (its layers are not all attention q/k/v/o and a gate/up/down MLP); "
-                f"use a rank count that divides it or --parallel pipeline")
+                f"serves (its layers are not all attention q/k/v/o and a gate/up/down MLP or "
+                f"SwitchGLU experts); use a rank count that divides it or --parallel pipeline")
     return (f"model family {model_type!r} has no tensor-parallel split: mlx-lm has no "
             f"Model.shard() for it and its layers are not of the common decoder shape the "
             f"generic sharder splits (attention q/k/v/o with per-head norms at most, a "
-            f"gate/up/down MLP); serve it with --parallel pipeline")
+            f"gate/up/down MLP or SwitchGLU experts); serve it with --parallel pipeline")

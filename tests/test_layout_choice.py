@@ -44,8 +44,8 @@ def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():
 @pytest.mark.parametrize("shape, nodes, why", [
     ((("model_type", "olmo2"), ("num_attention_heads", 8)), 2,
      "model family 'olmo2' has no tensor-parallel split: mlx-lm has no Model.shard() for it"),
-    ((("model_type", "qwen3_moe"), ("num_attention_heads", 32)), 3,
-     "qwen3_moe has 32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
+    ((("model_type", "gpt_oss"), ("num_attention_heads", 32)), 3,
+     "gpt_oss has 32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
     (LLAMA_8B, 33, "llama has 32 attention heads (num_attention_heads), fewer than the 33 ranks"),
 ])
 def test_tensor_refused_at_plan_time_saying_why(shape, nodes, why):

@@ -2,7 +2,8 @@
 separate worker processes over mx.distributed's ring on loopback, against mlx-lm's own
 generation on tiny random fp32 models: families split by mlx-lm's own `shard()` (dense, GQA, MoE,
 MLA, gpt_oss's sliding-window MoE), families split by the generic sharder (gemma3_text and cohere2,
-sliding-window), and 3 ranks over 4 heads and 2 KV heads (uneven, a KV head held by two ranks)."""
+sliding-window), and 3 ranks over 4 heads and 2 KV heads (uneven, a KV head held by two ranks),
+dense and MoE."""
 
 from __future__ import annotations
 
@@ -89,10 +90,10 @@ def test_tensor_stage_greedy_matches_mlx_lm(model):
     check_stage(model, ranks=2)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_three_ranks_over_heads_that_do_not_divide(family, tmp_path):
     """4 query heads and 2 KV heads over 3 ranks: 2, 1 and 1 query heads, KV head 1 on ranks 1
-    and 2 (the generic sharder's uneven split)."""
+    and 2 (the generic sharder's uneven split); qwen3_moe's experts 11, 11 and 10 wide."""
     check_stage(build_model(tmp_path / family, family, num_layers=3), ranks=3)
 
 
@@ -134,13 +135,13 @@ def shard_bytes(metrics_port: int) -> float:
 
 
 def test_heads_that_do_not_divide_are_refused(tmp_path):
-    """3 ranks of an MoE model with 4 attention heads: mlx-lm's shard() splits evenly, and the
-    uneven split serves only dense layers of the common shape. Each rank exits, saying why."""
-    path = build_model(tmp_path / "m", "qwen3_moe", num_layers=2)
+    """3 ranks of gpt_oss, 4 attention heads with a sink each: mlx-lm's shard() splits evenly,
+    and the uneven split serves only the common shape. Each rank exits, saying why."""
+    path = build_model(tmp_path / "m", "gpt_oss", num_layers=2)
     with pytest.raises(ChildError) as err:
         with tensor_stage(path, ranks=3):
             pass
-    assert "qwen3_moe has 4 attention heads (num_attention_heads), which do not divide over 3 "\
+    assert "gpt_oss has 4 attention heads (num_attention_heads), which do not divide over 3 "\
            "ranks; mlx-lm's Model.shard() splits evenly" in str(err.value)
 
 
@@ -165,10 +166,10 @@ def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
 
 
 def test_gateway_refuses_tensor_for_heads_that_do_not_divide(tmp_path):
-    model = build_model(tmp_path / "qwen3_moe", "qwen3_moe", num_layers=2)
+    model = build_model(tmp_path / "gpt_oss", "gpt_oss", num_layers=2)
     r = subprocess.run(omlx_command("serve", "--model", str(model), "--port", str(free_port()),
                                     "--nodes", "3", "--parallel", "tensor"),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert ("cannot run tensor-parallel over 3 nodes: qwen3_moe has 4 attention heads "
+    assert ("cannot run tensor-parallel over 3 nodes: gpt_oss has 4 attention heads "
             "(num_attention_heads), which do not divide over 3 ranks") in r.stderr

@@ -27,7 +27,8 @@ def test_common_shape_table_is_mlx_lms_classes():
 @pytest.mark.parametrize("family, why", [
     ("olmo2", "its attention's q_norm spans more than one head"),
     ("phi3", "its self_attn has no q_proj linear projection"),
-    ("qwen3_moe", "its mlp has no gate_proj linear projection"),
+    ("glm4_moe", "its MoE block holds gate, neither experts, a shared MLP nor a router"),
+    ("gpt_oss", "its attention does not name its head counts (n_heads and n_kv_heads)"),
 ])
 def test_other_shapes_are_named(family, why):
     model = instantiate(tiny_config(family, num_layers=2))
@@ -51,25 +52,32 @@ def test_head_slices(n_heads, n_kv, ranks, want):
     assert [(s.q_start, s.q_end, s.kv) for s in got] == want
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "cohere2", "granite"])
+def feed_forward(layer):
+    return layer.get("mlp") or layer.block_sparse_moe
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "cohere2", "granite",
+                                    "qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("n_heads, n_kv, ranks", [
     (4, 2, 2), (4, 2, 3), (8, 2, 3), (6, 3, 4), (4, 1, 2), (6, 2, 4), (6, 3, 2), (12, 6, 4)])
 def test_rank_slices_sum_to_the_whole(family, n_heads, n_kv, ranks):
-    config = tiny_config(family, num_layers=1, hidden_size=16 * n_heads, extra_config={
+    """The last layer (qwen3_moe's first is dense) of each rank: attention and MLP (or MoE
+    block: every expert's and the shared expert's width split, the router whole)."""
+    config = tiny_config(family, num_layers=2, hidden_size=16 * n_heads, extra_config={
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv, "head_dim": 16})
-    whole = instantiate(config).layers[0]
+    whole = instantiate(config).layers[-1]
     x = mx.random.normal((2, 5, config["hidden_size"]), key=mx.random.key(1))
-    want_attn, want_mlp = whole.self_attn(x, None, None), whole.mlp(x)
+    want_attn, want_mlp = whole.self_attn(x, None, None), feed_forward(whole)(x)
     group = mx.distributed.init()  # of one: its all_sum is the identity
     attn = mlp = 0
     for rank in range(ranks):
-        layer = instantiate(config).layers[0]
+        layer = instantiate(config).layers[-1]
         shard_layer(layer, ranks, rank, group)
         hs = head_slice(n_heads, n_kv, ranks, rank)
-        assert layer.self_attn.n_heads == hs.q_end - hs.q_start
+        assert layer.self_attn.q_proj.weight.shape[0] == 16 * (hs.q_end - hs.q_start)
         assert layer.self_attn.k_proj.weight.shape[0] == 16 * len(hs.kv)
         attn = attn + layer.self_attn(x, None, None)
-        mlp = mlp + layer.mlp(x)
+        mlp = mlp + feed_forward(layer)(x)
     assert mx.allclose(attn, want_attn, atol=1e-5).item()
     assert mx.allclose(mlp, want_mlp, atol=1e-5).item()
 

@@ -46,13 +46,17 @@ def test_aliases_are_mlx_lms():
     ({**LLAMA, "intermediate_size": 11}, 2, "", False),
     (LLAMA, 33, "llama has 32 attention heads (num_attention_heads), fewer than the 33 ranks",
      None),
+    # An MoE of SwitchGLU experts: the generic sharder splits its width unevenly too.
     ({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
-      "moe_intermediate_size": 33, "intermediate_size": 64}, 2,
-     "qwen3_moe has 33 expert intermediate size (moe_intermediate_size), which do not divide "
-     "over 2 ranks; mlx-lm's Model.shard() splits evenly and qwen3_moe is not of the common "
-     "decoder shape", None),
-    ({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2}, 3,
-     "4 attention heads (num_attention_heads), which do not divide over 3 ranks", None),
+      "moe_intermediate_size": 33, "intermediate_size": 64}, 2, "", False),
+    ({"model_type": "qwen3_moe", "num_attention_heads": 4, "moe_intermediate_size": 2}, 3,
+     "qwen3_moe has 2 expert intermediate size (moe_intermediate_size), fewer than the 3 ranks",
+     None),
+    # gpt_oss's attention has sinks, one a head: its own shard() alone splits it.
+    ({"model_type": "gpt_oss", "num_attention_heads": 4, "num_key_value_heads": 2}, 3,
+     "gpt_oss has 4 attention heads (num_attention_heads), which do not divide over 3 ranks; "
+     "mlx-lm's Model.shard() splits evenly and gpt_oss is not of the common decoder shape",
+     None),
     ({"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1}, 3,
      "", False),
     ({"model_type": "olmo2", "num_attention_heads": 4}, 2,

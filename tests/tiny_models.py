@@ -120,6 +120,8 @@ FAMILY_CONFIGS = {
     "seed_oss": dict(head_dim=16, attention_bias=False, attention_out_bias=False,
                      mlp_bias=False, tie_word_embeddings=False),
     "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=True),
+    "qwen2_moe": dict(_MOE, num_experts=4, shared_expert_intermediate_size=32,
+                      tie_word_embeddings=False),
 }
 
 
