@@ -1,9 +1,9 @@
 """Tensor-parallel stages (omlx_node/tensor.py): ranks holding a slice of every layer, as
 separate worker processes over mx.distributed's ring on loopback, against mlx-lm's own
 generation on tiny random fp32 models: families split by mlx-lm's own `shard()` (dense, GQA, MoE,
-MLA, gpt_oss's sliding-window MoE), families split by the generic sharder (gemma3_text and cohere2,
-sliding-window), and 3 ranks over 4 heads and 2 KV heads (uneven, a KV head held by two ranks),
-dense and MoE."""
+MLA, gpt_oss's sliding-window MoE), families split by the generic sharder (gemma3_text and cohere2
+sliding-window; mixtral, MoE), and 3 ranks over 4 heads and 2 KV heads (uneven, a KV head held by
+two ranks), dense and MoE."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text", "cohere2", "gpt_oss"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text", "cohere2", "gpt_oss",
+            "mixtral"]
 TOKENS = 16
 TIE = 1e-4  # a divergence is allowed only where mlx-lm's top two logits are this close
 
