@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omlx_shared.model_families import refusal
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
-from omlx_shared.tensor_split import DIVIDED, tensor_refusal
+from omlx_shared.tensor_split import DIVIDED, largest_share, tensor_refusal
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.
@@ -128,6 +128,10 @@ class ModelLayout:
     def tensor_refusal(self, ranks: int) -> str:
         """Why the model cannot be a tensor-parallel stage of `ranks` ranks; "" if it can."""
         return tensor_refusal(dict(self.shape), ranks)
+
+    def tensor_share(self, ranks: int) -> tuple[float, float]:
+        """The largest fraction of a layer's weights, and of its KV, one of `ranks` holds."""
+        return largest_share(dict(self.shape), ranks)
 
     @property
     def hidden_size(self) -> int:

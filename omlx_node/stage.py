@@ -35,6 +35,7 @@ from omlx_node.families import (
     mask_kind,
 )
 from omlx_node.layer_stream import LayerStream, StreamError
+from omlx_node.tensor_shard import ShardError, shard_model
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
@@ -126,8 +127,8 @@ class StageRunner:
                  streamed: int = 0, tensor_group=None):
         """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
         least one layer of the range stays resident. `tensor_group`: the mx.distributed group
-        of a tensor-parallel stage, whose ranks each hold a slice of every layer (mlx-lm's own
-        `Model.shard`); None: whole layers."""
+        of a tensor-parallel stage, whose ranks each hold a slice of every layer
+        (omlx_node/tensor_shard.py); None: whole layers."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -224,7 +225,10 @@ class StageRunner:
             model.set_dtype(target)
         if ranks > 1:
             # After dequantizing, which knows mlx's plain quantized layers only.
-            model.shard(tensor_group)
+            try:
+                shard_model(model, inner.layers, config, tensor_group)
+            except ShardError as e:
+                raise StageError(f"{path}: {e}; serve it with --parallel pipeline") from e
         mx.eval(model.parameters())
         inner.layers = layers
         self._stream: LayerStream | None = None

@@ -1,6 +1,6 @@
 """A tensor-parallel stage: ranks that each hold a slice of every layer and compute in step.
 
-Every rank loads the model split by mlx-lm's own `Model.shard(group)` (omlx_node/stage.py):
+Every rank loads the model split by heads and width (omlx_node/tensor_shard.py, in stage.py):
 each layer's attention and MLP end in an all_sum over the group, so every rank must run the
 same forward passes, on the same inputs, in the same order. Rank 0 runs the single-node engine
 (`Batcher`: continuous batching, chunked prefill, sampling, constraints and logprobs) over a
