@@ -304,7 +304,9 @@ def test_throttled_node_loses_layers_and_streams_finish_unchanged(model, tmp_pat
         dry = subprocess.run(omlx_command("rebalance", "--dry-run", "--url", server.url),
                              check=False, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0 and "proposed split" in dry.stdout, dry.stdout + dry.stderr
-        assert status(server.url)["epoch"] == after["epoch"]  # a dry run moves nothing
+        # A dry run moves nothing (the epoch may still move: a node this loaded machine's
+        # heartbeats lost and found again is planned in, as below).
+        assert server.metrics()['omlx_rebalances_total{reason="imbalance"}'] == 1
 
         # The node is lost (its agent stopped) and answers again: the plan that takes it back
         # counts it at the speed it was measured at, not its calibrated one, so it does not
