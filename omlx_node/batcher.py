@@ -73,6 +73,7 @@ from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, ve
 from omlx_node.stage import StageRunner
 from omlx_node.stage_state import StageState
 from omlx_node.step_pace import StepPace
+from omlx_node.wait_parts import Wait, charge, split
 from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_shared.token_ids import outside_vocabulary
 
@@ -186,6 +187,7 @@ class Sequence:
         self.prefill_started = 0.0  # 0: still queued
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.wait = Wait()  # where its time to a first token went (wait_parts.py)
         self.proposer: Proposer | None = None  # drafts its tokens (set when it joins a batch)
         self.spec = SpecStats()
 
@@ -420,6 +422,27 @@ class Engine:
             budget -= max(n, 1)
         return plan
 
+    def _charge_waits(self, waiting: list[Sequence], t0: float, seconds: float, decoded: bool,
+                      plan: list[tuple[Sequence, int, int]]) -> None:
+        """Charges an iteration that began at `t0` and took `seconds` (a decode step if
+        `decoded`, then `plan`'s prefill) to the prompts that waited through it (`waiting`:
+        those without a first token when it began); one whose first token came in its decode
+        step waited for that step up to its token, and for nothing after it."""
+        prefilled = sum(n for _, _, n in plan)
+        step, prefill = split(seconds, self.pace.decode_s, decoded, prefilled)
+        own: dict[Sequence, int] = {}
+        for seq, _, n in plan:
+            own[seq] = own.get(seq, 0) + n
+        for seq in waiting:
+            if not seq.generated:
+                charge(seq.wait, step, prefill, own.get(seq, 0), prefilled)
+                continue
+            charge(seq.wait, min(step, seq.first_token_time - t0), 0.0, 0, prefilled)
+            self.metrics.waited(seq.wait.parts())
+            log.debug("request %s: first token after %.3f s; %s", seq.request_id,
+                      seq.first_token_time - seq.submitted,
+                      ", ".join(f"{k} {v:.3f} s" for k, v in seq.wait.parts().items()))
+
     def _waits_for(self, seq: Sequence, plan: list[tuple[Sequence, int, int]]) -> bool:
         """Whether `seq`, not looked up yet, is better started after the prompts planned ahead of
         it are kept (prefill_order.py)."""
@@ -605,15 +628,18 @@ class Batcher(Engine):
         self.ready, self.status = True, "ready"
 
     def _work(self) -> None:
-        t0, decoded, prefilled = time.perf_counter(), bool(self._batch), 0
+        t0, decoded, plan = time.perf_counter(), bool(self._batch), []
+        waiting = [*self._waiting, *(s for s in self._batch if s.generated == 0)]
         if decoded:
             self._decode_step()
         if self._waiting and len(self._batch) < self.max_batch:
-            prefilled = self._prefill_step()
-        self.pace.observe(time.perf_counter() - t0, decoded, prefilled)
+            plan = self._prefill_step()
+        seconds = time.perf_counter() - t0
+        self._charge_waits(waiting, t0, seconds, decoded, plan)
+        self.pace.observe(seconds, decoded, sum(n for _, _, n in plan))
 
-    def _prefill_step(self) -> int:
-        """Runs one prefill chunk; returns its tokens."""
+    def _prefill_step(self) -> list[tuple[Sequence, int, int]]:
+        """Runs one prefill chunk; returns its plan."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
         if (self.speculator is not None
                 and len(self._batch) + len(self._waiting) <= self.speculator.max_rows):
@@ -655,7 +681,7 @@ class Batcher(Engine):
                 self._samplers.append(sampler)
                 if error:
                     self._failed[s] = f"sampling cannot start: {error}"
-        return sum(n for _, _, n in plan)
+        return plan
 
     def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
                         ) -> list[list[tuple[Sequence, int, int]]]:
