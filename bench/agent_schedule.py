@@ -44,6 +44,10 @@ from omlx_node.step_pace import StepPace
 from omlx_node.wait_parts import PARTS
 
 
+def oldest_first(b: Batcher) -> None:
+    b.shortest_first = False
+
+
 def share(n: float) -> Callable[[Batcher], None]:
     """A pace whose prefill takes `n` decode steps' time (1e9: a whole chunk every iteration,
     as before pacing)."""
@@ -54,7 +58,8 @@ def share(n: float) -> Callable[[Batcher], None]:
 
 # The policies compared (docs/scheduling.md): how each sets up an engine.
 POLICIES: dict[str, Callable[[Batcher], None]] = {
-    "paced": lambda b: None,  # the engine as it is
+    "engine": lambda b: None,  # the engine as it is
+    "oldest": oldest_first,
     "fixed": share(1e9),
     "share0.5": share(0.5),
     "share2": share(2.0),
@@ -87,26 +92,53 @@ class Session:
     done_at: float = 0.0
 
 
+class WorkClock:
+    """Time as the work the engine did: each iteration costs its decode rows at `row_s` each
+    and its prompt tokens at `token_s` each (both measured on the machine alone; on a CPU both
+    are compute and linear, docs/scheduling.md). Other processes' load then moves no result:
+    what differs between two policies is only who waited for which work. (The engine's pace
+    still measures real time: its budget is a ratio of two costs, which load moves little.)"""
+
+    def __init__(self, batcher: Batcher, row_s: float, token_s: float):
+        self.now, self.row_s, self.token_s = 0.0, row_s, token_s
+        self._prefilled = 0
+        observe = batcher.pace.observe
+
+        def counted(seconds: float, decoded: bool, prefilled: int) -> None:
+            self._prefilled = prefilled
+            observe(seconds, decoded, prefilled)
+        batcher.pace.observe = counted  # type: ignore[method-assign]
+
+    def step(self, batcher: Batcher) -> None:
+        rows = len(batcher.running_seqs())
+        self._prefilled = 0
+        batcher.step()
+        self.now += rows * self.row_s + self._prefilled * self.token_s
+
+
 def replay(path: Path, policy: str, args, vocab: int) -> tuple[list[TurnResult], list[float]]:
-    """One run of every session under `policy`; returns its turns and sessions' times."""
+    """One run of every session under `policy`; returns its turns and sessions' times (in
+    work time with --work-clock)."""
     cache = PrefixCache("m", (0, 2), block_size=16, hot_max_bytes=1 << 31)
     batcher = Batcher(StageRunner(path), NodeMetrics(), prefix_cache=cache)
     POLICIES[policy](batcher)
+    clock = WorkClock(batcher, args.work_clock[0] / 1e3, args.work_clock[1] / 1e3) \
+        if args.work_clock else None
     warm = batcher.submit(SeqRequest("warm", [5] * 40, 4))
     while not batcher.idle:
         batcher.step()
     del warm
     rng = random.Random(args.seed)
     system = [rng.randrange(10, vocab) for _ in range(args.system_tokens)]
-    t0 = time.perf_counter()
+    t0 = clock.now if clock else time.perf_counter()
     sessions = [Session(i, t0 + i * args.stagger,
                         system + [rng.randrange(10, vocab) for _ in range(30)])
                 for i in range(args.sessions)]
     results: list[TurnResult] = []
-    deadline = t0 + args.timeout
+    deadline = time.perf_counter() + args.timeout
     while any(not s.done_at for s in sessions):
-        now = time.perf_counter()
-        if now > deadline:
+        now = clock.now if clock else time.perf_counter()
+        if time.perf_counter() > deadline:
             raise TimeoutError(f"policy {policy}: sessions not done in {args.timeout} s")
         for s in sessions:
             if s.seq is None and not s.done_at and now >= s.start:
@@ -114,10 +146,17 @@ def replay(path: Path, policy: str, args, vocab: int) -> tuple[list[TurnResult],
                                                   args.answer_tokens))
                 s.sent, s.times, s.tokens = now, [], []
         if batcher.idle:
-            time.sleep(0.005)
+            if clock:  # nothing to compute until the next session starts
+                clock.now = min(s.start for s in sessions if s.seq is None and not s.done_at)
+            else:
+                time.sleep(0.005)
             continue
-        batcher.step()
-        now = time.perf_counter()
+        if clock:
+            clock.step(batcher)
+            now = clock.now
+        else:
+            batcher.step()
+            now = time.perf_counter()
         for s in sessions:
             if s.seq is None:
                 continue
@@ -168,8 +207,9 @@ def summary(turns: list[TurnResult], sessions: list[float], lone: float) -> dict
     return {
         "sessions_median_s": med(sessions),
         "later_ttft_median_s": med(t.ttft for t in later),
-        **{f"later_{p}_s": med(t.wait[p] for t in later) for p in PARTS},
-        "later_rest_s": med(t.ttft - sum(t.wait.values()) for t in later),
+        # Where their wait went, as shares (real time: the engine measures it)
+        **{f"later_{p}_share": sum(t.wait[p] for t in later)
+           / sum(sum(t.wait.values()) for t in later) for p in PARTS},
         "turn_median_s": med(t.turn_s for t in turns),
         "turn_max_s": max(t.turn_s for t in turns),
         "decode_vs_lone_median": med(t.decode_tps for t in turns if t.decode_tps) / lone,
@@ -189,6 +229,9 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=sorted(POLICIES))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--work-clock", type=float, nargs=2, metavar=("ROW_MS", "TOKEN_MS"),
+                    help="time as work: a decode row and a prompt token cost this many ms "
+                         "(measure them alone; see WorkClock)")
     ap.add_argument("--together", action="store_true",
                     help="a round's policies at the same time, one process each")
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)  # (a --together child's)
@@ -223,14 +266,15 @@ def main() -> int:
 def child_args(args) -> list[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
             ("sessions", "turns", "system_tokens", "tool_tokens", "answer_tokens", "stagger",
-             "seed", "timeout")]
+             "seed", "timeout")] + (
+        ["--work-clock", *map(str, args.work_clock)] if args.work_clock else [])
 
 
 def run_policy(path: Path, policy: str, args) -> dict:
     """The lone stream's rate, then the sessions under `policy`: its summary."""
     vocab = RANDOM_LLAMAS["small"][2]["vocab_size"]
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    lone = lone_rate(path, args, vocab)
+    lone = 1e3 / args.work_clock[0] if args.work_clock else lone_rate(path, args, vocab)
     turns, sessions = replay(path, policy, args, vocab)
     return {"load": load, "lone_tps": lone, **summary(turns, sessions, lone)}
 

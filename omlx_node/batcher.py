@@ -55,7 +55,7 @@ from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_row
 from omlx_node.draft_model import DraftModel
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
-from omlx_node.prefill_order import waits_for_ahead
+from omlx_node.prefill_order import priority, waits_for_ahead
 from omlx_node.sampling import (
     MAX_TOP_LOGPROBS,
     PENALTY_CONTEXT,
@@ -177,6 +177,7 @@ class Sequence:
         self.prefilled = 0
         self.cached = 0  # prompt tokens restored from the prefix cache
         self.looked_up = False  # the prefix cache was asked (and answered)
+        self.held = -1  # before `looked_up`: the prompt tokens the cache held at a look ahead
         self.lookup_sent = False  # (pipeline head) the stages were asked
         self.generated = 0
         self.sampled: list[int] = []  # every token sampled for it, a stop token included
@@ -224,6 +225,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk or device_prefill_chunk()
         # How much of a prompt an iteration prefills while others decode (step_pace.py).
         self.pace = StepPace()
+        # Which waiting prompt goes first (prefill_order.py); False: oldest first.
+        self.shortest_first = True
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
@@ -403,7 +406,7 @@ class Engine:
         (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
         most `room` new sequences."""
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
-        for seq in self._waiting:
+        for seq in self._in_order():
             if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \
                     or not self._looked_up(seq):
                 break
@@ -442,6 +445,18 @@ class Engine:
             log.debug("request %s: first token after %.3f s; %s", seq.request_id,
                       seq.first_token_time - seq.submitted,
                       ", ".join(f"{k} {v:.3f} s" for k, v in seq.wait.parts().items()))
+
+    def _in_order(self) -> list[Sequence]:
+        """The waiting sequences in the order their prefill goes (prefill_order.py)."""
+        if not self.shortest_first or len(self._waiting) < 2:
+            return list(self._waiting)
+        now, cache = time.perf_counter(), self.state.prefix_cache
+        for seq in self._waiting:
+            if not seq.looked_up and seq.held < 0:
+                seq.held = cache.lookup(seq.to_prefill, restoring=False) if cache else 0
+        return sorted(self._waiting, key=lambda s: priority(
+            len(s.to_prefill) - (s.prefilled if s.looked_up else s.held),
+            now - s.submitted, self.pace.token_s))
 
     def _waits_for(self, seq: Sequence, plan: list[tuple[Sequence, int, int]]) -> bool:
         """Whether `seq`, not looked up yet, is better started after the prompts planned ahead of
