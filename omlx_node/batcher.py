@@ -6,7 +6,8 @@ tokens out, finish sequences. `Batcher` is the engine of a one-stage pipeline (s
 `omlx_node.pipeline.PipelineHead` the one of a longer pipeline.
 
 Each iteration runs at most one decode step for the running batch and then at most one prefill
-chunk over the oldest waiting sequences: `prefill_chunk` tokens while nobody decodes, and while
+chunk over the waiting sequences, shortest remaining prefill first (aged,
+`omlx_node.prefill_order`): `prefill_chunk` tokens while nobody decodes, and while
 others do, as many as take about one decode step's time (`omlx_node.step_pace`), so a decoding
 stream keeps about half its rate however long the prompts that arrive (docs/scheduling.md).
 A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into
@@ -403,7 +404,7 @@ class Engine:
 
     def _take_prefill(self, room: int) -> list[tuple[Sequence, int, int]]:
         """Plans one prefill chunk: (sequence, start, n) pieces of at most the pace's budget
-        (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
+        (`prefill_chunk` tokens while nobody decodes) in all, in `_in_order`'s order, for at
         most `room` new sequences."""
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
         for seq in self._in_order():
