@@ -44,8 +44,8 @@ from omlx_node.step_pace import StepPace
 from omlx_node.wait_parts import PARTS
 
 
-def oldest_first(b: Batcher) -> None:
-    b.shortest_first = False
+def shortest_first(b: Batcher) -> None:
+    b.shortest_first = True
 
 
 def share(n: float) -> Callable[[Batcher], None]:
@@ -59,9 +59,9 @@ def share(n: float) -> Callable[[Batcher], None]:
 # The policies compared (docs/scheduling.md): how each sets up an engine.
 POLICIES: dict[str, Callable[[Batcher], None]] = {
     "engine": lambda b: None,  # the engine as it is
-    "oldest": oldest_first,
+    "shortest": shortest_first,
     "fixed": share(1e9),
-    "share0.5": share(0.5),
+    "share0.5": share(0.5),  # (these keep the engine's order)
     "share2": share(2.0),
     "share4": share(4.0),
 }

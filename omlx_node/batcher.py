@@ -6,8 +6,7 @@ tokens out, finish sequences. `Batcher` is the engine of a one-stage pipeline (s
 `omlx_node.pipeline.PipelineHead` the one of a longer pipeline.
 
 Each iteration runs at most one decode step for the running batch and then at most one prefill
-chunk over the waiting sequences, shortest remaining prefill first (aged,
-`omlx_node.prefill_order`): `prefill_chunk` tokens while nobody decodes, and while
+chunk over the oldest waiting sequences: `prefill_chunk` tokens while nobody decodes, and while
 others do, as many as take about one decode step's time (`omlx_node.step_pace`), so a decoding
 stream keeps about half its rate however long the prompts that arrive (docs/scheduling.md).
 A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into
@@ -226,8 +225,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk or device_prefill_chunk()
         # How much of a prompt an iteration prefills while others decode (step_pace.py).
         self.pace = StepPace()
-        # Which waiting prompt goes first (prefill_order.py); False: oldest first.
-        self.shortest_first = True
+        # Which waiting prompt goes first: the oldest, or (True) the one with the least left to
+        # prefill, aged (prefill_order.py). Oldest first measured as well or better on the agent
+        # benchmark (docs/scheduling.md); the other is kept for that comparison.
+        self.shortest_first = False
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)

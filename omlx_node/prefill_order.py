@@ -1,7 +1,9 @@
-"""Which waiting prompt prefills first: the one with the least left to prefill, aged; and not
-one that would compute again what a prompt just ahead of it is computing now.
+"""Which waiting prompt prefills first: the oldest, or (`Engine.shortest_first`) the one with the
+least left to prefill, aged; and not one that would compute again what a prompt just ahead of it
+is computing now.
 
-Shortest remaining first: an agent's later turn re-sends its history and prefills only what is
+Shortest remaining first, measured and not the default (docs/scheduling.md): an agent's later
+turn re-sends its history and prefills only what is
 new (a tool result, a few hundred tokens), while a new session may prefill thousands. Taken
 oldest first, a short turn waited behind every longer prompt that came before it, and what it
 waited for counted twice in its turn time. Ordered by what is left to prefill, a prompt

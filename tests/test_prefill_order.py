@@ -44,6 +44,7 @@ def test_short_turns_overtake_a_long_prompt_with_outputs_unchanged(tmp_path) -> 
 
     with PrefixCache("tiny/llama", (0, 2), block_size=4) as cache:
         batcher = engine(path, cache, chunk=16)
+        batcher.shortest_first = True
         first = [words(i, 20 + 3 * i) for i in range(4)]
         runs = [(batcher.submit(SeqRequest(f"a{i}", p, 5)), p, 5) for i, p in enumerate(first)]
         answers = [t for t, _ in drain(batcher, [s for s, _, _ in runs])]
