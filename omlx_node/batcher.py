@@ -56,7 +56,7 @@ from omlx_node.draft_model import DraftModel
 from omlx_node.fuller_steps import SHARE, gather_window, wait_left
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
-from omlx_node.prefill_order import waits_for_ahead
+from omlx_node.prefill_order import priority, waits_for_ahead
 from omlx_node.sampling import (
     MAX_TOP_LOGPROBS,
     PENALTY_CONTEXT,
@@ -74,6 +74,7 @@ from omlx_node.speculation import Proposer, Speculator, SpecStats, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.stage_state import StageState
 from omlx_node.step_pace import StepPace
+from omlx_node.wait_parts import Wait, charge, split
 from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_shared.token_ids import outside_vocabulary
 
@@ -177,6 +178,7 @@ class Sequence:
         self.prefilled = 0
         self.cached = 0  # prompt tokens restored from the prefix cache
         self.looked_up = False  # the prefix cache was asked (and answered)
+        self.held = -1  # before `looked_up`: the prompt tokens the cache held at a look ahead
         self.lookup_sent = False  # (pipeline head) the stages were asked
         self.generated = 0
         self.sampled: list[int] = []  # every token sampled for it, a stop token included
@@ -187,6 +189,7 @@ class Sequence:
         self.prefill_started = 0.0  # 0: still queued
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.wait = Wait()  # where its time to a first token went (wait_parts.py)
         self.proposer: Proposer | None = None  # drafts its tokens (set when it joins a batch)
         self.spec = SpecStats()
 
@@ -226,6 +229,10 @@ class Engine:
         # How long new requests wait for others on a stage that streams layers, as a share of
         # a pass over them (fuller_steps.py).
         self.gather_share = SHARE
+        # Which waiting prompt goes first: the oldest, or (True) the one with the least left to
+        # prefill, aged (prefill_order.py). Oldest first measured as well or better on the agent
+        # benchmark (docs/scheduling.md); the other is kept for that comparison.
+        self.shortest_first = False
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
@@ -452,12 +459,12 @@ class Engine:
 
     def _take_prefill(self, room: int) -> list[tuple[Sequence, int, int]]:
         """Plans one prefill chunk: (sequence, start, n) pieces of at most the pace's budget
-        (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
+        (`prefill_chunk` tokens while nobody decodes) in all, in `_in_order`'s order, for at
         most `room` new sequences."""
         if self._gather_left(room) > 0:
             return []
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
-        for seq in self._waiting:
+        for seq in self._in_order():
             if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \
                     or not self._looked_up(seq):
                 break
@@ -475,6 +482,39 @@ class Engine:
                 self.metrics.queue_seconds.observe(seq.prefill_started - seq.submitted)
             budget -= max(n, 1)
         return plan
+
+    def _charge_waits(self, waiting: list[Sequence], t0: float, seconds: float, decoded: bool,
+                      plan: list[tuple[Sequence, int, int]]) -> None:
+        """Charges an iteration that began at `t0` and took `seconds` (a decode step if
+        `decoded`, then `plan`'s prefill) to the prompts that waited through it (`waiting`:
+        those without a first token when it began); one whose first token came in its decode
+        step waited for that step up to its token, and for nothing after it."""
+        prefilled = sum(n for _, _, n in plan)
+        step, prefill = split(seconds, self.pace.decode_s, decoded, prefilled)
+        own: dict[Sequence, int] = {}
+        for seq, _, n in plan:
+            own[seq] = own.get(seq, 0) + n
+        for seq in waiting:
+            if not seq.generated:
+                charge(seq.wait, step, prefill, own.get(seq, 0), prefilled)
+                continue
+            charge(seq.wait, min(step, seq.first_token_time - t0), 0.0, 0, prefilled)
+            self.metrics.waited(seq.wait.parts())
+            log.debug("request %s: first token after %.3f s; %s", seq.request_id,
+                      seq.first_token_time - seq.submitted,
+                      ", ".join(f"{k} {v:.3f} s" for k, v in seq.wait.parts().items()))
+
+    def _in_order(self) -> list[Sequence]:
+        """The waiting sequences in the order their prefill goes (prefill_order.py)."""
+        if not self.shortest_first or len(self._waiting) < 2:
+            return list(self._waiting)
+        now, cache = time.perf_counter(), self.state.prefix_cache
+        for seq in self._waiting:
+            if not seq.looked_up and seq.held < 0:
+                seq.held = cache.lookup(seq.to_prefill, restoring=False) if cache else 0
+        return sorted(self._waiting, key=lambda s: priority(
+            len(s.to_prefill) - (s.prefilled if s.looked_up else s.held),
+            now - s.submitted, self.pace.token_s))
 
     def _waits_for(self, seq: Sequence, plan: list[tuple[Sequence, int, int]]) -> bool:
         """Whether `seq`, not looked up yet, is better started after the prompts planned ahead of
@@ -671,15 +711,18 @@ class Batcher(Engine):
         self.ready, self.status = True, "ready"
 
     def _work(self) -> None:
-        t0, decoded, prefilled = time.perf_counter(), bool(self._batch), 0
+        t0, decoded, plan = time.perf_counter(), bool(self._batch), []
+        waiting = [*self._waiting, *(s for s in self._batch if s.generated == 0)]
         if decoded:
             self._decode_step()
         if self._waiting and len(self._batch) < self.max_batch:
-            prefilled = self._prefill_step()
-        self.pace.observe(time.perf_counter() - t0, decoded, prefilled)
+            plan = self._prefill_step()
+        seconds = time.perf_counter() - t0
+        self._charge_waits(waiting, t0, seconds, decoded, plan)
+        self.pace.observe(seconds, decoded, sum(n for _, _, n in plan))
 
-    def _prefill_step(self) -> int:
-        """Runs one prefill chunk; returns its tokens."""
+    def _prefill_step(self) -> list[tuple[Sequence, int, int]]:
+        """Runs one prefill chunk; returns its plan."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
         self._feed_proposers(plan)
         for group in self._prefill_groups(plan):
@@ -713,7 +756,7 @@ class Batcher(Engine):
                 self._samplers.append(sampler)
                 if error:
                     self._failed[s] = f"sampling cannot start: {error}"
-        return sum(n for _, _, n in plan)
+        return plan
 
     def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
                         ) -> list[list[tuple[Sequence, int, int]]]:

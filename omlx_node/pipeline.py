@@ -165,8 +165,9 @@ class PipelineHead(Engine):
         if self.state.prefix_cache is not None:
             # Every stage holds a looked-up sequence's restored KV until it runs: only the ones
             # that may start soon are looked up (a burst of queued agent turns sharing a long
-            # cached prompt would otherwise hold one copy of it each, on every stage).
-            for seq in itertools.islice(self._waiting, max(room, 0) + LOOKUP_AHEAD):
+            # cached prompt would otherwise hold one copy of it each, on every stage). They
+            # are the ones first in the prefill's order, which waits for their answers.
+            for seq in itertools.islice(self._in_order(), max(room, 0) + LOOKUP_AHEAD):
                 if not seq.lookup_sent:
                     self._send_lookup(seq)
         if self._waiting and room > 0:
