@@ -239,9 +239,10 @@ class Engine:
         self._urgent: set[int] = set()
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
-        # When the last iteration ended: a prefill chunk, a decode step or an idle wait. A
-        # step that does not return (a pipeline whose data plane is cut) leaves it behind.
-        self.stepped_at = time.monotonic()
+        # When the last iteration ended (0: none yet): a prefill chunk, a decode step or an
+        # idle wait. A step that does not return (a pipeline whose data plane is cut) leaves
+        # it behind.
+        self.stepped_at = 0.0
 
     # ---- API for other threads -------------------------------------------------------------
 
