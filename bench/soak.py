@@ -8,11 +8,13 @@ pipeline over both nodes. For `--minutes`:
   short prompts, `n = 4`, a tool-call request, cancels (a stream closed after a few chunks),
   disconnects (a socket reset mid-stream), a slow reader; greedy requests are compared with
   references computed fault-free at the start;
-- a seeded fault injector, every 20-60 s (every kind once a round, in a random order): SIGKILL a random shard worker, SIGKILL a join agent
-  (started again with the same flags and home), SIGKILL the coordinator (started again), or
-  SIGSTOP a worker or agent for 5-15 s; each fault's pause is the time until /health is 200 and
-  a greedy request succeeds again. Dropping a link needs network namespaces and filling the
-  cache disk a small filesystem of its own: neither is done here.
+- a seeded fault injector, every 20-60 s (every kind once a round, in a random order): SIGKILL
+  a random shard worker, SIGKILL a join agent (started again with the same flags and home),
+  SIGKILL the coordinator (started again), SIGSTOP a worker or agent for 5-15 s, or fill a
+  node's cache disk for 10-20 s (each node's SSD KV tier is on a tmpfs of its own, as root;
+  a file takes it to 16 MiB from full, then goes); each fault's pause is the time until
+  /health is 200 and a greedy request succeeds again. Dropping a link needs the cluster in
+  network namespaces (tests/test_partitions.py does that): not done here.
 - every 5 s, each process's RSS, open fds and threads from /proc, summed per role.
 
 Writes soak-cpu.md, soak-cpu.svg and soak-cpu.json under --out. Not part of the test suite.
@@ -34,12 +36,14 @@ import subprocess
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 from bench.common import REPO, RESULTS
 from tests.conftest import descendants, free_port
+from tests.helpers.disks import fill, tmpfs, tmpfs_unavailable
 from tests.helpers.processes import launch
 from tests.helpers.waiting import wait_for
 from tests.tiny_models import QWEN_TEMPLATE, build_model
@@ -58,6 +62,10 @@ TOOLS = [{"type": "function", "function": {
 GREEDY_TOKENS = 16
 SAMPLE_EVERY = 5.0  # seconds between /proc samples
 RECOVERY_LIMIT = 180.0  # seconds a fault's pause is measured for at most
+# A node's cache disk: the SSD tier keeps max(1 GiB, 5%) free, so a little more than that
+# leaves it room until the fault's file takes it (a tmpfs holds memory only for what is in it).
+CACHE_DISK = "1100m"
+FULL_LEFT = 16 << 20  # bytes the fault leaves free: far inside the tier's reserve
 
 
 @dataclass
@@ -107,6 +115,10 @@ class Cluster:
         p = launch(self.node_args[name], self.root / f"home-{name}", self.root / f"{name}-{n}.log")
         self.agents[name] = p
         self.started.append(p)
+
+    def cache_dir(self, name: str) -> Path:
+        """Node `name`'s SSD KV tier: a tmpfs of its own (`main`)."""
+        return self.root / f"cache-{name}"
 
     def status(self) -> dict:
         try:
@@ -388,7 +400,8 @@ def references(url: str) -> dict[str, str]:
 
 # --- faults ------------------------------------------------------------------------------
 
-FAULTS = ("kill_worker", "kill_agent", "kill_coordinator", "stop_worker", "stop_agent")
+FAULTS = ("kill_worker", "kill_agent", "kill_coordinator", "stop_worker", "stop_agent",
+          "fill_disk")
 
 
 def recovered(cluster: Cluster, refs: dict[str, str], t_fault: float, f: Fault,
@@ -427,6 +440,8 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop: threading.Even
             os.kill(pid, signal.SIGKILL)
             return Fault(kind, target, now)
         return pause_process(pid, target, kind, rng, stop)
+    if kind == "fill_disk":
+        return fill_disk(cluster, rng, stop)
     if kind in ("kill_agent", "stop_agent"):
         name = rng.choice(sorted(cluster.agents))
         p = cluster.agents[name]
@@ -454,6 +469,21 @@ def pause_process(pid: int, target: str, kind: str, rng: random.Random,
     finally:
         os.kill(pid, signal.SIGCONT)
     return Fault(kind, target, now, detail=f"stopped {length:.1f}s")
+
+
+def fill_disk(cluster: Cluster, rng: random.Random, stop: threading.Event) -> Fault:
+    """A node's cache disk full for 10-20 s, then its space back."""
+    now = time.monotonic()
+    name = rng.choice(sorted(cluster.agents))
+    filler = cluster.cache_dir(name) / "filler"
+    length = rng.uniform(10, 20)
+    size = fill(filler, FULL_LEFT)
+    try:
+        stop.wait(length)
+    finally:
+        filler.unlink()
+    return Fault("fill_disk", f"cache disk of {name}", now,
+                 detail=f"{size >> 20} MiB taken for {length:.1f}s")
 
 
 def injector(cluster: Cluster, refs: dict[str, str], rng: random.Random, end: float,
@@ -611,6 +641,12 @@ def machine() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu})"
 
 
+def tier_lines(root: Path, words: str) -> int:
+    """How many lines of the nodes' worker logs say `words`."""
+    return sum(line.count(words) for path in root.glob("home-*/logs/*worker*.log")
+               for line in path.read_text(errors="replace").splitlines())
+
+
 def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], samples: list[dict],
            duration: float, commit: str, root: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -644,8 +680,10 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         f" per-request deadline {args.deadline:.0f} s.",
         "- Cluster: a coordinator and two `join` nodes on loopback, two tiny random llama "
         "models (`main` a 2-stage pipeline over both nodes, `side` loaded on demand).",
-        "- Not injected: dropped links (needs network namespaces) and a full cache disk "
-        "(needs a small filesystem of its own).", "",
+        "- Each node's SSD KV tier on a tmpfs of its own (1100 MiB: the tier keeps 1 GiB "
+        "free); `fill_disk` takes one to 16 MiB from full for 10-20 s.",
+        "- Not injected: dropped links (the cluster would have to run in network namespaces, "
+        "as tests/test_partitions.py does).", "",
         "## Faults", "",
         "| kind | count |", "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(by_kind.items())), "",
@@ -660,6 +698,10 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         "`connection_closed`: the connection dropped; `lost`: no answer within the deadline; "
         "`different`/`truncated`/`malformed`/`failed_unclear`: bugs.", "",
         "| outcome | requests |", "|---|---|", *(f"| {k} | {v} |" for k, v in table.items()), "",
+        f"The SSD KV tier on a full disk (the nodes' worker logs): said it skips writes "
+        f"{tier_lines(root, 'skipping SSD writes')} time(s), that they resume "
+        f"{tier_lines(root, 'SSD writes resume')} time(s), that it gave them up (a write "
+        f"failed) {tier_lines(root, 'continuing with the RAM tier only')} time(s).", "",
         f"TTFT over {len(ttfts)} streams: p50 {fmt(pct(ttfts, 0.5))} s, "
         f"p99 {fmt(pct(ttfts, 0.99))} s.", "",
         "## Processes (summed per role; start = after the first minute)", "",
@@ -704,7 +746,8 @@ def main() -> None:
                           *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))],
         node_args={name: ["join", "--name", name, "--port", str(free_port()), "--no-announce",
                           "--coordinator", f"127.0.0.1:{port}", "--hot-cache-max-size",
-                          "64MiB", "--orphan-grace", "120"] for name in ("a", "b")})
+                          "64MiB", "--orphan-grace", "120", "--paged-ssd-cache-dir",
+                          str(root / f"cache-{name}")] for name in ("a", "b")})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     outcomes: list[Outcome] = []
@@ -713,8 +756,12 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     t_start = time.monotonic()
+    if (why := tmpfs_unavailable()) is not None:
+        raise SystemExit(f"the soak fills the nodes' cache disks: {why}")
+    disks = ExitStack()
     try:
         for name in cluster.node_args:
+            disks.enter_context(tmpfs(cluster.cache_dir(name), CACHE_DISK))
             cluster.start_agent(name)
         cluster.start_coordinator()
         wait_for(lambda: planned(cluster), 180, "main planned over both nodes")
@@ -744,6 +791,7 @@ def main() -> None:
         stop.set()
         duration = time.monotonic() - t_start
         cluster.stop()
+        disks.close()
     report(args.out, args, outcomes, faults, samples, duration, commit, root)
     print((args.out / "soak-cpu.md").read_text())
 

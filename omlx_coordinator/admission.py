@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
@@ -34,6 +34,9 @@ _ARRIVAL_KEY = "omlx.undecided"
 # The recent past the drain rate is measured over: long enough to count several completions
 # of long generations, short enough to follow a change of load.
 DRAIN_WINDOW_SECONDS = 60.0
+# The longest a request counts among the undecided (`Arrivals`): far more than parsing a body and
+# finding its model takes, even queued behind a burst's others.
+UNDECIDED_SECONDS = 1.0
 # Retry-After when nothing finished within the window (no rate to go by) ...
 UNMEASURED_RETRY_SECONDS = 10
 # ... and its range: a client told 0 comes back at once; one told an hour gives up.
@@ -164,21 +167,34 @@ class Arrivals:
     rather than each running until its model is known because nothing was admitted yet. The
     price: in a burst, a request may be refused that would have found room once the
     undecided ones turned out to name another model or to be invalid; it is told when to come
-    back like any other refusal."""
+    back like any other refusal. A request counts for `window` seconds at most: one whose body
+    comes slowly (a large prompt on a slow link, or a client that means harm) must not have
+    every other refused meanwhile."""
 
-    def __init__(self) -> None:
-        self.undecided = 0
+    def __init__(self, window: float = UNDECIDED_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.window, self._clock = window, clock
+        self._since: OrderedDict[object, float] = OrderedDict()  # arrival order
+
+    @property
+    def undecided(self) -> int:
+        oldest = self._clock() - self.window
+        while self._since and next(iter(self._since.values())) < oldest:
+            self._since.popitem(last=False)
+        return len(self._since)
 
     def arrived(self, scope: MutableMapping) -> None:
         """The request of `scope` runs now, undecided until `decided`."""
-        scope[_ARRIVAL_KEY] = self
-        self.undecided += 1
+        token = object()
+        scope[_ARRIVAL_KEY] = (self, token)
+        self._since[token] = self._clock()
 
     @staticmethod
     def decided(scope: MutableMapping) -> None:
         """The request of `scope` was admitted, refused or ended (once; a no-op after)."""
-        if (arrivals := scope.pop(_ARRIVAL_KEY, None)) is not None:
-            arrivals.undecided -= 1
+        if (arrival := scope.pop(_ARRIVAL_KEY, None)) is not None:
+            arrivals, token = arrival
+            arrivals._since.pop(token, None)
 
 
 class ReleaseWhenDone:

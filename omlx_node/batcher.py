@@ -247,9 +247,10 @@ class Engine:
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
         self.speculator: Speculator | None = None  # `_speculate` sets it
-        # When the last iteration ended: a prefill chunk, a decode step or an idle wait. A
-        # step that does not return (a pipeline whose data plane is cut) leaves it behind.
-        self.stepped_at = time.monotonic()
+        # When the last iteration ended (0: none yet): a prefill chunk, a decode step or an
+        # idle wait. A step that does not return (a pipeline whose data plane is cut) leaves
+        # it behind.
+        self.stepped_at = 0.0
 
     def _speculate(self, mode: str, max_rows: int | None = None,
                    costs: dict[int, float] | None = None) -> None:

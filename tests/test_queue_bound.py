@@ -100,7 +100,7 @@ def test_undecided_requests_count_as_held_in_every_model_until_decided():
     could take every model's room; each leaves the undecided when admitted or ended."""
     clock = Clock()
     a, b = Admission(2, clock), Admission(3, clock)
-    arrivals = adm.Arrivals()
+    arrivals = adm.Arrivals(clock=clock)
     scopes: list[dict] = [{adm._SCOPE_KEY: []} for _ in range(3)]
     for scope in scopes[:2]:
         assert refuse_all_full([a, b], arrivals.undecided) is None
@@ -117,6 +117,22 @@ def test_undecided_requests_count_as_held_in_every_model_until_decided():
         hold(scopes[1], _full(clock))  # refused: decided too
     assert arrivals.undecided == 1
     adm.Arrivals.decided(scopes[2])  # ended before admission (ReleaseWhenDone's finally)
+    assert arrivals.undecided == 0
+
+
+def test_a_request_counts_as_undecided_for_a_while_only():
+    """One whose body comes slowly stops counting after the window: it cannot have every other
+    request refused while it dribbles in."""
+    clock = Clock()
+    a = Admission(2, clock)
+    arrivals = adm.Arrivals(window=1.0, clock=clock)
+    slow = [{} for _ in range(2)]
+    for scope in slow:
+        arrivals.arrived(scope)
+    assert refuse_all_full([a], arrivals.undecided) is not None
+    clock.now += 1.5
+    assert arrivals.undecided == 0 and refuse_all_full([a], arrivals.undecided) is None
+    adm.Arrivals.decided(slow[0])  # decided at last: nothing left to take back
     assert arrivals.undecided == 0
 
 

@@ -269,6 +269,37 @@ class _LiveCall:
         return True
 
 
+def test_a_session_says_its_engine_advanced_while_it_has_nothing_to_send(worker, reference):
+    """A long prefill sends no token: each second the engine advanced, the handler sends an
+    empty message (the gateway's --stall-timeout sees progress, not silence); an engine that
+    does not step (a wedged pipeline) leaves it silent."""
+    from omlx_node import session as session_module
+    from omlx_node.batcher import Batcher
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.session import Session
+    from omlx_node.stage import StageRunner
+
+    engine = Batcher(StageRunner(worker[1]), NodeMetrics(), prefill_chunk=1, speculative="off")
+    session = Session(engine, 8, concurrent.futures.ThreadPoolExecutor(1))
+    out: queue.Queue = queue.Queue()
+    handler = threading.Thread(target=lambda: [out.put(m) for m in session.messages(_LiveCall())],
+                               daemon=True)
+    handler.start()
+    ids = reference[0][0]
+    assert len(ids) > 4  # a prefill of several one-token steps
+    session._take(_request("a", ids, 4))
+    wait = 2.5 * session_module.POLL_SECONDS
+    with pytest.raises(queue.Empty):
+        out.get(timeout=wait)  # the engine never stepped: nothing to say
+    engine.step()  # one prompt token: no token to send yet
+    message = out.get(timeout=wait)
+    assert not message.events  # progress, nothing more
+    with pytest.raises(queue.Empty):
+        out.get(timeout=wait)  # no step since: silent
+    session.close("done")
+    handler.join(10)
+
+
 def test_a_session_holds_steps_for_its_interval_but_never_a_first_token_or_an_end(worker,
                                                                                   reference):
     """Steps that come faster than the stream interval (here 1000 s: forever) go out together;
@@ -292,9 +323,11 @@ def test_a_session_holds_steps_for_its_interval_but_never_a_first_token_or_an_en
         for _ in range(100):
             engine.step()
             try:
-                return out.get(timeout=0.5)
+                message = out.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if message.events:  # not an empty one: that says the engine advanced, no more
+                return message
         raise AssertionError("no message in 100 steps")
 
     (a_ids, a_ref), (b_ids, b_ref) = reference[0], reference[1]
