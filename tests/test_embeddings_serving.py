@@ -95,6 +95,36 @@ def test_openai_sdk_embeddings_equal_the_libraries(server, folders):
         np.testing.assert_allclose(floats.data[0].embedding, reply.data[0].embedding, atol=1e-6)
 
 
+def test_concurrent_requests_equal_each_alone(server, folders):
+    """Clients at once (the worker merges what queues into shared passes): each answer is its
+    input's own embedding or score."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = AutoTokenizer.from_pretrained(str(folders["ce"]))
+    words = " ".join(TEXTS).split()
+    texts = [" ".join(words[i % 5: i % 5 + 1 + i]) for i in range(12)]
+
+    def embed(text: str) -> list[float]:
+        r = post(server.base_url + "/embeddings", json={"model": "xlmr", "input": text})
+        assert r.status_code == 200, r.text
+        return r.json()["data"][0]["embedding"]
+
+    def score(text: str) -> float:
+        r = post(server.base_url + "/rerank", json={"model": "ce", "query": "q",
+                                                    "documents": [text]})
+        assert r.status_code == 200, r.text
+        return r.json()["results"][0]["relevance_score"]
+
+    with ThreadPoolExecutor(len(texts) * 2) as pool:
+        embeddings = list(pool.map(embed, texts))
+        scores = list(pool.map(score, texts))
+    ce = Encoder(folders["ce"])
+    for text, e, s in zip(texts, embeddings, scores):
+        np.testing.assert_allclose(e, mlx_embeddings_reference(folders["xlmr"], text, "mean"),
+                                   atol=1e-5)
+        assert s == pytest.approx(float(ce.run([tok("q", text)["input_ids"]])[0, 0]), abs=1e-5)
+
+
 def test_token_ids_and_dimensions(server, folders):
     tok = AutoTokenizer.from_pretrained(str(folders["xlmr"]))
     ids = tok(TEXTS[0])["input_ids"]
