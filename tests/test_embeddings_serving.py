@@ -15,7 +15,12 @@ from transformers import AutoTokenizer
 
 from omlx_node.encoders import Encoder
 from tests.conftest import start_server
-from tests.tiny_encoders import MAX_POSITIONS, build_decoder, build_encoder
+from tests.tiny_encoders import (
+    MAX_POSITIONS,
+    build_decoder,
+    build_encoder,
+    mlx_embeddings_reference,
+)
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -47,19 +52,6 @@ def server(folders, tmp_path_factory):
              for f in ("--model", f"{name}={folders[name]}")]
     with start_server(folders["chat"], *flags, home=tmp_path_factory.mktemp("home")) as s:
         yield s
-
-
-def mlx_embeddings_reference(folder: Path, text: str, pooling: str) -> np.ndarray:
-    """mlx-embeddings' own model and pooling functions, one input at a time, unpadded."""
-    from mlx_embeddings.models.base import normalize_embeddings
-    from mlx_embeddings.utils import load_model
-
-    model = load_model(folder, path_to_repo=str(folder))
-    ids = mx.array([AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]])
-    out = model(ids)
-    if pooling == "mean":
-        return np.array(out.text_embeds[0])  # the library's own mean-pooled, normalised
-    return np.array(normalize_embeddings(out.last_hidden_state[:, 0])[0])
 
 
 def mlx_lm_last_token(folder: Path, text: str) -> np.ndarray:
