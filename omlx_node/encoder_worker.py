@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from omlx_node.encoders import Encoder
+from omlx_node.load_priority import at_low_priority
 from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
@@ -218,8 +219,8 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
                        ready_file: Path | None) -> int:
     """Loads the model, serves Encode until SIGTERM; returns the exit code."""
     t0 = time.monotonic()
-    model = (Transcriber(model_path) if kind == TRANSCRIBE
-             else Encoder(model_path, kind_of(model_path, kind)))
+    model = at_low_priority(lambda: Transcriber(model_path) if kind == TRANSCRIBE
+                            else Encoder(model_path, kind_of(model_path, kind)))
     load_seconds = time.monotonic() - t0
     log.info("%s (%s) loaded in %.1fs", model_id, kind, load_seconds)
     freeze_startup_heap()
