@@ -1,5 +1,6 @@
 """A worker's load at the lowest CPU priority, so that the models a node serves keep their speed
-while another one loads beside them.
+while another one loads beside them; and an embedding, reranking or Whisper worker's passes
+below a chat model's decode.
 
 A load (reading and copying gigabytes of weights, then the warm-up's passes) competes for the
 cores with the workers that decode: on a 2-core CPU a neighbour's load cost a decoding model 38%
@@ -10,8 +11,13 @@ cores only when nothing else wants them, and an idle node loads as fast as befor
 threads never had their priority lowered, so nothing needs restoring once the load is done,
 which an unprivileged process could not do (lowering a nice value needs CAP_SYS_NICE).
 
+An embedding batch or a transcription is work a person does not watch token by token; a chat
+model's decode is. Their workers run their passes the same way at ENCODE_NICE (env
+OMLX_ENCODE_NICE): beside a decoding model they take about a tenth of the cores it wants, and
+all of them when it is idle.
+
 Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
-whole process's) the load runs as before.
+whole process's) the work runs as before.
 """
 
 from __future__ import annotations
@@ -28,28 +34,39 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOAD_NICE = 19
+ENCODE_NICE = 10
+
+
+def nice_from_env(name: str, default: int) -> int:
+    """The nice value the environment variable `name` sets (0 to 19), else `default`; 0 where
+    a thread cannot have its own."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    raw = os.environ.get(name, "")
+    try:
+        return max(0, min(19, int(raw))) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a number from 0 to 19; using %d", name, raw, default)
+        return default
 
 
 def load_nice() -> int:
-    """The nice value loads run at: OMLX_LOAD_NICE's, else LOAD_NICE; 0 where a thread cannot
-    have its own."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    raw = os.environ.get("OMLX_LOAD_NICE", "")
-    try:
-        return max(0, min(19, int(raw))) if raw else LOAD_NICE
-    except ValueError:
-        log.warning("OMLX_LOAD_NICE=%r is not a number from 0 to 19; loading at nice %d",
-                    raw, LOAD_NICE)
-        return LOAD_NICE
+    """The nice value loads run at."""
+    return nice_from_env("OMLX_LOAD_NICE", LOAD_NICE)
 
 
-def at_low_priority(work: Callable[[], T], elsewhere: bool = True) -> T:
-    """`work()`'s result (or its exception), run on a thread at `load_nice()` and on an MLX
-    stream that thread made (its compute thread inherits the nice value); on this thread as it
-    is where that is 0 or the work must stay on this thread (not `elsewhere`). Blocks until the
-    work is done."""
-    nice = load_nice()
+def encode_nice() -> int:
+    """The nice value an embedding, reranking or Whisper worker's passes run at."""
+    return nice_from_env("OMLX_ENCODE_NICE", ENCODE_NICE)
+
+
+def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
+                    nice: int | None = None) -> T:
+    """`work()`'s result (or its exception), run on a thread at `nice` (default `load_nice()`)
+    and on an MLX stream that thread made (its compute thread inherits the nice value); on this
+    thread as it is where that is 0 or the work must stay on this thread (not `elsewhere`).
+    Blocks until the work is done."""
+    nice = load_nice() if nice is None else nice
     if nice == 0 or not elsewhere:
         return work()
     import mlx.core as mx

@@ -10,7 +10,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from omlx_node.load_priority import at_low_priority, load_nice
+from omlx_node.load_priority import at_low_priority, encode_nice, load_nice
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="a nice value is a thread's only on Linux")
@@ -51,6 +51,11 @@ def test_off_and_bad_settings(monkeypatch, caplog):
     assert load_nice() == 7
     monkeypatch.setenv("OMLX_LOAD_NICE", "low")
     assert load_nice() == 19 and "OMLX_LOAD_NICE" in caplog.text
+    monkeypatch.delenv("OMLX_ENCODE_NICE", raising=False)
+    assert encode_nice() == 10
+    seen = at_low_priority(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                           nice=encode_nice())
+    assert seen == max(10, nice_of_this_thread())
 
 
 def test_models_loaded_there_run_here(tmp_path, monkeypatch):
