@@ -8,7 +8,7 @@ gRPC deadline). Encode calls that queued while a pass ran are merged into one `E
 (at most MAX_BATCH_INPUTS inputs): their inputs share the forward passes
 omlx_node/encoders.py cuts by length, and each call gets its own rows back. Many clients
 sending an input or a few each then cost a few passes, not a pass each. Transcribe calls run
-one at a time. The passes run at nice 10 (omlx_node/load_priority.py): below a chat model's
+one at a time. The worker runs at nice 10 (omlx_node/load_priority.py): below a chat model's
 decode on the same node.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from omlx_node.encoders import Encoder
-from omlx_node.load_priority import at_low_priority, encode_nice
+from omlx_node.load_priority import at_low_priority, encode_nice, lower_this_process
 from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
@@ -219,6 +219,7 @@ def start_server(service: EncoderService, host: str) -> tuple[grpc.Server, int]:
 def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
                        ready_file: Path | None) -> int:
     """Loads the model, serves Encode until SIGTERM; returns the exit code."""
+    lower_this_process(encode_nice())  # below a chat model's decode, its BLAS threads too
     t0 = time.monotonic()
     model = at_low_priority(lambda: Transcriber(model_path) if kind == TRANSCRIBE
                             else Encoder(model_path, kind_of(model_path, kind)))
@@ -235,6 +236,6 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
                                  "load_seconds": load_seconds, "layer_start": 0,
                                  "layer_end": 1, "num_layers": 1, "port": port,
                                  "metrics_port": 0})
-    at_low_priority(service.serve, nice=encode_nice())  # below a chat model's decode
+    service.serve()
     server.stop(grace=2).wait(5)
     return 0

@@ -12,9 +12,10 @@ threads never had their priority lowered, so nothing needs restoring once the lo
 which an unprivileged process could not do (lowering a nice value needs CAP_SYS_NICE).
 
 An embedding batch or a transcription is work a person does not watch token by token; a chat
-model's decode is. Their workers run their passes the same way at ENCODE_NICE (env
-OMLX_ENCODE_NICE): beside a decoding model they take about a tenth of the cores it wants, and
-all of them when it is idle.
+model's decode is. Their workers run at ENCODE_NICE (env OMLX_ENCODE_NICE) from their start,
+every thread of them (BLAS's pool does most of an encoder's work, and it exists before any
+load): beside a decoding model they take about a tenth of the cores it wants, and all of them
+when it is idle. Nothing of theirs is ever raised back.
 
 Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
 whole process's) the work runs as before.
@@ -58,6 +59,18 @@ def load_nice() -> int:
 def encode_nice() -> int:
     """The nice value an embedding, reranking or Whisper worker's passes run at."""
     return nice_from_env("OMLX_ENCODE_NICE", ENCODE_NICE)
+
+
+def lower_this_process(nice: int) -> None:
+    """Every thread of this process at `nice` at least (the threads they start inherit it)."""
+    if nice == 0:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid),
+                           max(os.getpriority(os.PRIO_PROCESS, int(tid)), nice))
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
 
 
 def at_low_priority(work: Callable[[], T], elsewhere: bool = True,

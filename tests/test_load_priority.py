@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from omlx_node.load_priority import at_low_priority, encode_nice, load_nice
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="a nice value is a thread's only on Linux")
@@ -56,6 +59,25 @@ def test_off_and_bad_settings(monkeypatch, caplog):
     seen = at_low_priority(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
                            nice=encode_nice())
     assert seen == max(10, nice_of_this_thread())
+
+
+def test_a_whole_process_lowered_threads_and_all():
+    """What an encoder worker does at its start: every thread, those started before too."""
+    import subprocess
+
+    script = (
+        "import os, threading, time\n"
+        "from omlx_node.load_priority import lower_this_process\n"
+        "stop = threading.Event()\n"
+        "early = threading.Thread(target=stop.wait); early.start()\n"
+        "lower_this_process(10)\n"
+        "late = threading.Thread(target=stop.wait); late.start()\n"
+        "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t))\n"
+        "              for t in os.listdir('/proc/self/task')}))\n"
+        "stop.set()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == f"[{max(10, nice_of_this_thread())}]", out.stderr
 
 
 def test_models_loaded_there_run_here(tmp_path, monkeypatch):
