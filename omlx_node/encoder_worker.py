@@ -196,9 +196,7 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
         self._authorize(context)
-        passes = self.model.passes if isinstance(self.model, Encoder) else self.requests
-        return pb.StatsReply(requests_total=self.requests, prompt_tokens_total=self.tokens,
-                             forward_passes_total=passes)
+        return pb.StatsReply(requests_total=self.requests, prompt_tokens_total=self.tokens)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION,

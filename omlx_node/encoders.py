@@ -62,7 +62,7 @@ class Encoder:
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_tokens = max_input_tokens(self.config)
         self.max_rows = max_rows
-        self.passes = 0  # forward passes run, for the worker's Stats
+        self.passes = 0  # forward passes run: calls merged by the worker share them
         self.pad_id = int(self.config.get("pad_token_id") or 0)
         self.head: nn.Module | None = None
         if self.kind.encoder and self.kind.kind == EMBED:

@@ -441,22 +441,20 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("running", "waiting", "prompt_tokens_total", "generated_tokens_total", "requests_total", "decode_tokens_per_second", "forward_passes_total")
+    __slots__ = ("running", "waiting", "prompt_tokens_total", "generated_tokens_total", "requests_total", "decode_tokens_per_second")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_PASSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     prompt_tokens_total: int
     generated_tokens_total: int
     requests_total: int
     decode_tokens_per_second: float
-    forward_passes_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., forward_passes_total: _Optional[int] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes")
