@@ -5,6 +5,9 @@ One process, one random llama in float32 (built here; speed does not depend on t
 stage runner a worker uses, greedy decode at batch 1, 8 and 32 (every row the same length):
 - resident: every layer in memory;
 - streamed: the last half of the layers on disk (omlx_node/layer_stream.py).
+`--family qwen3_moe` runs a MoE model instead (`--experts`, 2 a token), whose streamed layers
+read only the experts their rows route to (omlx_node/routed_experts.py), and a third run:
+- whole: the same weights with each expert stored as its own tensor, which streams whole.
 The disk's sequential read speed is measured first on the model's own file, its pages dropped
 from the page cache before each pass (posix_fadvise; Linux). The bound a streamed step cannot
 beat: reading the streamed bytes at that speed, or the resident run's step, whichever is longer
@@ -50,16 +53,33 @@ def disk_gbps(path: Path, passes: int = 3) -> float:
     return statistics.median(speeds)
 
 
-def decode_tok_s(stage: StageRunner, rows: int, steps: int) -> float:
+def decode_tok_s(stage: StageRunner, rows: int, steps: int) -> tuple[float, float]:
+    """Tokens per second decoding `rows` rows, and the bytes a step read from disk."""
     cache = stage.make_cache()
-    x = mx.ones((rows, 16), dtype=mx.int32)
+    x = mx.array([[(r * 16 + i) % 256 + 3 for i in range(16)] for r in range(rows)])
     mx.eval(stage(x, cache, last_only=True))
-    x = mx.ones((rows, 1), dtype=mx.int32)
-    t0 = time.perf_counter()
+    x = mx.argmax(stage(x[:, -1:], cache, last_only=True)[:, -1:], axis=-1).astype(mx.int32)
+    read, t0 = stage.streamed_bytes_read, time.perf_counter()
     for _ in range(steps):
         x = mx.argmax(stage(x, cache, last_only=True)[:, -1:], axis=-1).astype(mx.int32)
         mx.eval(x)
-    return rows * steps / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return rows * steps / seconds, (stage.streamed_bytes_read - read) / steps
+
+
+def experts_apart(path: Path, dest: Path) -> Path:
+    """A copy of the model at `path` with each routed expert stored as its own tensor (Hugging
+    Face's layout, which the family's sanitize stacks at load)."""
+    import shutil
+
+    shutil.copytree(path, dest)
+    weights = mx.load(str(path / "model.safetensors"))
+    for name in [k for k in weights if ".switch_mlp." in k]:
+        stacked = weights.pop(name)
+        for e in range(stacked.shape[0]):
+            weights[name.replace(".switch_mlp.", f".experts.{e}.")] = stacked[e]
+    mx.save_safetensors(str(dest / "model.safetensors"), weights)
+    return dest
 
 
 def main() -> int:
@@ -69,21 +89,31 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="decode steps a run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--family", choices=["llama", "qwen3_moe"], default="llama")
+    ap.add_argument("--experts", type=int, default=32, help="routed experts a MoE layer has")
     ap.add_argument("--machine-note", default="",
                     help="how to describe the machine beyond its CPU/GPU (e.g. 'shared')")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp) / "llama", num_layers=args.layers, hidden_size=args.hidden,
-                           extra_config={"intermediate_size": args.hidden * 11 // 4})
+        moe = args.family == "qwen3_moe"
+        extra = ({"num_experts": args.experts, "moe_intermediate_size": args.hidden // 4,
+                  "mlp_only_layers": []} if moe else
+                 {"intermediate_size": args.hidden * 11 // 4})
+        path = build_model(Path(tmp) / args.family, args.family, num_layers=args.layers,
+                           hidden_size=args.hidden, extra_config=extra)
         layout = read_layout(path)
         half = args.layers // 2
         streamed_bytes = sum(layout.layer_bytes[-half:])
+        planned_read = sum(layout.read_bytes(i) for i in range(args.layers - half, args.layers))
         disk = disk_gbps(path / "model.safetensors")
         speed = measure_speed() / 1e9
         resident = StageRunner(path)
         streaming = StageRunner(path, streamed=half)
+        runs = {"resident": resident, "streamed": streaming}
+        if moe:
+            runs["whole"] = StageRunner(experts_apart(path, Path(tmp) / "apart"), streamed=half)
         # The planner, told this node's speeds and a cap that leaves half the layers on disk.
         cap = layout.total_weight_bytes - streamed_bytes + 2 * max(layout.layer_bytes)
         plan = make_plan(layout, [NodeSpec("this", 1 << 50, speed=speed, weights_cap=cap,
@@ -92,16 +122,22 @@ def main() -> int:
         predicted_ms = plan.stages[0].est_ms
         rows_out = []
         for rows in args.rows:
-            res, stm = [], []
-            for _ in range(args.runs):  # interleaved, so drift hits both alike
-                res.append(decode_tok_s(resident, rows, args.steps))
-                stm.append(decode_tok_s(streaming, rows, args.steps))
-            r, s = statistics.median(res), statistics.median(stm)
-            step_bound = max(streamed_bytes / (disk * 1e9), rows / r)
+            got: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+            for _ in range(args.runs):  # interleaved, so drift hits all alike
+                for name, stage in runs.items():
+                    got[name].append(decode_tok_s(stage, rows, args.steps))
+            tok_s = {k: statistics.median(t for t, _ in v) for k, v in got.items()}
+            read = statistics.median(b for _, b in got["streamed"])
+            r, s = tok_s["resident"], tok_s["streamed"]
+            step_bound = max(read / (disk * 1e9), rows / r)
             bound = rows / step_bound
-            rows_out.append((rows, r, s, bound, 1e3 / predicted_ms if rows == 1 else None))
+            rows_out.append((rows, r, s, read, bound, tok_s.get("whole"),
+                             1e3 / predicted_ms if rows == 1 else None))
             print(f"batch {rows}: resident {r:.1f} tok/s, half streamed {s:.1f} tok/s "
-                  f"({s / r:.2f}x), bound {bound:.1f} ({s / bound:.2f} of it)", flush=True)
+                  f"({s / r:.2f}x, {read / 2**20:.0f} MiB read a step), bound {bound:.1f} "
+                  f"({s / bound:.2f} of it)"
+                  + (f", experts read whole {tok_s['whole']:.1f} tok/s" if moe else ""),
+                  flush=True)
 
     machine = machine_info()
     device = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_count']} cores"
@@ -109,23 +145,28 @@ def main() -> int:
         "# Layers on the SSD: half a model's layers streamed (issue 45)",
         "",
         f"- machine: {device}{'; ' + args.machine_note if args.machine_note else ''}; commit "
-        f"{machine['git_commit']}; `python -m bench.disk_layers`",
-        f"- model: random llama, {args.layers} layers, hidden {args.hidden}, float32, "
-        f"{layout.total_weight_bytes / 2**20:.0f} MiB; the last {half} layers streamed "
-        f"({streamed_bytes / 2**20:.0f} MiB read each step)",
+        f"{machine['git_commit']}; `python -m bench.disk_layers"
+        f"{' --family qwen3_moe' if moe else ''}`",
+        f"- model: random {args.family}, {args.layers} layers, hidden {args.hidden}"
+        + (f", {args.experts} experts of width {args.hidden // 4}, 2 a token" if moe else "")
+        + f", float32, {layout.total_weight_bytes / 2**20:.0f} MiB; the last {half} layers "
+        f"streamed ({streamed_bytes / 2**20:.0f} MiB; the planner counts "
+        f"{planned_read / 2**20:.0f} MiB read a step at batch 1)",
         f"- disk: {disk:.2f} GB/s cold sequential read of the model's file; weights streamed "
         f"from memory at {speed:.1f} GB/s (calibrate.measure_speed)",
         f"- medians of {args.runs} interleaved runs of {args.steps} decode steps each",
         "",
         "| batch | all resident tok/s | half streamed tok/s | streamed / resident | "
-        "disk bound tok/s | streamed / bound | planner's prediction tok/s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "MiB read a step | disk bound tok/s | streamed / bound | planner's prediction tok/s |"
+        + (" experts read whole tok/s |" if moe else ""),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if moe else ""),
     ]
-    for rows, r, s, bound, pred in rows_out:
-        lines.append(f"| {rows} | {r:.1f} | {s:.1f} | {s / r:.2f}x | {bound:.1f} | "
-                     f"{s / bound:.2f} | {'-' if pred is None else f'{pred:.1f}'} |")
-    lines += ["", "The bound: a step can not be shorter than reading the streamed bytes at the "
-              "measured disk speed, nor than the resident run's step. The planner predicts one "
+    for rows, r, s, read, bound, whole, pred in rows_out:
+        lines.append(f"| {rows} | {r:.1f} | {s:.1f} | {s / r:.2f}x | {read / 2**20:.0f} | "
+                     f"{bound:.1f} | {s / bound:.2f} | {'-' if pred is None else f'{pred:.1f}'} |"
+                     + (f" {whole:.1f} |" if moe else ""))
+    lines += ["", "The bound: a step can not be shorter than reading the bytes it read (counted "
+              "by the stream) at the measured disk speed, nor than the resident run's step. The planner predicts one "
               "step's time at batch 1 (weights at the measured speed plus the disk read); its "
               "cost model is bandwidth-bound decode, so it predicts no batched rate."]
     text = "\n".join(lines) + "\n"

@@ -1,11 +1,12 @@
 """The gateway under overload: many more concurrent requests than a model's queue bound.
 
 Serves a tiny random llama with `--max-batch 8` (so `--max-queue` defaults to 32), sends N
-concurrent chat completions at once (asyncio, loopback, one connection each) and checks
+concurrent chat completions at once (loopback, one connection each) and checks
 issue 46's goal: every excess request refused (429 with Retry-After) within 100 ms, every
 admitted one completed, the gateway's memory bounded (its RSS before, at peak and after), and
-the server serving afterwards; then the same number spread evenly over a few seconds. A refusal's latency is from the client connecting to the
-response's status line.
+the server serving afterwards; then the same number spread evenly over a few seconds. A
+refusal's latency is from the client starting to connect to the kernel's receive timestamp of
+the answer (tests/helpers/burst.py).
 
     python -m bench.overload [--requests 2000] [--max-batch 8] [--out bench/results]
 """
@@ -13,8 +14,6 @@ response's status line.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 from bench.common import Server, machine_info, machine_tag
+from tests.helpers.burst import burst
 from tests.tiny_models import build_model
 
 REFUSED_WITHIN_MS = 100.0  # the issue's goal
@@ -60,38 +60,16 @@ class PeakRss:
         return self.peak
 
 
-async def burst(url: str, body: dict, n: int, spread: float = 0.0) -> list[dict]:
-    """n requests, started evenly over `spread` seconds (0: at once), each on its own
-    connection; per request its status, Retry-After,
-    completion tokens and the milliseconds from connecting to the response's status line.
-    Plain asyncio streams, not httpx: httpx's pool takes time in proportion to its open
-    connections per request, and at 2,000 at once the client, not the server, was measured."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-               "Content-Type: application/json\r\nConnection: close\r\n"
-               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
-
-    async def one(i: int) -> dict:
-        await asyncio.sleep(i * spread / n)
-        start = time.perf_counter()
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(request)
-        status = int((await reader.readline()).split()[1])
-        ms = (time.perf_counter() - start) * 1000
-        head, _, rest = (await reader.read()).partition(b"\r\n\r\n")
-        writer.close()
-        headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n") if line)
-        headers = {k.lower(): v for k, v in headers.items()}
-        tokens = json.loads(rest)["usage"]["completion_tokens"] if status == 200 else 0
-        return {"status": status, "retry_after": headers.get("retry-after"), "tokens": tokens,
-                "ms": ms}
-    return await asyncio.gather(*(one(i) for i in range(n)))
-
-
 def percentile(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def outcomes(answers: list[dict]) -> list[dict]:
+    """Per request its status, Retry-After, completion tokens and milliseconds to its answer."""
+    return [{"status": a["status"], "retry_after": a["headers"].get("retry-after"),
+             "tokens": a["body"]["usage"]["completion_tokens"] if a["status"] == 200 else 0,
+             "ms": a["ms"]} for a in answers]
 
 
 def summary(results: list[dict], max_tokens: int, wall: float, cpu: float) -> dict:
@@ -147,11 +125,16 @@ def markdown(r: dict) -> str:
         f"{r['rss_peak'] / mib:.0f} / {r['rss_after'] / mib:.0f} MiB; serves afterwards: "
         f"{r['serves_after']}.",
         "",
-        "Latency is measured by the client, from connecting to the response's status line, on "
-        "the same cores as the server. All at once, every connection arrives within a few "
-        "milliseconds and the gateway answers them one after another: a refusal's latency is "
-        "then its place in that line times the gateway's CPU per request, not a wait for "
-        "generation. Spread, requests arrive at a steady rate far past what the model drains.",
+        "Latency is from the client starting to connect to the kernel's receive timestamp of "
+        "the answer's first bytes (SO_TIMESTAMPNS: the client's own loop is not counted), "
+        "client and server on the same cores, which other work shared (load average "
+        f"{r['load_before']:.1f} at the start). All at once, the connections arrive within "
+        "tens of milliseconds and the gateway answers them one after another: a refusal's "
+        "latency is its place in that line times what the gateway spends per refusal, not a "
+        "wait for generation. Refusals are answered by the HTTP protocol from the headers "
+        "(omlx_coordinator/connections.py) once every model's bound is taken, the requests "
+        "still undecided counted. Spread, requests arrive at a steady rate far past what the "
+        "model drains.",
         "",
     ])
 
@@ -174,18 +157,18 @@ def main() -> int:
             server.wait_ready(300)
             body = {"model": "bench", "max_tokens": args.max_tokens, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "Count to ten."}]}
-            asyncio.run(burst(server.base, body, 4))  # warm: the first requests' one-offs
+            burst(server.base, body, 4)  # warm: the first requests' one-offs
             time.sleep(1.0)
             limit = int(next(line.rsplit(" ", 1)[1] for line in httpx.get(
                 server.base + "/metrics").text.splitlines()
                 if line.startswith("omlx_model_queue_limit{")).split(".")[0])
             pid = server.proc.pid
-            rss_before = rss_bytes(pid)
+            rss_before, load_before = rss_bytes(pid), os.getloadavg()[0]
             peak = PeakRss(pid)
             for name, spread in (("all at once", 0.0), (f"spread over {args.spread:g} s",
                                                         args.spread)):
                 t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
-                results = asyncio.run(burst(server.base, body, args.requests, spread))
+                results = outcomes(burst(server.base, body, args.requests, spread))
                 runs[name] = summary(results, args.max_tokens, time.perf_counter() - t0,
                                      cpu_seconds(pid) - cpu0)
                 time.sleep(2.0)
@@ -198,7 +181,7 @@ def main() -> int:
     result = {"machine": machine_info(), "requests": args.requests,
               "max_batch": args.max_batch, "max_queue": limit, "max_tokens": args.max_tokens,
               "runs": runs, "rss_before": rss_before, "rss_peak": rss_peak,
-              "rss_after": rss_after, "serves_after": serves}
+              "rss_after": rss_after, "serves_after": serves, "load_before": load_before}
     text = markdown(result)
     print(text)
     if args.out:

@@ -16,6 +16,11 @@ answer (checked token for token against "off"):
 from the prefix cache) under off, ngram and draft-small: aggregate decode tok/s from the moment
 every stream has its first token; speculation should step aside there (the measured crossover,
 `max_rows`), never below 0.95x of off.
+--pipeline A,B then runs the edit (a --pipeline-lines file) at batch 1 through worker processes
+over gRPC, as a node serves it: one node holding every layer, and a pipeline of stages of A, B
+... layers (mx.distributed's ring on loopback), each with ngram drafts and without, all four
+interleaved run by run; a pipeline's drafts save a trip through every stage and hop, so its
+speedup should be at least the one node's.
 Decode tok/s is (tokens - 1) / (last token - first token) of one request alone in the engine
 (no prefill in it), the median of --runs runs a mode, modes interleaved run by run. The engines
 share one prefix cache: the prompt is prefilled once, then restored.
@@ -26,6 +31,7 @@ pays ("auto" then stays off; `verify_cost` is printed).
 
     python -m bench.speculative --model default --tokens 256 --runs 3
     python -m bench.speculative --model default --modes none --streams 8,32 --tokens 24
+    python -m bench.speculative --model default --modes none --pipeline 15,15 --tokens 64
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +144,10 @@ def main() -> int:
     ap.add_argument("--draft-layers", type=int, default=8,
                     help="layers of the draft-small model (the model's first ones)")
     ap.add_argument("--streams", default="", help="concurrent stream counts, e.g. 8,32")
+    ap.add_argument("--pipeline", default="",
+                    help="layers of each stage of a pipeline to run beside one node, e.g. 15,15")
+    ap.add_argument("--pipeline-lines", type=int, default=100,
+                    help="lines of the file the pipeline case edits")
     args = ap.parse_args()
     if args.model == "default":
         from omlx_shared.default_model import pull_default
@@ -165,6 +176,8 @@ def main() -> int:
         report += batch_one(args, tok, stage, cache, modes, drafts)
     for streams in [int(x) for x in args.streams.split(",") if x]:
         report += many_streams(args, tok, stage, cache, streams, drafts)
+    if args.pipeline:
+        report += pipeline_case(args, tok, path, [int(x) for x in args.pipeline.split(",")])
     report += ["Command: `python " + " ".join(sys.argv) + "`", ""]
     text = "\n".join(report)
     print(text)
@@ -230,6 +243,91 @@ def many_streams(args, tok, stage: StageRunner, cache: PrefixCache, streams: int
             f"each, aggregate decode tok/s, median of {args.runs} runs.", "",
             "| mode | decode tok/s | vs off | speculates up to (rows) |", "|---|---|---|---|",
             *rows, ""]
+
+
+def timed_generate(stub, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """One greedy request through a worker: its tokens and decode tok/s (first to last
+    token, as each message of them arrives)."""
+    from proto import omlx_pb2 as pb
+    from tests.helpers.session import SessionClient
+
+    tokens, first, last, firsts = [], 0.0, 0.0, 0
+    with SessionClient(stub) as session:
+        chunks = session.generate(pb.GenerateRequest(request_id=str(time.monotonic_ns()),
+                                                     prompt_tokens=prompt, max_tokens=n,
+                                                     ignore_eos=True), 600)
+        for chunk in chunks:
+            if chunk.tokens:
+                now = time.perf_counter()
+                first, last = first or now, now
+                if not tokens:
+                    firsts = len(chunk.tokens)  # those arrived at `first`: not timed
+                tokens += chunk.tokens
+    rate = (len(tokens) - firsts) / (last - first) if last > first else 0.0
+    return tokens, rate
+
+
+def head_counts(workers) -> tuple[float, float, float]:
+    """Drafted and accepted tokens so far, and the tokens a drafting step gave, from a head
+    worker's /metrics."""
+    import json
+    import urllib.request
+
+    port = json.loads(workers[0].ready_file.read_text())["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    counts = {"draft": 0.0, "accepted": 0.0}
+    per_step = 0.0
+    for line in text.splitlines():
+        for what in counts:
+            if line.startswith(f"omlx_node_speculative_{what}_tokens_total"):
+                counts[what] += float(line.rsplit(" ", 1)[1])
+        if line.startswith("omlx_node_speculative_tokens_per_step"):
+            per_step = float(line.rsplit(" ", 1)[1])
+    return counts["draft"], counts["accepted"], per_step
+
+
+def pipeline_case(args, tok, path: Path, split: list[int]) -> list[str]:
+    """Batch-1 decode of the edit through worker processes: one node and a pipeline of
+    `split`, each with and without ngram drafts, interleaved run by run."""
+    from tests.helpers.pipeline import pipeline
+
+    text = source_file(args.pipeline_lines)
+    prompt = prompt_tokens(tok, text)
+    layouts = {"one node": [sum(split)], f"{len(split)} stages {args.pipeline}": split}
+    rates: dict[tuple[str, str], list[float]] = {}
+    outputs, counts = {}, {}
+    with ExitStack() as stack:
+        started = {}
+        for name, layout in layouts.items():
+            for mode in ("off", "ngram"):
+                started[name, mode] = stack.enter_context(pipeline(
+                    path, layout, 1, init_timeout=120,
+                    extra=("--speculative", mode, "--prefill-chunk", "512")))
+        for stub, _ in started.values():
+            timed_generate(stub, prompt, 2)  # its prompt into the worker's prefix cache
+        for r in range(args.runs):
+            for key, (stub, _) in started.items():
+                tokens, rate = timed_generate(stub, prompt, args.tokens)
+                rates.setdefault(key, []).append(rate)
+                outputs.setdefault(key, tokens)
+                print(f"run {r} {key[0]} {key[1]}: {rate:.1f} tok/s, {len(tokens)} tokens",
+                      flush=True)
+        for key, (_, workers) in started.items():
+            counts[key] = head_counts(workers)
+    reference = outputs["one node", "off"]
+    rows = []
+    for (name, mode), got in rates.items():
+        med, base = statistics.median(got), statistics.median(rates[name, "off"])
+        drafted, accepted, per_step = counts[name, mode]
+        acc = f"{accepted / drafted:.2f} | {per_step:.2f}" if drafted else "- | -"
+        rows.append(f"| {name} | {mode} | {med:.1f} | {med / base:.2f}x | {acc} | "
+                    f"{outputs[name, mode] == reference} |")
+    return [f"Batch 1 through worker processes: prompt {len(prompt)} tokens (a "
+            f"{args.pipeline_lines}-line file), {args.tokens} tokens decoded, median of "
+            f"{args.runs} runs, the four interleaved.", "",
+            "| layout | mode | decode tok/s | vs off (same layout) | acceptance | "
+            "tokens a drafting step | same tokens as one node off |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 
 from omlx_cluster.client import rebalance_command, status_command
 from omlx_cluster.model_commands import models_command
-from omlx_cluster.node_commands import join_command, node_command, worker_command
+from omlx_cluster.node_commands import join_command, node_command
 from omlx_cluster.office import (
     doctor_command,
     down_command,
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if long_running:
         more_open_files()
     handler = {"serve": serve_command, "coordinator": coordinator_command,
-               "join": join_command, "node": node_command, "worker": worker_command,
+               "join": join_command, "node": node_command,
                "plan": plan_command, "status": status_command,
                "rebalance": rebalance_command, "models": models_command,
                "doctor": doctor_command, "up": up_command, "down": down_command,

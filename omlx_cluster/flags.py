@@ -12,6 +12,7 @@ from pathlib import Path
 from omlx_cluster import validators
 from omlx_cluster.api_keys import add_api_key_flags
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
+from omlx_shared.parallel_modes import PARALLEL
 from omlx_shared.speculative_modes import check_mode, draft_path
 
 log = logging.getLogger("omlx_cluster")
@@ -104,8 +105,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="a model's plan whose head worker sent nothing for this long while it "
                         "had requests (a pipeline wedged: the link between two stages cut) is "
-                        "re-planned, its requests resumed; keep it above the slowest prompt's "
-                        "whole prefill, which sends nothing (default: 600)")
+                        "re-planned, its requests resumed; a prefill whose steps advance is "
+                        "not silent (the worker reports each second of progress), so keep it "
+                        "above the longest single step only (default: 600)")
     p.add_argument("--keepalive", type=validators.positive_seconds, default=5.0, metavar="SECONDS",
                    help="a stream that wrote nothing for this long (a prompt being prefilled, "
                         "a tool call held back until it is whole, a model loading) sends an "
@@ -164,8 +166,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "folder PATH (same tokenizer; loaded beside the model on the node that "
                         "runs it), off decodes one token a step; a request's OpenAI "
                         "`prediction` drafts unless off; a model's speculative in "
-                        "--models-config wins; pipelines of several stages never speculate "
-                        "(default: auto)")
+                        "--models-config wins; in a pipeline the first stage drafts and the "
+                        "last verifies; on a tensor-parallel stage rank 0 drafts (default: auto)")
+    p.add_argument("--speculative-rows", type=validators.positive, default=None, metavar="N",
+                   help="most rows a decode step may hold and still draft (default: measured "
+                        "at start-up, where a wider step stops being cheaper than the steps "
+                        "its drafts save)")
     p.add_argument("--stream-interval", type=validators.milliseconds, default=20.0, metavar="MS",
                    help="where a node decodes faster than this, the tokens of one interval go "
                         "to the gateway as one message (a third less gateway CPU a token at "
@@ -204,7 +210,7 @@ PARALLEL_HELP = ("how a model is laid out over several nodes. pipeline: each nod
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+    p.add_argument("--parallel", choices=PARALLEL, default="pipeline",
                    help=PARALLEL_HELP + "; a model's parallel in --models-config wins "
                         "(default: pipeline)")
     p.add_argument("--micro-batches", type=validators.positive, default=None, metavar="K",
@@ -249,7 +255,8 @@ def add_rebalance_flags(p: argparse.ArgumentParser) -> None:
 
 
 def rebalance_settings(args: argparse.Namespace):
-    from omlx_coordinator.rebalancer import Policy, RebalanceSettings
+    from omlx_coordinator.rebalance_policy import Policy
+    from omlx_coordinator.rebalancer import RebalanceSettings
 
     # The memory pressure window follows a short --rebalance-window down, never above 10 s.
     policy = Policy(threshold=args.rebalance_threshold, window=args.rebalance_window,
@@ -276,24 +283,48 @@ def cluster_secret(args: argparse.Namespace) -> str | None:
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
-    """The engine flags as given, to pass on to the process that runs the engine."""
+    """The engine flags as given, for the `node` processes `serve` starts (their own CLI)."""
     out = ["--max-batch", str(args.max_batch),
            "--hot-cache-max-size", f"{args.hot_cache_max_size}B",
            "--paged-ssd-cache-max-size", f"{args.paged_ssd_cache_max_size}B",
            "--cache-block-size", str(args.cache_block_size), "--log-level", args.log_level,
            "--stream-interval", str(args.stream_interval), "--speculative", args.speculative]
+    if args.speculative_rows:
+        out += ["--speculative-rows", str(args.speculative_rows)]
     if args.weights_memory:
         out += ["--weights-memory", f"{args.weights_memory}B"]
     if args.prefill_chunk:  # else the worker sizes it for its own device
         out += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.paged_ssd_cache_dir:
-        if not args.paged_ssd_cache_max_size:
-            log.warning("--paged-ssd-cache-dir has no effect: --paged-ssd-cache-max-size 0 "
-                        "keeps the prefix cache in RAM only")
+        _warn_unused_ssd_dir(args)
         out += ["--paged-ssd-cache-dir", str(args.paged_ssd_cache_dir)]
     if args.device_cache_max_size is not None:
         out += ["--device-cache-max-size", f"{args.device_cache_max_size}B"]
     return out
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine flags, typed, for a node agent to give each of its workers."""
+    from omlx_shared.engine_config import EngineConfig
+    from omlx_shared.model_store import data_home
+
+    if args.paged_ssd_cache_dir:
+        _warn_unused_ssd_dir(args)
+    ssd_dir = (None if args.paged_ssd_cache_max_size == 0 else
+               str(args.paged_ssd_cache_dir or data_home() / "kv-cache"))
+    return EngineConfig(
+        prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
+        speculative=args.speculative, speculative_rows=args.speculative_rows,
+        stream_interval=args.stream_interval / 1000,
+        cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
+        ssd_cache_dir=ssd_dir, ssd_cache_bytes=args.paged_ssd_cache_max_size,
+        device_cache_bytes=args.device_cache_max_size, log_level=args.log_level)
+
+
+def _warn_unused_ssd_dir(args: argparse.Namespace) -> None:
+    if not args.paged_ssd_cache_max_size:
+        log.warning("--paged-ssd-cache-dir has no effect: --paged-ssd-cache-max-size 0 "
+                    "keeps the prefix cache in RAM only")
 
 
 def add_ssh_flags(p: argparse.ArgumentParser) -> None:

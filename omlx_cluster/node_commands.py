@@ -1,5 +1,4 @@
-"""`join`, `node` and `worker`: a node agent offered to a cluster or run alone, and the shard
-worker an agent starts."""
+"""`join` and `node`: a node agent offered to a cluster or run alone."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import os
 import sys
 import threading
 
-from omlx_cluster.flags import cluster_secret, engine_args
-from omlx_cluster.parser import build_parser
+from omlx_cluster.flags import cluster_secret, engine_config
 from omlx_cluster.validators import is_loopback
 
 REGISTER_WARN_SECONDS = 30.0  # join --coordinator: unanswered this long, a warning
@@ -54,7 +52,7 @@ def join_command(args: argparse.Namespace) -> int:
     try:
         announced = announce_address(args.host)
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
-                          engine_args(args), secret=secret, node_id=args.name, speed=speed,
+                          engine_config(args), secret=secret, node_id=args.name, speed=speed,
                           worker_cache_bytes=args.hot_cache_max_size,
                           weights_cap=args.weights_memory, disk_gbps=disk,
                           orphan_grace=args.orphan_grace)
@@ -158,7 +156,7 @@ def node_command(args: argparse.Namespace) -> int:
         return 2
     try:
         agent = NodeAgent(args.host, args.port, args.data_port, args.metrics_port,
-                          engine_args(args), secret=secret, node_id=args.name,
+                          engine_config(args), secret=secret, node_id=args.name,
                           worker_cache_bytes=args.hot_cache_max_size,
                           weights_cap=args.weights_memory)
     except OSError as e:
@@ -182,43 +180,3 @@ def node_command(args: argparse.Namespace) -> int:
                                       agent.reply.worker_address if agent.reply else ""})
     agent.serve_forever(watch=args.exit_with_parent)
     return 0
-
-
-def worker_command(args: argparse.Namespace) -> int:
-    import json
-
-    from omlx_node.worker import WorkerConfig, run_worker
-    from omlx_shared.child import watch_parent
-    from omlx_shared.model_store import data_home
-
-    # A worker is only ever its agent's: when the agent goes, so does it.
-    watch_parent(lambda: os._exit(0))
-    if args.standby:
-        job = json.loads(sys.stdin.readline() or "null")
-        if job is None:  # the agent went away without a plan for us
-            return 0
-        os.environ.update(job["env"])
-        given = sys.argv[sys.argv.index("worker") + 1:]
-        args = build_parser().parse_args(
-            ["worker", *(a for a in given if a != "--standby"), *job["argv"]])
-    missing = [f for f in ("model", "model_id", "layers") if getattr(args, f) is None]
-    if missing:
-        print(f"error: worker needs --{', --'.join(m.replace('_', '-') for m in missing)}",
-              file=sys.stderr)
-        return 2
-    start, _, end = args.layers.partition(":")
-    config = WorkerConfig(
-        model_path=args.model, model_id=args.model_id, layer_start=int(start),
-        layer_end=int(end) if end else None, streamed_layers=args.streamed_layers, rank=args.rank,
-        peers=tuple(p for p in args.peers.split(",") if p), backend=args.backend,
-        rdma_devices=args.rdma_devices, plan_hash=args.plan_hash, tensor=args.tensor,
-        micro_batches=args.micro_batches, host=args.host, node_id=args.node_id,
-        prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
-        speculative=args.speculative, stream_interval=args.stream_interval / 1000,
-        metrics_port=args.metrics_port, init_timeout=args.init_timeout,
-        cache_block_size=args.cache_block_size, hot_cache_bytes=args.hot_cache_max_size,
-        ssd_cache_dir=(None if args.paged_ssd_cache_max_size == 0 else
-                       args.paged_ssd_cache_dir or data_home() / "kv-cache"),
-        ssd_cache_bytes=args.paged_ssd_cache_max_size,
-        device_cache_bytes=args.device_cache_max_size, kind=args.kind)
-    return run_worker(config, args.ready_file)

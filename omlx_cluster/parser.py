@@ -22,7 +22,7 @@ from omlx_cluster.flags import (
     add_url_flag,
 )
 from omlx_shared import __version__
-from omlx_shared.model_kinds import KINDS
+from omlx_shared.parallel_modes import PARALLEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,57 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="this node's id (default: the host name plus a key kept in "
                            "$OMLX_CLUSTER_HOME/node-key: unique and stable)")
     add_engine_flags(node)
-
-    worker = sub.add_parser(
-        "worker", parents=[common], help="(internal) a shard worker, started by a node agent",
-        description="A shard worker: joins the plan's mx.distributed group, loads its layers and "
-                    "runs them. Node agents start these; you should not need to.",
-    )
-    worker.add_argument("--model", type=Path, help="mlx-lm model folder (required)")
-    worker.add_argument("--model-id", help="the name clients use (required)")
-    worker.add_argument("--layers", metavar="START:END",
-                        help="layer range [START, END); END may be empty for the last layer "
-                             "(required)")
-    worker.add_argument("--streamed-layers", type=int, default=0, metavar="N",
-                        help="keep the range's last N layers on disk, read just ahead of each "
-                             "use (a plan's stage larger than the node's memory) (default: 0)")
-    worker.add_argument("--standby", action="store_true",
-                        help="import everything, then wait for the rest of the arguments as "
-                             "one JSON line {argv, env} on stdin (how an agent keeps a worker "
-                             "ready for its next plan)")
-    worker.add_argument("--kind", default="chat", choices=KINDS,
-                        help="what the model is for: chat (the pipeline engine), embed, rerank "
-                             "or transcribe (the whole model, serving Encode or Transcribe) "
-                             "(default: chat)")
-    worker.add_argument("--rank", type=int, default=0, help="this stage's rank (default: 0)")
-    worker.add_argument("--peers", default="",
-                        help="comma-separated data-plane host:port of every rank, in rank "
-                             "order (default: none, a single-stage plan)")
-    worker.add_argument("--backend", default="ring", choices=["ring", "jaccl"],
-                        help="mx.distributed backend: ring (TCP between the peers' addresses) "
-                             "or jaccl (RDMA over Thunderbolt 5, with --rdma-devices; rank 0's "
-                             "peer address is its side channel) (default: ring)")
-    worker.add_argument("--rdma-devices", default="", metavar="JSON",
-                        help="for jaccl: MLX's MLX_IBV_DEVICES matrix, one row per rank with "
-                             "each rank's RDMA device (null: no cable) (default: none)")
-    worker.add_argument("--tensor", action="store_true",
-                        help="the ranks of --peers form one tensor-parallel stage: each holds a "
-                             "slice of every layer (--layers must be the whole model) "
-                             "(default: a pipeline, one stage a rank)")
-    worker.add_argument("--plan-hash", default="", help="the plan every stage must agree on (default: none)")
-    worker.add_argument("--micro-batches", type=int, default=0,
-                        help="decode micro-batches in flight on the head, always K (default 0: "
-                             "up to one per stage, as many as pay off on this device)")
-    worker.add_argument("--host", default="127.0.0.1", help="gRPC address of the head worker (default: 127.0.0.1)")
-    worker.add_argument("--metrics-port", type=validators.port, default=0,
-                        help="export Prometheus /metrics on this port (default: 0, any free "
-                             "port)")
-    worker.add_argument("--node-id", default="",
-                        help="the node's id, a label on every metric (default: none)")
-    worker.add_argument("--init-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="give up if the group has not formed by then (default: 60)")
-    worker.add_argument("--ready-file", type=Path, help="write readiness JSON here")
-    add_engine_flags(worker)
 
     coordinator = sub.add_parser(
         "coordinator", parents=[common], help="run the gateway for nodes that join over the LAN",
@@ -236,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "for each node")
     plan.add_argument("--split", type=validators.layer_counts, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
-    plan.add_argument("--parallel", choices=["auto", "pipeline", "tensor"], default="pipeline",
+    plan.add_argument("--parallel", choices=PARALLEL, default="pipeline",
                       help=PARALLEL_HELP + " (default: pipeline)")
     plan.add_argument("--os-reserve", type=validators.size, default="8GiB", metavar="SIZE",
                       help="memory kept free on every node (default: 8GiB, a joined Mac's; "

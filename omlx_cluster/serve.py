@@ -85,11 +85,13 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
     # (httpx and the OpenAI SDK: 5 s). With uvicorn's 5 s, an agent's next turn ~5 s after its
     # last raced the server closing that connection: "Server disconnected without sending a
     # response". The client must be the one that lets it go.
-    # The protocol is httptools', with deadlines for headers and a bound on connections.
+    # The protocol is httptools', with deadlines for headers and a bound on connections, and
+    # it refuses a burst's excess before the app runs.
     raise_open_files(args.max_connections)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75,
-        loop="uvloop", http=guarded(args.header_timeout, args.max_connections),
+        loop="uvloop", http=guarded(args.header_timeout, args.max_connections,
+                                    app.state.answer_at_once),
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None))
     redact_access_log()  # a key sent as ?api_key=... never reaches the log
     if args.log_file:

@@ -27,8 +27,10 @@ DEFAULT_MAX_QUEUE = QUEUE_BATCHES * NODE_DEFAULT_BATCH
 # The error code of a refusal (OpenAI's, as for a quota: access.py); Anthropic's routes render
 # an Overloaded as their 529.
 OVERLOADED = "rate_limit_exceeded"
-# Where a request's held places are noted in its ASGI scope, for `ReleaseWhenDone`.
+# Where a request's held places are noted in its ASGI scope, for `ReleaseWhenDone`, and its
+# place among the undecided (`Arrivals`).
 _SCOPE_KEY = "omlx.admitted"
+_ARRIVAL_KEY = "omlx.undecided"
 # The recent past the drain rate is measured over: long enough to count several completions
 # of long generations, short enough to follow a change of load.
 DRAIN_WINDOW_SECONDS = 60.0
@@ -59,20 +61,24 @@ class Admission:
         self._busy_from = clock()
         self._finished: deque[float] = deque()  # the busy time of each recent release
 
-    @property
-    def full(self) -> bool:
-        return self.held >= self.limit
+    def full(self, undecided: int = 0) -> bool:
+        """Whether it is at its bound, with `undecided` requests counted as held."""
+        return self.held + undecided >= self.limit
 
     def admit(self, n: int = 1) -> Refusal | None:
         """Holds `n` places and returns None, or refuses. A request wider than the whole bound
         is admitted alone (when nothing else is held): refused, it never could run."""
         n = min(n, self.limit)
         if self.held + n > self.limit:
-            self.refused += 1
-            return Refusal(self.held, self.limit, self.retry_after())
+            return self.refuse()
         self._busy_time()
         self.held += n
         return None
+
+    def refuse(self, undecided: int = 0) -> Refusal:
+        """The refusal of a request now (`undecided` others counted as held)."""
+        self.refused += 1
+        return Refusal(self.held + undecided, self.limit, self.retry_after())
 
     def release(self, n: int = 1) -> None:
         n = min(n, self.limit)
@@ -116,6 +122,7 @@ def default_bound(max_batch: int | None) -> int:
 def hold(scope: MutableMapping, admission: Admission, n: int = 1) -> None:
     """Admits the request whose ASGI `scope` this is for `n` places of `admission`, held until
     its response has been sent or abandoned; raises the 429 of a refusal."""
+    Arrivals.decided(scope)
     refusal = admission.admit(n)
     if refusal is not None:
         raise overloaded(refusal)
@@ -135,17 +142,48 @@ def overloaded(refusal: Refusal, headers: dict[str, str] | None = None) -> Overl
                     headers={"Retry-After": str(refusal.retry_after), **(headers or {})})
 
 
-def refuse_all_full(admissions: list[Admission]) -> Refusal | None:
-    """A refusal when every model is at its bound (the soonest Retry-After of theirs), else
-    None: a request may then be refused before its body is read, whichever model it names."""
-    if not admissions or not all(a.full for a in admissions):
+def all_full(admissions: list[Admission], undecided: int = 0) -> bool:
+    """Whether every model is at its bound, `undecided` requests counted as held in each."""
+    return bool(admissions) and all(a.full(undecided) for a in admissions)
+
+
+def refuse_all_full(admissions: list[Admission], undecided: int = 0) -> Refusal | None:
+    """A refusal when every model is at its bound, `undecided` requests counted as held in each
+    (the soonest Retry-After of theirs), else None: a request may then be refused before its
+    body is read, whichever model it names."""
+    if not all_full(admissions, undecided):
         return None
-    return min((a.admit() for a in admissions), key=lambda r: r.retry_after)
+    return min((a.refuse(undecided) for a in admissions), key=lambda r: r.retry_after)
+
+
+class Arrivals:
+    """Generation requests that are running but not yet admitted or refused: their model is
+    unknown until their body has been read and parsed. Before a request runs at all, these
+    count as held in every model (`refuse_all_full(..., arrivals.undecided)`), so that a burst
+    of thousands arriving at once is refused from its headers beyond the first bound's worth,
+    rather than each running until its model is known because nothing was admitted yet. The
+    price: in a burst, a request may be refused that would have found room once the
+    undecided ones turned out to name another model or to be invalid; it is told when to come
+    back like any other refusal."""
+
+    def __init__(self) -> None:
+        self.undecided = 0
+
+    def arrived(self, scope: MutableMapping) -> None:
+        """The request of `scope` runs now, undecided until `decided`."""
+        scope[_ARRIVAL_KEY] = self
+        self.undecided += 1
+
+    @staticmethod
+    def decided(scope: MutableMapping) -> None:
+        """The request of `scope` was admitted, refused or ended (once; a no-op after)."""
+        if (arrivals := scope.pop(_ARRIVAL_KEY, None)) is not None:
+            arrivals.undecided -= 1
 
 
 class ReleaseWhenDone:
-    """ASGI middleware: releases what each request held once the app is done with it, however
-    it ended (sent, failed, a client gone mid-stream), since a stream's response outlives its
+    """ASGI middleware: releases what each request held (and its undecided place) once the
+    app is done with it, however it ended (sent, failed, a client gone mid-stream), since a stream's response outlives its
     route function."""
 
     def __init__(self, app):
@@ -159,5 +197,6 @@ class ReleaseWhenDone:
         try:
             await self.app(scope, receive, send)
         finally:
+            Arrivals.decided(scope)  # ended without reaching admission: an error, a 404
             for admission, n in held:
                 admission.release(n)

@@ -62,7 +62,7 @@ REPLACED_CLIENT_SECONDS = 60.0
 class ClusterOptions:
     nodes: int = 1
     micro_batches: int = 0  # 0: one per stage
-    parallel: str = "pipeline"  # a model's layout: omlx_coordinator/layout_choice.py's PARALLEL
+    parallel: str = "pipeline"  # a model's layout, one of omlx_shared/parallel_modes.py's PARALLEL
     backend: str = "auto"  # the data plane: "auto", "ring" or "jaccl" (omlx_coordinator/backend.py)
     secret: str | None = None  # the cluster secret; serve makes one up for its own nodes
     os_reserve_bytes: int = 8 << 30  # memory every remote node keeps for its OS and apps

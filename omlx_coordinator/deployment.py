@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,7 +26,7 @@ from omlx_coordinator.planner import NodeSpec, Plan, PlanError, Stage
 from omlx_coordinator.routing import PrefixIndex
 from omlx_coordinator.served_model import ServedModel
 from omlx_coordinator.status_log import LoggedStatus
-from omlx_coordinator.weight_transfer import TransferProgress, ensure_weights
+from omlx_coordinator.weight_transfer import TransferProgress, WeightSource, ensure_weights
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
 RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most this far apart
 ABANDONED_LOAD_SECONDS = 10.0  # the most a re-plan waits for agents to drop an abandoned load
+
+
+@dataclass(frozen=True)
+class Folders:
+    """Where the remote nodes of a plan load from (local ones read the coordinator's folders)."""
+
+    model: dict[str, str]  # each remote node's folder of the model, by node name
+    head_draft: str = ""  # a remote head's folder of the draft model ("": PATH as configured)
 
 
 class Deployment:
@@ -164,11 +173,11 @@ class Deployment:
             self.status = f"cannot serve: {e}"
             raise NoCapacity(str(e)) from None
         self.placed = plan  # what it holds from now on, for the other models' budgets
-        paths = await self._transfer_weights(members, plan)
+        folders = await self._transfer_weights(members, plan)
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
         async with self.cluster.plan_loads:
             try:
-                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
             except grpc.aio.AioRpcError as e:
                 if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
                     raise
@@ -177,7 +186,7 @@ class Deployment:
                             "ring", plan.plan_hash, error)
                 self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
-                replies = await self._load_stages(plan, members, paths, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
         if self.node is not None:
             await self.node.close()
         self.node = members[0].agent.worker(replies[0].worker_address)
@@ -185,12 +194,22 @@ class Deployment:
             m.health = await m.agent.health()
         self.plan, self.backend, self.capacity_error = plan, choice, ""
         self.load_seconds = max(r.load_seconds for r in replies)
-        self.epoch += 1
         log.info("serving %s on %d stage(s) over %s (%s), split %s (plan %s, epoch %d)",
                  self.name, len(members), choice.backend, choice.reason, plan.split,
-                 plan.plan_hash, self.epoch)
+                 plan.plan_hash, self.epoch + 1)
+        self.serving()
+
+    def serving(self) -> None:
+        """Sequences go to `self.node`, the head worker of the plan just loaded, from now on: a
+        new epoch, which requests lost on an earlier one resume on."""
+        self.epoch += 1
         self.ready, self.status = True, "ready"
         self._ready_event.set()
+
+    def pause(self, status: str) -> None:
+        """No sequence goes to it until it is `serving` again (a re-plan, an unload)."""
+        self.ready, self.status = False, status
+        self._ready_event.clear()
 
     def _choose_backend(self, members: list[Member]) -> BackendChoice:
         """The data plane for `members` (in rank order); raises BackendError."""
@@ -200,7 +219,7 @@ class Deployment:
         return choose_backend(self.cluster.options.backend, [m.rdma_ports for m in members],
                               [m.name for m in members])
 
-    async def _load_stages(self, plan: Plan, members: list[Member], paths: dict[str, str],
+    async def _load_stages(self, plan: Plan, members: list[Member], folders: Folders,
                            choice: BackendChoice, keep_serving: bool = False
                            ) -> list[pb.LoadShardReply]:
         """Has every stage load its range over `choice`'s backend. Waits for every agent to
@@ -218,13 +237,15 @@ class Deployment:
         async def load(rank: int, m: Member, stage: Stage) -> pb.LoadShardReply:
             try:
                 return await m.agent.load_shard(pb.LoadShardRequest(
-                    model_path=paths.get(m.name, str(self.model.path)),
+                    model_path=folders.model.get(m.name, str(self.model.path)),
                     model_id=self.model.name, layer_start=stage.layer_start,
                     layer_end=stage.layer_end, rank=rank, world_size=world, peers=peers,
                     backend=choice.backend if world > 1 else "",
                     rdma_devices_json=choice.devices_json, plan_hash=plan.plan_hash,
                     micro_batches=self.cluster.options.micro_batches,
-                    speculative=self.model.config.speculative, kind=self.model.kind.kind,
+                    speculative=(f"draft={folders.head_draft}" if rank == 0 and folders.head_draft
+                                 else self.model.config.speculative),
+                    kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers,
                     tensor=plan.parallel == "tensor", keep_serving=keep_serving))
             except BaseException as e:
@@ -264,13 +285,15 @@ class Deployment:
                     break
                 await asyncio.sleep(0.2)
 
-    async def _transfer_weights(self, members: list[Member], plan: Plan) -> dict[str, str]:
-        """Sends every remote stage the tensors of its range it lacks, all nodes at once;
-        returns each remote node's folder to load from. Local nodes read the model's folder."""
+    async def _transfer_weights(self, members: list[Member], plan: Plan) -> Folders:
+        """Sends every remote stage the tensors of its range it lacks, and a remote head the
+        draft model's files where this machine holds them, all nodes at once; returns each
+        remote node's folder to load from. Local nodes read the model's folder."""
         remote = [(m, s) for m, s in zip(members, plan.stages) if m.process is None]
         if not remote:
-            return {}
+            return Folders({})
         source = await self.model.weight_source()
+        draft = await self.model.draft_source() if members[0].process is None else None
         progress: dict[str, TransferProgress] = {}
         before = self.status
 
@@ -282,11 +305,10 @@ class Deployment:
                 f"{q.node} {q.bytes_sent / 1e6:.0f}/{q.bytes_to_send / 1e6:.0f} MB"
                 for q in progress.values())
 
-        async def one(m: Member, stage: Stage) -> str:
+        async def one(m: Member, source: WeightSource, start: int, end: int, label: str) -> str:
             try:
-                result = await ensure_weights(m.agent, source, stage.layer_start,
-                                              stage.layer_end, show,
-                                              self.cluster.weight_counters, label=m.name)
+                result = await ensure_weights(m.agent, source, start, end, show,
+                                              self.cluster.weight_counters, label=label)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     m.weights_error = e.details()
@@ -298,12 +320,16 @@ class Deployment:
                        f"{', '.join(m.name for m, _ in remote)}")
         # Every transfer runs to its end before a failure is raised: a retry must not race a
         # transfer still writing into the same node folder.
-        results = await asyncio.gather(*(one(m, s) for m, s in remote), return_exceptions=True)
+        jobs = [one(m, source, s.layer_start, s.layer_end, m.name) for m, s in remote]
+        if draft is not None:  # the head drafts: the draft model runs beside its layers
+            jobs.append(one(members[0], draft, 0, draft.num_layers, f"{members[0].name} (draft)"))
+        results = await asyncio.gather(*jobs, return_exceptions=True)
         self.status = before
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        return {m.name: path for (m, _), path in zip(remote, results)}
+        return Folders({m.name: path for (m, _), path in zip(remote, results)},
+                       results[-1] if draft is not None else "")
 
     # ---- failures, moves and unloads --------------------------------------------------------
 
@@ -349,9 +375,7 @@ class Deployment:
                 await self._prefetch_weights(plan)
                 if move and await self._move(plan, reason):
                     return
-            self.ready = False
-            self._ready_event.clear()
-            self.status = f"recovering: {reason}"
+            self.pause(f"recovering: {reason}")
             log.warning("re-planning %s: %s", self.name, reason)
             t0, started_at = time.monotonic(), time.time()
             delay = 1.0
@@ -436,13 +460,15 @@ class Deployment:
 
     async def apply_plan(self, plan: Plan, budgets: dict[str, int], reason: str) -> bool:
         """Moves to `plan` (the rebalancer's) through the re-plan path: weights first while
-        the current plan serves, then the switch, in-flight requests resuming on it. `budgets`
-        lowered below a node's room (a node short of memory) stay as this model's caps for its
-        later plans, not the node's for every model; whether `plan` serves."""
+        the current plan serves, then the new plan loads while the current one still serves
+        where the nodes hold both (make before break, `_move`), then the switch, in-flight
+        requests resuming on it. `budgets` lowered below a node's room (a node short of
+        memory) stay as this model's caps for its later plans, not the node's for every model;
+        whether `plan` serves."""
         for node, budget in budgets.items():
             if budget < self.room(node):
                 self.caps[node] = budget
-        await self.recover(reason, always=True, plan=plan)
+        await self.recover(reason, always=True, plan=plan, move=True)
         return self.plan is not None and self.plan.plan_hash == plan.plan_hash
 
     async def _prefetch_weights(self, plan: Plan | None = None) -> None:
@@ -462,9 +488,7 @@ class Deployment:
         each agent saw its worker exit, so the memory is free. Never re-planned afterwards."""
         self.unloaded = True  # a recovery retrying a failed load stops at its next try
         async with self._replanning:
-            self.ready = False
-            self._ready_event.clear()
-            self.status = "unloading"
+            self.pause("unloading")
             by_name = {m.name: m for m in self.cluster.members}
             stages = [by_name[n] for n in self.stages_on() if n in by_name
                       and by_name[n].alive]

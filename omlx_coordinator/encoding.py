@@ -9,6 +9,7 @@ ids: the coordinator tokenizes, as it does for chat; audio goes to the node as u
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,20 +20,16 @@ import numpy as np
 
 from omlx_coordinator.access import Account
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import (
-    MAX_ATTEMPTS,
-    RETRIABLE,
-    GatewaySettings,
-    KeepAlive,
-    _replica,
-    _rpc_error,
-)
+from omlx_coordinator.generation import GatewaySettings, _rpc_error
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.node_client import WorkerClient
+from omlx_coordinator.request_lease import RequestLease
+from omlx_coordinator.retry import Fail, RetryState, lost_by
 from omlx_coordinator.served_model import ServedModel
 from omlx_shared.token_ids import outside_vocabulary
 from proto import omlx_pb2 as pb
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -79,35 +76,26 @@ async def _call(manager: ModelManager, model: ServedModel, settings: GatewaySett
                 call: Callable[[WorkerClient, float], Awaitable[T]], tokens: int,
                 account: Account | None) -> T:
     """`call` on a ready replica of `model` (loaded on demand) under a lease; again on the next
-    plan when its node went away (at most MAX_ATTEMPTS calls); `tokens` count in the usage."""
+    plan when its node went away, as retry.py rules; `tokens` count in the usage."""
     deadline = time.monotonic() + settings.request_timeout
-    leased, failed = False, False
-    lost, attempts = None, 0
+    failed, retry = False, RetryState()
     try:
-        while True:  # at most MAX_ATTEMPTS calls
-            attempts += 1
-            deployment = None
-            async for ev in _replica(manager, model, [], lost, deadline, settings, leased):
-                if not isinstance(ev, KeepAlive):
-                    deployment = ev
-            if not leased:  # no await since the replica was chosen: it is still loaded
-                model.acquire()
-                leased = True
-            deployment.inflight += 1
-            deployment.requests += 1
-            try:
-                return await call(deployment.node, max(1.0, deadline - time.monotonic()))
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRIABLE or attempts >= MAX_ATTEMPTS:
-                    raise _rpc_error(e) from None
-                lost = (deployment, deployment.epoch)  # its node went: the next plan runs it
-            finally:
-                deployment.inflight -= 1
+        async with RequestLease(manager, model, deadline, settings.keepalive_seconds) as lease:
+            while True:  # RetryState ends the attempts
+                async for _ in lease.replica(retry.avoid):
+                    pass
+                try:
+                    return await call(lease.deployment.node,
+                                      max(1.0, deadline - time.monotonic()))
+                except grpc.aio.AioRpcError as e:
+                    if (lost := lost_by(e)) is None:
+                        raise _rpc_error(e) from None
+                if isinstance(step := retry.on_lost(lease.lost(), lost), Fail):
+                    log.error(step.log)
+                    raise step.error from None
     except Exception:
         failed = True
         raise
     finally:
-        if leased:
-            model.release()
         if account is not None:
             account.finished(model.name, tokens, 0, 0, failed)

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -17,7 +18,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.access import account_of, identify, require_admin
-from omlx_coordinator.admission import Overloaded, ReleaseWhenDone, overloaded, refuse_all_full
+from omlx_coordinator.admission import (
+    Arrivals,
+    Overloaded,
+    Refusal,
+    ReleaseWhenDone,
+    all_full,
+    overloaded,
+    refuse_all_full,
+)
 from omlx_coordinator.api import (
     anthropic,
     audio,
@@ -188,19 +197,42 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
             return None
         return error(request, _keyless(), headers={"connection": "close"})
 
-    def refuse_overloaded(request: Request) -> Response | None:
-        """A generation request's 429 while every model is at its bound, answered before its
-        body is read or parsed: the excess of a burst then costs the gateway the least it can.
-        (Otherwise the route refuses it once it knows the model.)"""
-        if request.url.path not in endpoints or (
-                refusal := refuse_all_full([m.admission for m in manager.models])) is None:
+    def refuse_overloaded(request: Request, undecided: int = 0) -> Response | None:
+        """A generation request's 429 while every model is at its bound (`undecided` requests
+        counted as held in each), answered before its body is read or parsed: the excess of a
+        burst then costs the gateway the least it can. (Otherwise the route refuses it once it
+        knows the model.)"""
+        path = request.scope["path"]
+        if path not in endpoints or (refusal := refuse_all_full(
+                [m.admission for m in manager.models], undecided)) is None:
             return None
-        return error(request, overloaded(refusal, {"connection": "close"}))
+        metrics.requests.labels(endpoints[path], "overloaded").inc()
+        return overload_answer(path, refusal)
+
+    @functools.lru_cache(maxsize=256)
+    def overload_answer(path: str, refusal: Refusal) -> JSONResponse:
+        """The answer of `refusal` on `path`, made once: a burst's refusals say the same."""
+        return rendered(path, overloaded(refusal, {"connection": "close"}))
+
+    arrivals = Arrivals()
+
+    def answer_at_once(scope: MutableMapping) -> Response | None:
+        """For the HTTP protocol (connections.py), which asks before the app runs: a generation
+        request's refusal while every model is at its bound counting the generation requests
+        still undecided (its 401 without a valid key, as the route would answer first), None
+        to run it (counted among the undecided until it is admitted or ends)."""
+        if scope["path"] not in endpoints:
+            return None
+        if not all_full([m.admission for m in manager.models], arrivals.undecided):
+            arrivals.arrived(scope)
+            return None
+        request = Request(scope)
+        return refuse_keyless(request) or refuse_overloaded(request, arrivals.undecided)
 
     keyed = [Depends(require_api_key)]
     admin = [*keyed, Depends(require_admin)]  # a user key there: a 403 naming the role
     app.state.require_api_key, app.state.refuse_keyless = require_api_key, refuse_keyless
-    app.state.refuse_overloaded = refuse_overloaded
+    app.state.refuse_overloaded, app.state.answer_at_once = refuse_overloaded, answer_at_once
     add_docs_routes(app, keyed)
     add_console_routes(app)  # the page without a key: its data calls carry one
 
@@ -214,18 +246,24 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
 
     def error(request: Request, exc: APIError, headers: dict | None = None) -> JSONResponse:
         """The error in the shape of the API the path belongs to; a generation request's
-        counted by outcome (rejected: the client's fault; error: ours)."""
-        if (endpoint := endpoints.get(request.url.path)) is not None:
+        counted by outcome (rejected: the client's fault; error: ours). (The scope's path, not
+        request.url's: building a URL costs more than the rest of a refusal.)"""
+        path = request.scope["path"]
+        if (endpoint := endpoints.get(path)) is not None:
             # A model name no one serves is not a reject of the model that is.
             outcome = ("unknown_model" if exc.code == "model_not_found"
                        else "overloaded" if isinstance(exc, Overloaded)
                        else "rejected" if exc.status < 500 else "error")
             metrics.requests.labels(endpoint, outcome).inc()
+        return rendered(path, exc, headers)
+
+    def rendered(path: str, exc: APIError, headers: dict | None = None) -> JSONResponse:
+        """`exc` in the shape of the API that `path` belongs to."""
         status, body = exc.status, exc.body()
-        if anthropic.owns(request.url.path):
+        if anthropic.owns(path):
             status = anthropic.error_status(exc)
             body = anthropic.error_body(status, exc.message)
-        elif ollama.owns(request.url.path):
+        elif ollama.owns(path):
             body = ollama.error_body(exc.message)
         return JSONResponse(body, status_code=status, headers=headers or exc.headers)
 

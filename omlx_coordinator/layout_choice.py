@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from omlx_coordinator.model_config import PARALLEL
 from omlx_coordinator.model_layout import ModelLayout
 from omlx_coordinator.planner import GB, NodeSpec, Plan, PlanError, make_plan
 from omlx_coordinator.tensor_plan import (
@@ -30,7 +29,7 @@ from omlx_coordinator.tensor_plan import (
     make_tensor_plan,
     rank_stream_bytes,
 )
-
+from omlx_shared.parallel_modes import PARALLEL
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omlx_shared.model_kinds import KINDS
+from omlx_shared.parallel_modes import PARALLEL
 from omlx_shared.speculative_modes import MODES, check_mode
-
-PARALLEL = ("auto", "pipeline", "tensor")  # omlx_coordinator/layout_choice.py plans each
 
 Replicas = int | str  # a count, or "auto"
 

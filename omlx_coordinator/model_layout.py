@@ -6,6 +6,9 @@ biases) and for uneven layers (MoE families mix dense and expert layers), so we 
 tensor sizes. A decode step streams all of a dense layer but only the experts its tokens are
 routed to: `layer_stream_bytes` counts a layer's routed experts at their active share
 (num_experts_per_tok of the experts), shared experts and everything else in full.
+`layer_read_bytes` is what a layer kept on disk (omlx_node/layer_stream.py) reads at such a
+step: the same share of the experts where they are stored stacked (a node then reads only the
+routed ones, omlx_node/routed_experts.py), all of them where each expert is a tensor of its own.
 
 What a layer's cache costs depends on its kind, as mlx-lm's `make_cache` of the family builds
 it: full attention keeps keys and values of every token (MLA keeps one latent and one RoPE key
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from omlx_shared.model_families import refusal
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
-from omlx_shared.tensor_split import DIVIDED, tensor_refusal
+from omlx_shared.tensor_split import DIVIDED, largest_share, tensor_refusal
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.
@@ -41,6 +44,8 @@ _IGNORED_RE = re.compile(
     r"rotary_emb\.inv_freq$|^mtp\.|^(?:vision_tower|visual|multi_modal_projector)\.")
 # Routed experts: stacked (switch_mlp, gpt-oss's experts.gate_up_proj) or one per expert.
 _ROUTED_RE = re.compile(r"\.(?:switch_mlp|experts)\.")
+# One tensor per expert (Hugging Face's `experts.7.up_proj`): a streamed layer reads them whole.
+_PER_EXPERT_RE = re.compile(r"\.experts\.\d+\.")
 # Families whose sanitize drops the layers past num_hidden_layers (their MTP layers).
 _MTP_LAYER_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
 
@@ -70,7 +75,8 @@ class ModelLayout:
     layer_kv, when given, says per layer what its cache costs (sliding-window, linear-attention
     and MLA layers differ); empty, every layer is full attention. layer_stream_bytes, when
     given, is what a decode step streams of each layer (MoE: the active experts' share); empty,
-    all of layer_bytes. draft_bytes: a draft model's weights (`speculative = "draft=PATH"`),
+    all of layer_bytes. layer_read_bytes, when given, what a decode step at batch 1 reads of a
+    layer kept on disk (stacked experts: the active share); empty, all of it. draft_bytes: a draft model's weights (`speculative = "draft=PATH"`),
     held beside the first stage's layers in its worker.
     """
 
@@ -85,6 +91,7 @@ class ModelLayout:
     layer_kv: tuple[LayerKV, ...] = ()
     layer_stream_bytes: tuple[int, ...] = ()
     draft_bytes: int = 0
+    layer_read_bytes: tuple[int, ...] = ()
     # config.json's model_type, hidden_size and what a tensor-parallel split divides (heads,
     # intermediate sizes), as (key, value) pairs: `tensor_refusal` reads them.
     shape: tuple[tuple[str, int | str], ...] = field(default=(), compare=False)
@@ -95,7 +102,8 @@ class ModelLayout:
                 f"num_layers={self.num_layers} but {len(self.layer_bytes)} layer sizes given"
             )
         for name, given in (("layer caches", self.layer_kv),
-                            ("layer stream sizes", self.layer_stream_bytes)):
+                            ("layer stream sizes", self.layer_stream_bytes),
+                            ("layer read sizes", self.layer_read_bytes)):
             if given and len(given) != self.num_layers:
                 raise ValueError(f"num_layers={self.num_layers} but {len(given)} {name} given")
         if self.num_layers < 1:
@@ -121,6 +129,10 @@ class ModelLayout:
         """Why the model cannot be a tensor-parallel stage of `ranks` ranks; "" if it can."""
         return tensor_refusal(dict(self.shape), ranks)
 
+    def tensor_share(self, ranks: int) -> tuple[float, float]:
+        """The largest fraction of a layer's weights, and of its KV, one of `ranks` holds."""
+        return largest_share(dict(self.shape), ranks)
+
     @property
     def hidden_size(self) -> int:
         return int(dict(self.shape).get("hidden_size", 0))
@@ -128,6 +140,10 @@ class ModelLayout:
     def stream_bytes(self, layer: int) -> int:
         """What a decode step streams of layer `layer`'s weights."""
         return (self.layer_stream_bytes or self.layer_bytes)[layer]
+
+    def read_bytes(self, layer: int) -> int:
+        """What a decode step at batch 1 reads of layer `layer` when it is kept on disk."""
+        return (self.layer_read_bytes or self.layer_bytes)[layer]
 
 
 def tensor_part(name: str) -> int | str | None:
@@ -188,6 +204,7 @@ def read_layout(
 
     layer_bytes = [0] * num_layers
     stream_bytes = [0] * num_layers
+    read_bytes = [0] * num_layers
     seen_layers: set[int] = set()
     embed = head = norm = 0
     has_head = False
@@ -211,7 +228,10 @@ def read_layout(
                         f"{num_layers} layers"
                     )
                 layer_bytes[part] += size
-                stream_bytes[part] += round(size * active) if _ROUTED_RE.search(name) else size
+                routed = _ROUTED_RE.search(name)
+                stream_bytes[part] += round(size * active) if routed else size
+                read_bytes[part] += round(size * active) if routed and not \
+                    _PER_EXPERT_RE.search(name) else size
                 seen_layers.add(part)
             elif part == "embed":
                 embed += size
@@ -261,6 +281,7 @@ def read_layout(
         kv_bytes_per_token_per_layer=kv,
         layer_kv=layer_kv if any(c != LayerKV(kv) for c in layer_kv) else (),
         layer_stream_bytes=tuple(stream_bytes) if stream_bytes != layer_bytes else (),
+        layer_read_bytes=tuple(read_bytes) if read_bytes != layer_bytes else (),
         shape=(("model_type", str(config.get("model_type", ""))),
                *((k, v) for k in ("hidden_size", *(key for key, _ in DIVIDED))
                  if isinstance(v := setting(k), int))),

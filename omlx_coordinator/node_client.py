@@ -127,9 +127,6 @@ class WorkerClient:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout,
                                       metadata=self.metadata)
 
-    async def stats(self, timeout: float = 2.0) -> pb.StatsReply:
-        return await self.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
-
     def generate(self, request: pb.GenerateRequest, timeout: float) -> SessionCall:
         """A sequence of this worker's session, used as a server-streaming call is: iterate it
         for TokenChunks; `.cancel()` frees the sequence."""
@@ -143,10 +140,6 @@ class WorkerClient:
                          timeout: float) -> pb.TranscribeReply:
         """A speech-to-text model's transcript of `request`'s audio file."""
         return await self.stub.Transcribe(request, timeout=timeout, metadata=self.metadata)
-
-    async def cancel(self, request_id: str) -> None:
-        await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0,
-                               metadata=self.metadata)
 
     async def close(self) -> None:
         self.session.close()

@@ -247,9 +247,11 @@ class _Costs:
         self.nodes = list(nodes)
         self.L = layout.num_layers
         self.prefix, self.stream_prefix, self.kv_prefix = [0], [0], [0]
+        self.read_prefix = [0]  # what a batch-1 step reads of layers kept on disk
         for i, b in enumerate(layout.layer_bytes):
             self.prefix.append(self.prefix[-1] + b)
             self.stream_prefix.append(self.stream_prefix[-1] + layout.stream_bytes(i))
+            self.read_prefix.append(self.read_prefix[-1] + layout.read_bytes(i))
             self.kv_prefix.append(
                 self.kv_prefix[-1] + layout.kv_bytes(i, context_tokens) * max_sequences)
         # What one full-attention layer reserves, for the explanation.
@@ -261,6 +263,9 @@ class _Costs:
         # The head matmul streams lm_head, or the embedding when tied.
         self.head_compute = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
         self.largest_layer = max(layout.layer_bytes, default=0)
+        # The split search asks each (node, range) many times: fits, held, ms, in every order.
+        self._streamed: dict[tuple[int, int, int], int | None] = {}
+        self._ms: dict[tuple[int, int, int], float] = {}
 
     def weights(self, i: int, k: int) -> int:
         lay = self.layout
@@ -283,10 +288,13 @@ class _Costs:
 
     def streamed(self, j: int, i: int, k: int) -> int | None:
         """Layers of [i, k) node j keeps on disk (0: none); None when the stage cannot fit."""
-        cap = self.nodes[j].weights_cap
-        room = self.limits[j] - self.kv(i, k)
-        return streamed_layers(self.prefix, i, k, self.weights(i, k),
-                               min(room, cap) if cap else room, bool(cap), self.largest_layer)
+        if (j, i, k) not in self._streamed:
+            cap = self.nodes[j].weights_cap
+            room = self.limits[j] - self.kv(i, k)
+            self._streamed[j, i, k] = streamed_layers(
+                self.prefix, i, k, self.weights(i, k), min(room, cap) if cap else room,
+                bool(cap), self.largest_layer)
+        return self._streamed[j, i, k]
 
     def held(self, j: int, i: int, k: int) -> int:
         """Weights the stage keeps in memory: all, or the resident ones and streaming buffers."""
@@ -308,14 +316,16 @@ class _Costs:
     def compute_ms(self, j: int, i: int, k: int) -> float:
         ms = self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
         if n := self.streamed(j, i, k):
-            ms += disk_ms(self.prefix[k] - self.prefix[k - n], self.nodes[j].disk_gbps)
+            ms += disk_ms(self.read_prefix[k] - self.read_prefix[k - n], self.nodes[j].disk_gbps)
         return ms
 
     def link(self, j: int, i: int, k: int) -> float:
         return 0.0 if (i == 0 and k == self.L) else self.nodes[j].link_ms
 
     def ms(self, j: int, i: int, k: int) -> float:
-        return self.compute_ms(j, i, k) + self.link(j, i, k)
+        if (j, i, k) not in self._ms:
+            self._ms[j, i, k] = self.compute_ms(j, i, k) + self.link(j, i, k)
+        return self._ms[j, i, k]
 
 
 # A split as (node index, layer_start, layer_end) triples, in pipeline order.
@@ -719,11 +729,14 @@ def _explain(
             f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
         if n := c.streamed(j, a, b):
-            disk = c.prefix[b] - c.prefix[b - n]
+            disk = c.read_prefix[b] - c.read_prefix[b - n]
+            whole = c.prefix[b] - c.prefix[b - n]
+            share = (f"; at batch 1 only the routed experts of their {human_bytes(whole)} are "
+                     f"read, a batch's rows route to more, up to all" if disk < whole else "")
             out.append(
                 f"Layers [{b - n}, {b}) of {nd.name} stream from its SSD ({human_bytes(disk)} read each "
                 f"step at {nd.disk_gbps:g} GB/s: {disk_ms(disk, nd.disk_gbps):.1f} ms a step, "
-                f"shared by every row of a batch): its --weights-memory "
+                f"shared by every row of a batch{share}): its --weights-memory "
                 f"{human_bytes(nd.weights_cap)} holds the other {b - a - n} layers' "
                 f"{human_bytes(c.held(j, a, b) - STREAM_BUFFERS * c.largest_layer)} and "
                 f"{STREAM_BUFFERS} streamed layers' buffers.")

@@ -1,8 +1,9 @@
 """The rebalancer: moves layers off nodes that measure slow, or short of memory, while serving.
 
-Two halves. `decide` is pure: the readings of every stage's counters (`Reading`), the active
-plan, the model's layout and each node's memory budget in; whether to move, to which plan, and
-why (with its numbers) out. `Rebalancer` is the I/O around it: it reads the counters, either by
+Two halves. `decide` (omlx_coordinator/rebalance_policy.py) is pure: the readings of every
+stage's counters (`Reading`), the active plan, the model's layout and each node's memory budget
+in; whether to move, to which plan, and why (with its numbers) out. `Rebalancer` here is the I/O
+around it: it reads the counters, either by
 scraping each stage's /metrics (the addresses `Cluster.nodes` lists) or from a Prometheus
 server's query API, calls `decide`, and applies a move through `Cluster.apply_plan`, the re-plan
 path a node loss takes (weights of new ranges sent first, in-flight requests resumed, prefix
@@ -14,7 +15,12 @@ reading's own timing does not matter). The planner costs a stage as the bytes it
 the node's speed; dividing the stage's bytes in that model by the measured time gives the
 node's speed in the planner's own units (GB/s of weights under the current load, overheads
 included), so the planner's prediction for the current split is what was measured, and its
-best split over those speeds is comparable to it. A node with no stage in the plan keeps the
+best split over those speeds is comparable to it. A stage that streams layers from its disk
+(`--weights-memory`) spends part of its step reading them: the planner's read time for them
+(their bytes at the node's measured disk speed) is taken off its measured time before its
+speed is derived, and the splits it is compared with are planned with each node's cap and disk,
+read time included, so a streaming stage is not mistaken for a slow one, nor given layers its
+cap cannot hold. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
 the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
 model's re-plans after a loss or a join split by these speeds too (`Deployment.speed`): a node
@@ -36,19 +42,24 @@ When to move (every rule is hysteresis against oscillation):
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import statistics
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.planner import NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planner import Plan
+from omlx_coordinator.rebalance_policy import (
+    Decision,
+    NodeState,
+    Policy,
+    Reading,
+    StageReading,
+    decide,
+)
 
 if TYPE_CHECKING:  # the manager imports nothing from here; only the I/O half needs it
     from omlx_coordinator.lifecycle import ModelManager
@@ -58,23 +69,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "advise", "off"]
 MODES: tuple[Mode, ...] = ("auto", "advise", "off")
-# Timed decode steps (one in 8 is timed) a stage needs in an interval for its mean to count.
-MIN_STEPS = 2
-FOOTPRINT_SHARE = 0.9
-SHED_SHARE = 0.75
-BACK_FACTOR = 2.0
-# The window is judged in this many parts, each on its own: a slowdown must show in all of
-# them (a spike, or noise, in one holds), while each part spans enough readings to average out
-# the one-in-8 timing of single steps.
-SUSTAIN_PARTS = 3
-# What each memory_pressure source reads at the OS's "warning": Linux PSI, a tenth of the last
-# 10 s with some task stalled on memory; macOS, under a quarter of memory available (the level
-# where it starts compressing hard and swapping follows).
-PRESSURE_LEVELS = {"psi_some_avg10": 0.10, "memorystatus_level": 0.75}
-DEFAULT_PRESSURE_LEVEL = 0.10
-# Memory does not bound a stage's cost: costing a split asks the planner with unlimited memory.
-_UNLIMITED = 1 << 62
-
 COMPUTE = "omlx_node_stage_compute_seconds"
 WAIT = "omlx_node_stage_receive_wait_seconds"
 STEPS = "omlx_node_stage_steps_total"
@@ -85,21 +79,6 @@ DECODE_SERIES = (COMPUTE + "_sum", COMPUTE + "_count", WAIT + "_sum", WAIT + "_c
 
 
 @dataclass(frozen=True)
-class Policy:
-    threshold: float = 0.15  # predicted bottleneck gain (a share) a move must beat
-    window: float = 60.0  # seconds the gain must hold
-    cooldown: float = 300.0  # seconds from one move to the next (imbalance)
-    pressure_window: float = 10.0  # seconds memory pressure must hold
-
-    def __post_init__(self) -> None:
-        if not 0 < self.threshold < 1:
-            raise ValueError(f"the rebalance threshold must be between 0 and 1, not "
-                             f"{self.threshold}")
-        if min(self.window, self.pressure_window) <= 0 or self.cooldown < 0:
-            raise ValueError("the rebalance window must be > 0 s and the cooldown >= 0 s")
-
-
-@dataclass(frozen=True)
 class RebalanceSettings:
     """`--rebalance MODE`: auto moves, advise only logs and shows what it would do, off reads
     nothing. `prometheus_url`: read the stages from that Prometheus, not by scraping them."""
@@ -107,288 +86,6 @@ class RebalanceSettings:
     mode: Mode = "auto"
     policy: Policy = Policy()
     prometheus_url: str | None = None
-
-
-@dataclass(frozen=True)
-class StageReading:
-    """One stage's counters at one reading (cumulative, as the stage exports them)."""
-
-    node: str
-    decode_seconds: float  # omlx_node_stage_compute_seconds_sum{kind="decode"}
-    decode_steps: float  # ..._count (the timed steps, one in 8)
-    footprint_bytes: float | None = None
-    pressure: float | None = None
-    pressure_source: str = ""
-    steps: float = 0.0  # omlx_node_stage_steps_total{kind="decode"}: every step
-    wait_seconds: float = 0.0  # omlx_node_stage_receive_wait_seconds_sum{kind="decode"}
-    wait_steps: float = 0.0  # ..._count
-
-
-@dataclass(frozen=True)
-class Reading:
-    at: float  # seconds, one clock for every reading
-    plan_hash: str
-    stages: tuple[StageReading, ...]
-
-
-@dataclass(frozen=True)
-class NodeState:
-    """A node the plan may use: the memory a plan may take of it now, its calibrated speed
-    (GB/s), and the memory it has for the model (its footprint is held against this one, not
-    against a budget lowered by shedding; 0: budget_bytes), and what its shard worker keeps
-    for its RAM prefix cache (NodeSpec.cache_bytes)."""
-
-    name: str
-    budget_bytes: int
-    speed: float = 1.0
-    memory_bytes: int = 0
-    cache_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    move: bool
-    reason: str  # why it moves: "imbalance" or "memory_pressure"; "" when it holds
-    why: str
-    speeds: dict[str, float] = field(default_factory=dict)  # GB/s each node is planned at
-    measured: tuple[str, ...] = ()  # the nodes whose speed this window measured
-    scale: float = 1.0  # measured / calibrated speed (median over the measured nodes)
-    ms_per_layer: dict[str, float] = field(default_factory=dict)  # measured nodes
-    current_bottleneck_s: float | None = None
-    best_bottleneck_s: float | None = None
-    current: Plan | None = None
-    plan: Plan | None = None  # the best split for these speeds, even when holding
-    budgets: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def gain(self) -> float | None:
-        """The predicted bottleneck's improvement, as a share of the current one."""
-        if not self.current_bottleneck_s or self.best_bottleneck_s is None:
-            return None
-        return 1 - self.best_bottleneck_s / self.current_bottleneck_s
-
-    def to_dict(self) -> dict:
-        def ranges(p: Plan | None) -> list | None:
-            return [[s.node, s.layer_start, s.layer_end] for s in p.stages] if p else None
-
-        return {"move": self.move, "reason": self.reason or None, "why": self.why,
-                "speeds_gbps": self.speeds, "measured": list(self.measured),
-                "ms_per_layer": self.ms_per_layer,
-                "current_bottleneck_seconds": self.current_bottleneck_s,
-                "best_bottleneck_seconds": self.best_bottleneck_s, "gain": self.gain,
-                "current": ranges(self.current), "proposed": ranges(self.plan),
-                "proposed_plan_hash": self.plan.plan_hash if self.plan else None,
-                "budgets": self.budgets}
-
-
-# --------------------------------------------------------------------------- the pure half
-
-
-def stage_bytes(layout: ModelLayout, plan: Plan) -> dict[str, float]:
-    """Bytes each stage of `plan` streams per decode step in the planner's cost model: its
-    estimate at 1 GB/s (ms at 1 GB/s = bytes / 1e6). Asking the planner keeps one cost model."""
-    costed = make_plan(layout, [NodeSpec(s.node, _UNLIMITED) for s in plan.stages],
-                       os_reserve_bytes=0, split=plan.split)
-    return {s.node: s.est_ms * 1e6 for s in costed.stages}
-
-
-def _covering(readings: Sequence[Reading], now: float, span: float) -> list[Reading] | None:
-    """The readings of the last `span` seconds, from the latest one at or before its start (so
-    that the intervals cover it whole); None when the readings do not reach back that far."""
-    base = [i for i, r in enumerate(readings) if r.at <= now - span]
-    return list(readings[base[-1]:]) if base else None
-
-
-# Per stage and interval: [seconds, compute seconds, timed steps, wait seconds, waited steps,
-# steps], summed over intervals by _add.
-_Delta = list[float]
-_FIELDS = ("decode_seconds", "decode_steps", "wait_seconds", "wait_steps", "steps")
-
-
-def _deltas(a: Reading, b: Reading) -> dict[str, _Delta] | None:
-    """Each stage's counters between two readings; None when a counter went back (its worker
-    restarted under the same plan)."""
-    before = {s.node: s for s in a.stages}
-    out = {}
-    for s in b.stages:
-        p = before.get(s.node)
-        if p is None:
-            return None
-        d = [b.at - a.at, *(getattr(s, f) - getattr(p, f) for f in _FIELDS)]
-        if min(d) < 0:
-            return None
-        out[s.node] = d
-    return out
-
-
-def _add(total: dict[str, _Delta], d: Mapping[str, _Delta]) -> None:
-    for node, values in d.items():
-        total[node] = [x + y for x, y in zip(total.get(node, [0.0] * 6), values)]
-
-
-def _own_seconds(d: _Delta) -> float | None:
-    """A stage's own time per decode step, or None with too few timed steps. Its timed compute
-    misses what a loaded machine costs it outside its layers (Python, sends, a CPU quota's
-    stalls), so: a step's period (every stage of a pipeline runs as many steps) less the wait
-    for its input, which is what the slowest stage leaves the others; at least its compute."""
-    seconds, compute, timed, wait, waited, steps = d
-    if timed < MIN_STEPS or compute <= 0:
-        return None
-    own = compute / timed
-    if steps > 0 and seconds > 0:
-        own = max(own, seconds / steps - (wait / waited if waited else 0.0))
-    return own
-
-
-def _pressured(s: StageReading, budget: int) -> str | None:
-    """Why this reading says the stage is short of memory (`budget`: what its node has for the
-    model), or None."""
-    level = PRESSURE_LEVELS.get(s.pressure_source, DEFAULT_PRESSURE_LEVEL)
-    if s.pressure is not None and s.pressure >= level:
-        return f"{s.pressure_source or 'pressure'} {s.pressure:.2f} >= {level:.2f}"
-    if s.footprint_bytes is not None and budget > 0 and s.footprint_bytes >= FOOTPRINT_SHARE * budget:
-        return (f"footprint {s.footprint_bytes / 2**20:.0f} MiB >= {FOOTPRINT_SHARE:.0%} of "
-                f"its {budget / 2**20:.0f} MiB budget")
-    return None
-
-
-def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
-           nodes: Sequence[NodeState], now: float, *, last_move_at: float | None = None,
-           left_plan_hash: str | None = None, remembered: Mapping[str, float] | None = None,
-           policy: Policy = Policy()) -> Decision:
-    """Whether to move from `plan` now, and to what (see the module docstring for the rules).
-
-    readings: in time order (others than `plan`'s are ignored); nodes: the nodes a plan may use,
-    in ring order; last_move_at: when the last move happened (the readings' clock);
-    left_plan_hash: the plan that move left; remembered: the speeds (GB/s) nodes were measured
-    at before, for those without a stage now."""
-    if plan is None:
-        return Decision(False, "", "no plan serves")
-    if plan.parallel != "pipeline":
-        # Every rank holds a slice of every layer: there are no layer ranges to move.
-        return Decision(False, "", f"a {plan.layout_name} layout has no layer ranges to move")
-    budgets = {n.name: n.budget_bytes for n in nodes}
-    memory = {n.name: n.memory_bytes or n.budget_bytes for n in nodes}
-    held = {s.node for s in plan.stages}
-    ours = [r for r in readings if r.plan_hash == plan.plan_hash
-            and {s.node for s in r.stages} == held]
-    if len(ours) < 2:
-        return Decision(False, "", "measuring: this plan has fewer than 2 readings yet",
-                        current=plan, budgets=budgets)
-    window = _covering(ours, now, policy.window)
-    span = window or ours  # not a full window yet: what there is, to show and to apply by hand
-    intervals = [_deltas(a, b) for a, b in itertools.pairwise(span)]
-    totals: dict[str, _Delta] = {}
-    for d in intervals:
-        _add(totals, d or {})
-    nbytes = stage_bytes(layout, plan)
-    step_s = {node: t for node, d in totals.items() if (t := _own_seconds(d)) is not None}
-    speeds = {node: nbytes[node] / t / 1e9 for node, t in step_s.items()}
-    measured = tuple(s.node for s in plan.stages if s.node in speeds)
-    calibrated = {n.name: n.speed for n in nodes}
-    ratios = [speeds[n] / calibrated[n] for n in measured if n in calibrated]
-    scale = statistics.median(ratios) if ratios else 1.0
-    for n in nodes:  # the nodes without a measurement of this plan
-        if n.name not in speeds:
-            speeds[n.name] = (remembered or {}).get(n.name) or n.speed * scale
-    ranges = {s.node: s for s in plan.stages}
-    ms_per_layer = {n: step_s[n] * 1e3 / ranges[n].num_layers for n in measured}
-    current_s = max(step_s.values()) if len(measured) == len(held) else None
-    base = {"speeds": speeds, "measured": measured, "scale": scale, "ms_per_layer": ms_per_layer,
-            "current_bottleneck_s": current_s, "current": plan}
-
-    def best_plan(budget: Mapping[str, int]) -> Plan:
-        return make_plan(layout, [NodeSpec(n.name, budget[n.name], speeds[n.name],
-                                           cache_bytes=n.cache_bytes)
-                                  for n in nodes], os_reserve_bytes=0)
-
-    # Memory pressure first: it does not wait for the gain, only for the pressure to last.
-    recent = _covering(ours, now, policy.pressure_window)
-    if recent is not None:
-        short = {}
-        for s in plan.stages:
-            whys = [_pressured(st, memory.get(s.node, 0))
-                    for r in recent for st in r.stages if st.node == s.node]
-            if whys and all(whys):
-                short[s.node] = whys[-1]
-        if short:
-            said = "; ".join(f"{n}: {w}" for n, w in short.items())
-            if len(short) == len(held):
-                return Decision(False, "", f"every stage is short of memory ({said}): moving "
-                                "layers cannot help", budgets=budgets, **base)
-            if last_move_at is not None and now - last_move_at < policy.pressure_window:
-                return Decision(False, "", f"memory pressure ({said}), but the last move was "
-                                f"{now - last_move_at:.0f} s ago: settling", budgets=budgets,
-                                **base)
-            shed = {n: min(b, int(ranges[n].memory_bytes * SHED_SHARE)) if n in short else b
-                    for n, b in budgets.items()}
-            try:
-                target = best_plan(shed)
-            except PlanError as e:
-                return Decision(False, "", f"memory pressure ({said}), but no split sheds "
-                                f"layers: {str(e).splitlines()[0]}", budgets=budgets, **base)
-            return Decision(True, "memory_pressure",
-                            f"memory pressure ({said}): {', '.join(short)} shed to "
-                            f"{_split(target)} from {_split(plan)}", plan=target,
-                            best_bottleneck_s=target.bottleneck_ms / 1e3, budgets=shed, **base)
-
-    if current_s is None:
-        idle = ", ".join(n for n in held if n not in step_s)
-        return Decision(False, "", f"measuring: too few decode steps on {idle}",
-                        budgets=budgets, **base)
-    try:
-        target = best_plan(budgets)
-    except PlanError as e:
-        return Decision(False, "", f"no split fits: {str(e).splitlines()[0]}", budgets=budgets,
-                        **base)
-    best_s = target.bottleneck_ms / 1e3
-    found = dict(base, plan=target, best_bottleneck_s=best_s, budgets=budgets)
-    gain = 1 - best_s / current_s
-    numbers = (f"bottleneck {current_s * 1e3:.2f} ms now, {best_s * 1e3:.2f} ms predicted for "
-               f"{_split(target)} (from {_split(plan)}): {gain:+.0%}")
-    if target.plan_hash == plan.plan_hash:
-        return Decision(False, "", f"the current split is the best for the measured speeds "
-                        f"({_split(plan)})", **found)
-    threshold = policy.threshold * (BACK_FACTOR if target.plan_hash == left_plan_hash else 1)
-    if window is None:
-        return Decision(False, "", f"measuring: {now - ours[0].at:.0f} s of the "
-                        f"{policy.window:.0f} s window; {numbers}", **found)
-    # Sustained: each part of the window, costed on its own, predicts the gain.
-    target_bytes = stage_bytes(layout, target)
-    start = now - policy.window
-    for k in range(SUSTAIN_PARTS):
-        lo, hi = start + k * policy.window / SUSTAIN_PARTS, start + (k + 1) * policy.window / SUSTAIN_PARTS
-        part: dict[str, _Delta] = {}
-        for (_, b), d in zip(itertools.pairwise(window), intervals):
-            if d is None:
-                return Decision(False, "", f"not sustained: a counter restarted; {numbers}",
-                                **found)
-            if lo < b.at <= hi or (k == 0 and b.at <= lo):  # the base interval opens part 0
-                _add(part, d)
-        when = f"between {lo - now:+.0f} s and {hi - now:+.0f} s"
-        own = {n: _own_seconds(part[n]) if n in part else None for n in held}
-        if any(t is None for t in own.values()):
-            return Decision(False, "", f"not sustained: too few decode steps {when}; {numbers}",
-                            **found)
-        at = dict(speeds)
-        at.update({n: nbytes[n] / t / 1e9 for n, t in own.items()})
-        now_s = max(own.values())
-        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 for s in target.stages)
-        if 1 - then_s / now_s <= threshold:
-            return Decision(False, "", f"not sustained: {1 - then_s / now_s:+.0%} {when} (needs "
-                            f"> {threshold:.0%}); {numbers}", **found)
-    if last_move_at is not None and now - last_move_at < policy.cooldown:
-        return Decision(False, "", f"cooldown: the last move was {now - last_move_at:.0f} s ago "
-                        f"(< {policy.cooldown:.0f} s); {numbers}", **found)
-    return Decision(True, "imbalance", f"imbalance over {policy.window:.0f} s: {numbers}",
-                    **found)
-
-
-def _split(plan: Plan) -> str:
-    return " ".join(f"{s.node}[{s.layer_start},{s.layer_end})" for s in plan.stages)
-
-
-# --------------------------------------------------------------------------- the I/O half
 
 
 def parse_stage(text: str) -> tuple[str, StageReading] | None:
@@ -475,7 +172,8 @@ class Rebalancer:
         # What the model may hold on each node: other models' plans (and earlier shedding)
         # leave it less than the node's budget.
         nodes = [NodeState(m.name, self.deployment.room(m.name), m.speed,
-                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes)
+                           self.memory.setdefault(m.name, m.budget_bytes), m.cache_bytes,
+                           m.weights_cap, m.disk_speed)
                  for m in self.cluster.servable()]
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,

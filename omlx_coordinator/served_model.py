@@ -85,6 +85,7 @@ class ServedModel:
         self.unloads: dict[str, int] = {}  # by reason: evicted, ttl, pressure, request
         self._released = asyncio.Event()  # set whenever a lease ends
         self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
+        self._draft_source: WeightSource | None = None  # its draft model's, likewise
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,6 +114,18 @@ class ServedModel:
             self._weight_source = await asyncio.to_thread(WeightSource, self.path, self.name,
                                                           self.kind.kind != CHAT)
         return self._weight_source
+
+    async def draft_source(self) -> WeightSource | None:
+        """The index of its draft model's files (`speculative = "draft=PATH"`), which a remote
+        head node receives as it receives its layers; None without a draft model, or where
+        this machine lacks its folder (then PATH is the head node's own)."""
+        path = draft_path(self.config.speculative) if self.kind.kind == CHAT else ""
+        if not path or not (Path(path) / "config.json").is_file():
+            return None
+        if self._draft_source is None:
+            self._draft_source = await asyncio.to_thread(WeightSource, Path(path),
+                                                         Path(path).name)
+        return self._draft_source
 
     def idle_seconds(self) -> float:
         return time.monotonic() - self.last_used

@@ -2,9 +2,9 @@
 runs on one head worker goes over one call, whose messages each carry an engine step's tokens of
 them all (omlx_node/session.py says why).
 
-`WorkerSession.generate` returns a `SessionCall`, used as a server-streaming Generate call is:
-iterated for TokenChunks, raising grpc.aio.AioRpcError with the status the sequence's Generate
-call would end with (INVALID_ARGUMENT, UNAVAILABLE when the node failed under it,
+`WorkerSession.generate` returns a `SessionCall`, used as a server-streaming call of its own
+would be: iterated for TokenChunks, raising grpc.aio.AioRpcError with the status the worker
+ended the sequence with (INVALID_ARGUMENT, UNAVAILABLE when the node failed under it,
 DEADLINE_EXCEEDED past its timeout), and `cancel()` frees the sequence on the worker. When the
 call itself fails (the worker went away), each of its sequences fails with that call's status,
 and the next sequence opens a new call. A request larger than a message the worker takes is not
@@ -170,7 +170,8 @@ class WorkerSession:
 
     def silent_seconds(self) -> float:
         """How long the worker has sent nothing while sequences of this session were open (0
-        while none is)."""
+        while none is). A worker whose engine advances sends at least an empty message a
+        second (omlx_node/session.py): silence means its steps stopped, not a long prefill."""
         if self._stream is None or not self._stream.alive or not self._stream.calls:
             return 0.0
         return time.monotonic() - self._stream.heard

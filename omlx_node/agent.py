@@ -6,7 +6,6 @@ of that model. The agent never runs MLX, so it survives whatever happens to a wo
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import os
 import signal
@@ -16,16 +15,18 @@ import time
 import urllib.parse
 import urllib.request
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 
 from omlx_node.stay_awake import StayAwake
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
+from omlx_node.worker_config import WorkerConfig, WorkerJob, start_worker, worker_process
 from omlx_shared import __version__, auth, checks, cluster_tls, hardware
-from omlx_shared.blas import blas_env
-from omlx_shared.child import ChildError, ChildProcess, omlx_command, watch_parent
+from omlx_shared.child import ChildError, ChildProcess, watch_parent
+from omlx_shared.engine_config import EngineConfig
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.node_identity import default_node_id
 from omlx_shared.outsider_logs import cut
@@ -154,7 +155,7 @@ def machine_memory_fields() -> dict:
 
 class NodeAgent(pb_grpc.NodeAgentServicer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0,
-                 metrics_port: int = 0, engine_args: list[str] | None = None,
+                 metrics_port: int = 0, engine: EngineConfig | None = None,
                  secret: str | None = None, node_id: str = "", chip: str = "",
                  speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0,
                  weights_cap: int = 0, disk_gbps: float = 0.0,
@@ -190,7 +191,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         # The first worker exports /metrics there, later ones (while it runs) on any free port:
         # a port binds once. 0: every worker on any port.
         self.metrics_port = metrics_port
-        self.engine_args = list(engine_args or [])  # passed on to every worker
+        self.engine = engine or EngineConfig()  # every worker's engine settings
         self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
         self.weights_cap = weights_cap  # its --weights-memory, for plans (0: none)
         self.disk_gbps = disk_gbps  # its disk's measured read speed (0: not measured)
@@ -401,36 +402,32 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         if old is not None and not keep:
             old.process.stop(timeout=REPLACE_GRACE_SECONDS)
         self.status = f"loading {request.model_path}"
+        # The model's own mode wins over the node's engine flag.
+        engine = (replace(self.engine, speculative=request.speculative) if request.speculative
+                  else self.engine)
         world = max(1, request.world_size)
-        argv = ["--model", request.model_path, "--model-id", model_id,
-                "--layers", f"{request.layer_start}:{request.layer_end or ''}",
-                "--streamed-layers", str(request.streamed_layers),
-                "--rank", str(request.rank), "--host", self.host,
-                "--plan-hash", request.plan_hash,
-                "--micro-batches", str(request.micro_batches),
-                "--node-id", self.node_id, "--metrics-port", str(self._free_metrics_port())]
-        if world > 1:
-            argv += ["--peers", ",".join(request.peers), "--backend", request.backend or "ring"]
-        if world > 1 and request.tensor:
-            argv.append("--tensor")
-        if world > 1 and request.backend == "jaccl":
-            argv += ["--rdma-devices", request.rdma_devices_json]
-        # The model's own mode, after the node's engine flags (the last one given wins).
-        mode = ["--speculative", request.speculative] if request.speculative else []
-        if request.kind:
-            argv += ["--kind", request.kind]
+        config = WorkerConfig(
+            model_path=Path(request.model_path), model_id=model_id,
+            layer_start=request.layer_start, layer_end=request.layer_end or None,
+            streamed_layers=request.streamed_layers, rank=request.rank,
+            peers=tuple(request.peers) if world > 1 else (),
+            backend=request.backend or "ring", tensor=world > 1 and request.tensor,
+            rdma_devices=request.rdma_devices_json if world > 1 else "",
+            plan_hash=request.plan_hash, micro_batches=request.micro_batches, host=self.host,
+            node_id=self.node_id, metrics_port=self._free_metrics_port(),
+            kind=request.kind or "chat", engine=engine)
         # Its callers must present the same session, over TLS with these credentials.
         env = {auth.SESSION_ENV: self.session} if self.session else {}
         if self.tls is not None:
             env.update(self.tls.to_env())
+        job = WorkerJob(config, env)
         process = self._take_standby()
         what = f"the shard worker of {model_id} (rank {request.rank})"
         if process is not None:
             process.rename(what)
-            process.send_line(json.dumps({"argv": argv + mode, "env": env}))
+            process.send_line(job.to_json())
         else:
-            process = ChildProcess(omlx_command("worker", *argv, *self.engine_args, *mode), what,
-                                   env=blas_env({**os.environ, **env}))
+            process = start_worker(job, what, self.engine.log_level)
         try:
             info = process.wait_ready(WORKER_READY_TIMEOUT_SECONDS, abandoned)
         except ChildError as e:
@@ -499,10 +496,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         """Starts the next plan's worker now, up to where it waits for its plan: importing MLX
         and mlx-lm takes seconds, which a re-plan after a failure should not wait for."""
         if self.standby and (self._standby is None or not self._standby.alive()):
-            # Its BLAS is chosen now: a library is preloaded when a process starts.
-            self._standby = ChildProcess(omlx_command("worker", "--standby", *self.engine_args),
-                                         "a standby shard worker", env=blas_env(),
-                                         stdin_pipe=True)
+            self._standby = worker_process("a standby shard worker", self.engine.log_level)
 
     def _take_standby(self) -> ChildProcess | None:
         worker, self._standby = self._standby, None

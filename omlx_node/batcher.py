@@ -53,9 +53,10 @@ import mlx.core as mx
 
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
 from omlx_node.draft_model import DraftModel
+from omlx_node.fuller_steps import SHARE, gather_window, wait_left
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
-from omlx_node.prefill_order import waits_for_ahead
+from omlx_node.prefill_order import priority, waits_for_ahead
 from omlx_node.sampling import (
     MAX_TOP_LOGPROBS,
     PENALTY_CONTEXT,
@@ -69,10 +70,11 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
-from omlx_node.speculation import Proposer, Speculator, SpecStats, trim_rows, verify_rows
+from omlx_node.speculation import Proposer, Speculator, SpecStats, verify_rows
 from omlx_node.stage import StageRunner
 from omlx_node.stage_state import StageState
 from omlx_node.step_pace import StepPace
+from omlx_node.wait_parts import Wait, charge, split
 from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_shared.token_ids import outside_vocabulary
 
@@ -176,6 +178,7 @@ class Sequence:
         self.prefilled = 0
         self.cached = 0  # prompt tokens restored from the prefix cache
         self.looked_up = False  # the prefix cache was asked (and answered)
+        self.held = -1  # before `looked_up`: the prompt tokens the cache held at a look ahead
         self.lookup_sent = False  # (pipeline head) the stages were asked
         self.generated = 0
         self.sampled: list[int] = []  # every token sampled for it, a stop token included
@@ -186,6 +189,7 @@ class Sequence:
         self.prefill_started = 0.0  # 0: still queued
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.wait = Wait()  # where its time to a first token went (wait_parts.py)
         self.proposer: Proposer | None = None  # drafts its tokens (set when it joins a batch)
         self.spec = SpecStats()
 
@@ -222,16 +226,19 @@ class Engine:
         self.prefill_chunk = prefill_chunk or device_prefill_chunk()
         # How much of a prompt an iteration prefills while others decode (step_pace.py).
         self.pace = StepPace()
+        # How long new requests wait for others on a stage that streams layers, as a share of
+        # a pass over them (fuller_steps.py).
+        self.gather_share = SHARE
+        # Which waiting prompt goes first: the oldest, or (True) the one with the least left to
+        # prefill, aged (prefill_order.py). Oldest first measured as well or better on the agent
+        # benchmark (docs/scheduling.md); the other is kept for that comparison.
+        self.shortest_first = False
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._stop = threading.Event()
-        self.generated_total = 0
-        self.prompt_total = 0
-        self.requests_total = 0
-        self._rate = deque(maxlen=64)  # (time, tokens) of recent steps
         self._stores_due: list[int] = []  # prompts kept at the next step (`_emit_step`)
         # Events bound for shared outboxes, handed over together (`_deliver`), and the
         # outboxes (ids) whose events this step include a first token or an end.
@@ -239,6 +246,51 @@ class Engine:
         self._urgent: set[int] = set()
         # What the worker's Health says: False from a failed step until the engine is clean.
         self.ready, self.status = True, "ready"
+        self.speculator: Speculator | None = None  # `_speculate` sets it
+        # When the last iteration ended: a prefill chunk, a decode step or an idle wait. A
+        # step that does not return (a pipeline whose data plane is cut) leaves it behind.
+        self.stepped_at = time.monotonic()
+
+    def _speculate(self, mode: str, max_rows: int | None = None,
+                   costs: dict[int, float] | None = None) -> None:
+        """Turns speculative decoding on in `mode` (omlx_node.speculation's: "off", "ngram",
+        "auto", "draft=PATH", whose draft model is loaded here) where every layer's cache can
+        be trimmed to a row's accepted tokens. `max_rows`: the most rows a drafting step holds
+        (None: as the cost curve says); `costs`: that curve by positions, measured here unless
+        given."""
+        if not self.stage.trimmable:
+            return
+        path = draft_path(check_mode(mode))
+        draft = DraftModel(path, self.stage) if path else None
+        self.speculator = Speculator(
+            mode, self.stage, self.metrics, max_batch=self.max_batch, costs=costs,
+            max_rows=max_rows,
+            drafter=draft.proposer if draft else None,
+            draft_share=draft.nbytes() / self.stage.nbytes() if draft else 0.0)
+
+    def _feed_proposers(self, plan: list[tuple[Sequence, int, int]]) -> None:
+        """Gives the sequences of a prefill chunk their proposers, which take the prompt as far
+        as it is prefilled: a draft model computes it alongside, so its first draft waits for
+        none of it (not while the batch is to be too large to speculate: it may never draft)."""
+        if (self.speculator is None
+                or len(self.running_seqs()) + len(self._waiting) > self.speculator.max_rows):
+            return
+        for seq, start, n in plan:
+            self._give_proposer(seq)
+            if seq.proposer is not None:
+                seq.proposer.feed(seq.to_prefill[:start + n])
+
+    def _give_proposer(self, seq: Sequence) -> None:
+        """A sequence's proposer, once it decodes (or prefills, `_feed_proposers`), while
+        speculation is on."""
+        if self.speculator is not None and seq.proposer is None:
+            seq.proposer = self.speculator.proposer(seq.req.prediction)
+
+    def _draft(self, seq: Sequence, params: SamplingParams, constrained: bool) -> list[int]:
+        """A decoding row's draft for its next step (its input, the last token it was given,
+        is in `seq.fed` already)."""
+        return self.speculator.draft(seq.proposer, seq.spec, params, constrained, seq.fed,
+                                     seq.sampled, seq.req.max_tokens - seq.generated - 1)
 
     # ---- API for other threads -------------------------------------------------------------
 
@@ -305,13 +357,6 @@ class Engine:
     def idle(self) -> bool:
         return not self.running_seqs() and not self._waiting and self._inbox.empty()
 
-    def decode_rate(self) -> float:
-        """Generated tokens per second over the recent steps."""
-        if len(self._rate) < 2:
-            return 0.0
-        span = self._rate[-1][0] - self._rate[0][0]
-        return sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
-
     # ---- engine thread ---------------------------------------------------------------------
 
     def run(self) -> None:
@@ -319,7 +364,7 @@ class Engine:
         Python thread that later exits can abort the interpreter at shutdown (seen with mlx 0.32)."""
         while not self._stop.is_set():
             self.step(block=True)
-        self._drain_inbox(block=False)  # requests that came during the last step end too
+        self._drain_inbox(0.0)  # requests that came during the last step end too
         # "aborted": the sequence did nothing wrong; the coordinator may run it again elsewhere.
         self._finish_all(Finish("aborted", "the node is shutting down"))
         self._deliver()
@@ -327,8 +372,9 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         """One iteration: new requests and cancellations, then the subclass's work. `block`
-        waits (bounded) for work when there is none."""
-        self._drain_inbox(block=block and self.idle)
+        waits (bounded) for work when there is none, or for more requests to start with the
+        waiting ones (fuller_steps.py)."""
+        self._drain_inbox(self._nap() if block else 0.0)
         key = random_key()
         try:
             self._work()
@@ -347,6 +393,7 @@ class Engine:
             self._finish_all(Finish(self.failure_reason, self.failure_message))
             self._recover()
         self._deliver()
+        self.stepped_at = time.monotonic()
         self.state.give_back_if_idle()
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
@@ -363,17 +410,31 @@ class Engine:
         `ready` again, or stops the engine (the worker then exits) if it cannot."""
         raise NotImplementedError
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _nap(self) -> float:
+        """Seconds the engine may wait on its inbox before this iteration's work."""
+        if self.idle:
+            return 0.5
+        return 0.0 if self.running_seqs() else self._gather_left(self.max_batch)
+
+    def _gather_left(self, room: int) -> float:
+        """Seconds the waiting requests, none started yet, still wait for others to start
+        with them on a stage that streams layers (fuller_steps.py); 0: they start now."""
+        if not self._waiting or any(s.prefill_started for s in self._waiting):
+            return 0.0
+        window = gather_window(self.stage.streamed_seconds, self.gather_share)
+        return wait_left(window, time.perf_counter(),
+                         min(s.submitted for s in self._waiting), len(self._waiting), room)
+
+    def _drain_inbox(self, timeout: float) -> None:
+        """New requests and cancellations; waits up to `timeout` seconds for the first."""
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            msg = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             kind, arg = msg
             if kind == "submit":
                 self._waiting.append(arg)
-                self.requests_total += 1
-                self.prompt_total += len(arg.req.prompt)
                 self.metrics.requests.inc()
                 self.metrics.prompt_tokens.inc(len(arg.req.prompt))
             elif kind == "cancel":
@@ -398,10 +459,12 @@ class Engine:
 
     def _take_prefill(self, room: int) -> list[tuple[Sequence, int, int]]:
         """Plans one prefill chunk: (sequence, start, n) pieces of at most the pace's budget
-        (`prefill_chunk` tokens while nobody decodes) in all, oldest sequences first, for at
+        (`prefill_chunk` tokens while nobody decodes) in all, in `_in_order`'s order, for at
         most `room` new sequences."""
+        if self._gather_left(room) > 0:
+            return []
         budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
-        for seq in self._waiting:
+        for seq in self._in_order():
             if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \
                     or not self._looked_up(seq):
                 break
@@ -419,6 +482,39 @@ class Engine:
                 self.metrics.queue_seconds.observe(seq.prefill_started - seq.submitted)
             budget -= max(n, 1)
         return plan
+
+    def _charge_waits(self, waiting: list[Sequence], t0: float, seconds: float, decoded: bool,
+                      plan: list[tuple[Sequence, int, int]]) -> None:
+        """Charges an iteration that began at `t0` and took `seconds` (a decode step if
+        `decoded`, then `plan`'s prefill) to the prompts that waited through it (`waiting`:
+        those without a first token when it began); one whose first token came in its decode
+        step waited for that step up to its token, and for nothing after it."""
+        prefilled = sum(n for _, _, n in plan)
+        step, prefill = split(seconds, self.pace.decode_s, decoded, prefilled)
+        own: dict[Sequence, int] = {}
+        for seq, _, n in plan:
+            own[seq] = own.get(seq, 0) + n
+        for seq in waiting:
+            if not seq.generated:
+                charge(seq.wait, step, prefill, own.get(seq, 0), prefilled)
+                continue
+            charge(seq.wait, min(step, seq.first_token_time - t0), 0.0, 0, prefilled)
+            self.metrics.waited(seq.wait.parts())
+            log.debug("request %s: first token after %.3f s; %s", seq.request_id,
+                      seq.first_token_time - seq.submitted,
+                      ", ".join(f"{k} {v:.3f} s" for k, v in seq.wait.parts().items()))
+
+    def _in_order(self) -> list[Sequence]:
+        """The waiting sequences in the order their prefill goes (prefill_order.py)."""
+        if not self.shortest_first or len(self._waiting) < 2:
+            return list(self._waiting)
+        now, cache = time.perf_counter(), self.state.prefix_cache
+        for seq in self._waiting:
+            if not seq.looked_up and seq.held < 0:
+                seq.held = cache.lookup(seq.to_prefill, restoring=False) if cache else 0
+        return sorted(self._waiting, key=lambda s: priority(
+            len(s.to_prefill) - (s.prefilled if s.looked_up else s.held),
+            now - s.submitted, self.pace.token_s))
 
     def _waits_for(self, seq: Sequence, plan: list[tuple[Sequence, int, int]]) -> bool:
         """Whether `seq`, not looked up yet, is better started after the prompts planned ahead of
@@ -504,10 +600,26 @@ class Engine:
         # keeps its blocks a step later (one that starts alike takes them at once: `lookup`).
         self.state.flush_stores(self._stores_due + ended)
         self._stores_due = [s for s in firsts if s not in ended]
-        self._rate.append((now, emitted))
-        self.generated_total += emitted
         self.metrics.tokens_generated(emitted)
         return keep
+
+    def _emit_runs(self, rows: list[Sequence], runs: list[list[int]],
+                   logprobs: list[list[Logprob] | None] | None = None,
+                   verdicts: dict[Sequence, tuple[Verdict, str]] | None = None,
+                   failed: dict[Sequence, str] | None = None) -> set[int]:
+        """Hands out a verified step's tokens: each row's run (what stood of its draft, and
+        maybe its own next token), one position at a time as steps of their own, so a stop or
+        `max_tokens` inside a run ends the row there. `verdicts` and `failed` concern the
+        runs' first tokens. Returns the indices of the rows that ended."""
+        ended: set[int] = set()
+        for j in range(max(map(len, runs), default=0)):
+            now = [i for i, r in enumerate(runs) if len(r) > j and i not in ended]
+            keep = self._emit_step([rows[i] for i in now], [runs[i][j] for i in now],
+                                   {rows[i]: logprobs[i][j] for i in now
+                                    if logprobs and logprobs[i]},
+                                   verdicts if j == 0 else None, failed if j == 0 else None)
+            ended |= set(now) - {now[k] for k in keep}
+        return ended
 
     @staticmethod
     def _logprobs(rows: list[Sequence], ints: list[int]) -> dict[Sequence, Logprob]:
@@ -561,9 +673,11 @@ class Batcher(Engine):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, prefill_chunk: int | None = None,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
-                 grammars: Grammars | None = None, speculative: str = "auto"):
+                 grammars: Grammars | None = None, speculative: str = "auto",
+                 speculative_rows: int | None = None):
         """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
-        the draft model is loaded here)."""
+        the draft model is loaded here); `speculative_rows`: the most rows a drafting step
+        holds (None: measured)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,
@@ -576,15 +690,7 @@ class Batcher(Engine):
         self._records: tuple[mx.array, list[Sequence]] | dict[Sequence, Logprob] | None = None
         # Rows whose token in _y is a stand-in's: their sampling failed, with this error.
         self._failed: dict[Sequence, str] = {}
-        # Drafts need every layer's cache trimmable to a row's accepted tokens.
-        self.speculator = None
-        if self.state.batchable:
-            path = draft_path(check_mode(speculative))
-            draft = DraftModel(path, stage) if path else None
-            self.speculator = Speculator(
-                speculative, stage, metrics, max_batch=max_batch,
-                drafter=draft.proposer if draft else None,
-                draft_share=draft.nbytes() / stage.nbytes() if draft else 0.0)
+        self._speculate(speculative, speculative_rows)
 
     def running_seqs(self) -> list[Sequence]:
         return self._batch
@@ -605,24 +711,20 @@ class Batcher(Engine):
         self.ready, self.status = True, "ready"
 
     def _work(self) -> None:
-        t0, decoded, prefilled = time.perf_counter(), bool(self._batch), 0
+        t0, decoded, plan = time.perf_counter(), bool(self._batch), []
+        waiting = [*self._waiting, *(s for s in self._batch if s.generated == 0)]
         if decoded:
             self._decode_step()
         if self._waiting and len(self._batch) < self.max_batch:
-            prefilled = self._prefill_step()
-        self.pace.observe(time.perf_counter() - t0, decoded, prefilled)
+            plan = self._prefill_step()
+        seconds = time.perf_counter() - t0
+        self._charge_waits(waiting, t0, seconds, decoded, plan)
+        self.pace.observe(seconds, decoded, sum(n for _, _, n in plan))
 
-    def _prefill_step(self) -> int:
-        """Runs one prefill chunk; returns its tokens."""
+    def _prefill_step(self) -> list[tuple[Sequence, int, int]]:
+        """Runs one prefill chunk; returns its plan."""
         plan = self._take_prefill(self.max_batch - len(self._batch))
-        if (self.speculator is not None
-                and len(self._batch) + len(self._waiting) <= self.speculator.max_rows):
-            for seq, start, n in plan:
-                # A draft model computes the prompt alongside: its first draft waits for none.
-                # (Not while the batch is to be too large to speculate: it may never draft.)
-                seq.proposer = seq.proposer or self.speculator.proposer(seq.req.prediction)
-                if seq.proposer is not None:
-                    seq.proposer.feed(seq.to_prefill[:start + n])
+        self._feed_proposers(plan)
         for group in self._prefill_groups(plan):
             x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
@@ -648,14 +750,13 @@ class Batcher(Engine):
             self._y = last if self._y is None else mx.concatenate([self._y, last])
             self._batch.extend(ready)
             for s in ready:
-                if self.speculator is not None and s.proposer is None:
-                    s.proposer = self.speculator.proposer(s.req.prediction)
+                self._give_proposer(s)
                 # One whose sampler cannot be made rides a stand-in's until its error is out.
                 sampler, error = make_sampler(s.req.sampling, s.req.penalty_context, s.matcher)
                 self._samplers.append(sampler)
                 if error:
                     self._failed[s] = f"sampling cannot start: {error}"
-        return sum(n for _, _, n in plan)
+        return plan
 
     def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
                         ) -> list[list[tuple[Sequence, int, int]]]:
@@ -761,8 +862,7 @@ class Batcher(Engine):
         if not self._batch:
             return
         rows, inputs = list(self._batch), self._y.tolist()
-        drafts = [self.speculator.draft(s.proposer, s.spec, sampler, s.fed, s.sampled,
-                                        s.req.max_tokens - s.generated - 1)
+        drafts = [self._draft(s, sampler.params, sampler.grammar is not None)
                   for s, sampler in zip(rows, self._samplers)]
         if not any(drafts):
             self._launch(self._y, advanced=True)
@@ -772,17 +872,12 @@ class Batcher(Engine):
         logits = self.state.forward(self.MB, x)
         self.state.settle()  # a prompt's last chunk, which this step was built beside
         verdicts, failed = verify_rows(logits, drafts, self._samplers)
-        trim_rows(self.state.caches[self.MB], [width - 1 - len(v.accepted) for v in verdicts])
+        self.state.trim_rows(self.MB, [width - 1 - len(v.accepted) for v in verdicts])
         for s, d, v in zip(rows, drafts, verdicts):
             if d:
                 self.speculator.counted(s.proposer, s.spec, len(d), len(v.accepted))
-        ended: set[int] = set()
-        for j in range(max(len(v.accepted) for v in verdicts)):
-            now = [i for i, v in enumerate(verdicts) if len(v.accepted) > j and i not in ended]
-            keep = self._emit_step([rows[i] for i in now], [verdicts[i].accepted[j] for i in now],
-                                   {rows[i]: verdicts[i].logprobs[j] for i in now
-                                    if verdicts[i].logprobs})
-            ended |= set(now) - {now[k] for k in keep}
+        ended = self._emit_runs(rows, [v.accepted for v in verdicts],
+                                [v.logprobs for v in verdicts])
         self._y = mx.array([v.token for v in verdicts])
         self._records = {s: v.logprobs[-1] for s, v in zip(rows, verdicts) if v.logprobs}
         self._failed = {rows[i]: f"sampling failed: {e}" for i, e in failed.items()}

@@ -55,7 +55,9 @@ def node_disk_speed(cache: Path, folder: Path, remeasure: bool = False) -> float
     """The disk speed under `folder` in GB/s, measured once per device and kept in `cache`;
     0.0 (the planner then assumes a typical SSD) if it cannot be measured, with a warning."""
     try:
-        device = str(os.stat(folder if folder.exists() else folder.parent).st_dev)
+        # A first join has no store yet (nor, maybe, a home): the device is its nearest folder's.
+        present = next(p for p in (folder, *folder.parents) if p.exists())
+        device = str(os.stat(present).st_dev)
         saved = json.loads(cache.read_text()) if cache.exists() and not remeasure else {}
         if saved.get(device, 0) > 0:
             return float(saved[device])

@@ -1,5 +1,5 @@
 """The shard worker of an embedding, reranking or speech-to-text model: the whole model on one
-node, serving Encode or Transcribe (proto/omlx.proto) instead of Generate.
+node, serving Encode or Transcribe (proto/omlx.proto) instead of Session.
 
 These models are small and answer in one forward pass per batch, so there is no pipeline, no
 KV cache and no continuous batcher. The calls run on the main thread (MLX's streams belong to
@@ -68,7 +68,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
         self.model, self.model_id = model, model_id
         self.session = os.environ.get(auth.SESSION_ENV)
         self.jobs: queue.Queue[_Job] = queue.Queue()
-        self.requests = self.tokens = 0
         self.stopping = False  # set by a signal handler: a plain flag takes no lock
 
     def serve(self) -> None:
@@ -91,7 +90,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                 job.result = job.run()
             except ValueError as e:
                 job.error = e
-            self.requests += 1
             job.done.set()
 
     def _gather(self, first: _Encode) -> tuple[list[_Encode], _Job | None]:
@@ -130,7 +128,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
             for job in good:
                 job.result = rows[start:start + len(job.inputs)]
                 start += len(job.inputs)
-        self.requests += len(batch)
         for job in batch:
             job.done.set()
 
@@ -152,7 +149,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
                           f"{self.model_id} is a speech-to-text model: it does not encode")
         if not inputs or any(not x for x in inputs):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every input needs one token or more")
-        self.tokens += sum(len(x) for x in inputs)
         rows = self._wait(_Encode(inputs, types), context)
         return pb.EncodeReply(dim=rows.shape[1], values=rows.reshape(-1).tolist())
 
@@ -193,14 +189,6 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
         return pb.HealthReply(ready=True, model_id=self.model_id, status="ready",
                               version=__version__, layer_start=0, layer_end=1, num_layers=1,
                               pid=os.getpid(), worker_pid=os.getpid(), world_size=1)
-
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        return pb.StatsReply(requests_total=self.requests, prompt_tokens_total=self.tokens)
-
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"{self.model_id} is an embedding or reranking model: it does not generate")
 
 
 def start_server(service: EncoderService, host: str) -> tuple[grpc.Server, int]:

@@ -13,6 +13,9 @@ load that follows copies from memory rather than waiting on the SSD: where the O
 posix_fadvise (Linux) the kernel is asked to read them (WILLNEED) and, after the layer's turn,
 to drop them (DONTNEED), so the cache does not quietly hold a second copy of what is streamed;
 elsewhere (macOS) a thread reads them, and the OS reclaims those clean pages under pressure.
+
+A MoE layer's routed experts, where its files store them stacked, are not read ahead: its
+router runs first, then only the experts its tokens chose are read (routed_experts.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +33,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from omlx_node.routed_experts import (
+    ExpertBank,
+    RoutedCall,
+    StoredTensor,
+    find_banks,
+    read_experts,
+    swap,
+)
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 
 # Bytes one read-ahead call reads at a time (into one reused buffer: its contents are dropped).
@@ -64,7 +76,7 @@ class LayerStream:
             (lambda w: copy.copy(model).sanitize(w)) if hasattr(model, "sanitize") else None)
         self._sanitized = False
         self._files: dict[int, list[Path]] = {i: [] for i in layers}
-        self._spans: dict[int, list[_Span]] = {i: [] for i in layers}
+        stored: dict[str, StoredTensor] = {}
         for f in weight_files(path):
             header = read_header(f)
             for name, info in header.tensors.items():
@@ -75,9 +87,28 @@ class LayerStream:
                 if f not in self._files[i]:
                     self._files[i].append(f)
                 start, end = tensor_range(name, info, f)
-                self._spans[i].append(_Span(f, header.data_start + start,
-                                            header.data_start + end))
+                stored[name] = StoredTensor(f, header.data_start + start, header.data_start + end,
+                                            tuple(info.get("shape", ())), info.get("dtype", ""))
+        self._banks: dict[int, list[ExpertBank]] = {
+            i: find_banks(layer, lambda name, i=i: stored.get(f"{prefix}{i}.{name}"))
+            for i, layer in layers.items()}
+        self._routed: dict[int, set[str]] = {
+            i: {f"{prefix}{i}.{n}" for b in banks for n in b.names()}
+            for i, banks in self._banks.items()}
+        # Every byte of a layer (dropped from the page cache after its turn), and those read
+        # ahead of it: all but its routed experts, read at its turn as its tokens choose.
+        self._spans: dict[int, list[_Span]] = {i: [] for i in layers}
+        self._ahead_spans: dict[int, list[_Span]] = {i: [] for i in layers}
+        for name, t in stored.items():
+            i = int(_LAYER.search(name).group(1))
+            span = _Span(t.file, t.start, t.end)
+            self._spans[i].append(span)
+            if name not in self._routed[i]:
+                self._ahead_spans[i].append(span)
         self._spans = {i: _merged(s) for i, s in self._spans.items()}
+        self._ahead_spans = {i: _merged(s) for i, s in self._ahead_spans.items()}
+        self.bytes_read = 0  # what turns have read of streamed layers (routed experts: theirs)
+        self._turn_s: dict[int, float] = {}
         self._order = sorted(layers)
         # What a layer's modules hold between turns: placeholders of the weights' shapes, lazy
         # and never evaluated, so they take no memory.
@@ -102,21 +133,38 @@ class LayerStream:
     def run(self, i: int, call: Callable[[], mx.array]) -> mx.array:
         """`call()` (the layer's forward) with layer i's weights in place, evaluated; the
         weights are released when it returns. Raises OSError when they cannot be read."""
+        t0 = time.perf_counter()
         ahead = self._ahead.pop(i, None)
         if ahead is not None:
             ahead.result()  # a failed read raises here, for the requests of this step
         layer = self._layers[i]
         layer.update(tree_unflatten(self._weights(i)))
+        self.bytes_read += sum(s.end - s.start for s in self._ahead_spans[i])
         nxt = self._order[(self._order.index(i) + 1) % len(self._order)]
         if nxt not in self._ahead:
             self._ahead[nxt] = self._reader.submit(self._read_ahead, nxt)
+        for bank in self._banks[i]:
+            swap(layer, bank.path, RoutedCall(bank, self._cast, self._count))
         try:
             h = call()
             mx.eval(h)
         finally:
+            for bank in self._banks[i]:
+                swap(layer, bank.path, bank.module)
             layer.update(tree_unflatten(self._idle[i]))
             self._drop(i)
+        self._turn_s[i] = time.perf_counter() - t0
         return h
+
+    @property
+    def seconds_a_pass(self) -> float:
+        """What the last turns of the streamed layers took, one each (reads not hidden behind
+        compute and the layers' own compute): what a forward pass pays for streaming them; 0
+        before any has run."""
+        return sum(self._turn_s.values())
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
 
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
@@ -125,7 +173,8 @@ class LayerStream:
         raw: dict[str, mx.array] = {}
         for f in self._files[i]:
             raw.update((k, v) for k, v in mx.load(str(f)).items()
-                       if (m := _LAYER.search(k)) and int(m.group(1)) == i)
+                       if (m := _LAYER.search(k)) and int(m.group(1)) == i
+                       and k not in self._routed[i])
         own = f"{self._prefix}{i}."
         weights = self._sanitize(raw) if self._sanitized else raw
         out = []
@@ -142,12 +191,15 @@ class LayerStream:
         value, what mlx-lm's loader gave it (read once here, one layer at a time); then the
         module's weights are swapped for placeholders."""
         loaded = dict(tree_flatten(self._layers[i].parameters()))
-        given = dict(self._weights(i))
+        # Routed experts as a turn reads them, every expert's rows: their byte ranges checked.
+        experts = {f"{b.path}.{k}": v for b in self._banks[i]
+                   for k, v in read_experts(b, list(range(b.num_experts)), self._cast)[0].items()}
+        given = dict(self._weights(i)) | experts
         differ = self._differ(given, loaded)
         if differ and self._sanitize is not None and not self._sanitized:
             self._sanitized = True
             try:
-                given = dict(self._weights(i))
+                given = dict(self._weights(i)) | experts
             except (KeyError, IndexError, ValueError) as e:  # it wants the whole model's tensors
                 raise StreamError(f"layer {i} cannot be streamed: the family's sanitize needs "
                                   f"more than one layer's weights ({e!r})") from None
@@ -171,7 +223,7 @@ class LayerStream:
 
     def _read_ahead(self, i: int) -> None:
         if hasattr(os, "posix_fadvise"):  # the kernel reads them in, with no copy made here
-            for span in self._spans[i]:
+            for span in self._ahead_spans[i]:
                 fd = os.open(span.file, os.O_RDONLY)
                 try:
                     if os.fstat(fd).st_size < span.end:
@@ -184,7 +236,7 @@ class LayerStream:
             return
         buf = bytearray(READ_BYTES)
         view = memoryview(buf)
-        for span in self._spans[i]:
+        for span in self._ahead_spans[i]:
             with open(span.file, "rb", buffering=0) as f:
                 pos = span.start
                 f.seek(pos)

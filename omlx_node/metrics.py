@@ -258,6 +258,11 @@ class NodeMetrics:
             "omlx_node_request_prefill_seconds",
             "From the start of its prefill to its first token", buckets=LATENCY_BUCKETS,
             registry=r)
+        self.wait_seconds = Histogram(
+            "omlx_node_request_wait_seconds",
+            "Of a request's time to its first token, what the engine was doing: the running "
+            "rows' decode steps, its own prompt's prefill, other prompts' prefill",
+            ["part"], buckets=LATENCY_BUCKETS, registry=r)
         self.decode_seconds = Histogram(
             "omlx_node_request_decode_seconds", "From its first token to its end",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -329,6 +334,11 @@ class NodeMetrics:
         self._spec[0] += drafted
         self._spec[1] += accepted
         self._spec[2] += 1
+
+    def waited(self, parts: Mapping[str, float]) -> None:
+        """Where one request's time to its first token went (omlx_node.wait_parts)."""
+        for part, seconds in parts.items():
+            self.wait_seconds.labels(part=part).observe(seconds)
 
     def tokens_generated(self, n: int) -> None:
         self.generated_tokens.inc(n)

@@ -23,6 +23,13 @@ Every other stage receives the hidden states lazily, so its graph is built befor
 When the head has nothing in flight it says so with an IDLE step, and every stage sleeps on a
 doorbell until the next step (`omlx_node.wire`): an idle pipeline costs no CPU.
 
+Speculative decoding (omlx_node.speculation): the head drafts (prompt lookup, a prediction, a
+draft model on its node), and a step of a micro-batch that drafts carries 1 + its longest draft
+positions a row (rows without a draft carry filler); the tail verifies each row as the single
+node's engine does and answers its run of tokens, and the next step's header says how many
+positions each row drops, which every stage trims before anything else. Around such a step the
+head reads the tokens before it builds the next one: a draft follows them.
+
 A row whose sampling fails on the tail (`omlx_node.sampling.sample_rows`) is reported in the
 tail's answer and ends alone, with its own error. Anything else that fails a step leaves the
 stages disagreeing on their state: the head ends its sequences as "lost" and its worker exits,
@@ -46,7 +53,15 @@ from omlx_node.calibrate import step_cost
 from omlx_node.constraints import Grammars, Verdict
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
-from omlx_node.sampling import RowSampler, logprob_ints, make_sampler, sample_rows
+from omlx_node.sampling import (
+    RowSampler,
+    logprob_ints,
+    make_sampler,
+    pack_logprobs,
+    sample_rows,
+    unpack_logprobs,
+)
+from omlx_node.speculation import verify_rows
 from omlx_node.stage import StageRunner
 
 log = logging.getLogger(__name__)
@@ -83,6 +98,8 @@ class MicroBatch:
     seqs: list[Sequence] = field(default_factory=list)  # the rows of its last step, in order
     pending: list[Sequence] = field(default_factory=list)  # prefilled, join at the next launch
     in_flight: bool = False
+    width: int = 1  # positions a row of its last step: 1 + its longest draft
+    drafts: list[list[int]] = field(default_factory=list)  # its last step's, by row
 
 
 class PipelineHead(Engine):
@@ -96,11 +113,14 @@ class PipelineHead(Engine):
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
                  doorbell: wire.Doorbell, micro_batches: int, prefill_chunk: int = 512,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
-                 row_costs: dict[int, float] | None = None, grammars: Grammars | None = None):
+                 row_costs: dict[int, float] | None = None, grammars: Grammars | None = None,
+                 speculative: str = "off", speculative_rows: int | None = None):
         """`doorbell`: rank 1's, rung when a step follows an IDLE one. Up to `micro_batches` in
         flight; with `row_costs` (the measured cost of a step by rows) only as many as pay off
         for the rows in flight, else always all of them. `grammars` checks constrained requests
-        at submit; the tail applies them."""
+        at submit; the tail applies them. `speculative`, `speculative_rows`: as the
+        single-node engine's; the drafts are made here (a draft model's too) and verified on
+        the tail."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
                          stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
         self.group, self.plan, self.doorbell = group, plan, doorbell
@@ -112,6 +132,7 @@ class PipelineHead(Engine):
         self._replies: deque[MicroBatch | Sequence] = deque()
         self._step_no = 0
         self.broken = False
+        self._speculate(speculative, speculative_rows)
 
     def running_seqs(self) -> list[Sequence]:
         return [s for m in self.mbs for s in (*m.seqs, *m.pending) if not s.finished]
@@ -144,8 +165,9 @@ class PipelineHead(Engine):
         if self.state.prefix_cache is not None:
             # Every stage holds a looked-up sequence's restored KV until it runs: only the ones
             # that may start soon are looked up (a burst of queued agent turns sharing a long
-            # cached prompt would otherwise hold one copy of it each, on every stage).
-            for seq in itertools.islice(self._waiting, max(room, 0) + LOOKUP_AHEAD):
+            # cached prompt would otherwise hold one copy of it each, on every stage). They
+            # are the ones first in the prefill's order, which waits for their answers.
+            for seq in itertools.islice(self._in_order(), max(room, 0) + LOOKUP_AHEAD):
                 if not seq.lookup_sent:
                     self._send_lookup(seq)
         if self._waiting and room > 0:
@@ -182,7 +204,9 @@ class PipelineHead(Engine):
         seq.looked_up = True
 
     def _prefill_step(self, room: int) -> None:
-        for seq, start, n in self._take_prefill(room):
+        plan = self._take_prefill(room)
+        self._feed_proposers(plan)
+        for seq, start, n in plan:
             if n > 0:
                 h = self.state.prefill(seq.sid, mx.array([seq.to_prefill[start:start + n]]))
                 self._send(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n), h)
@@ -192,6 +216,7 @@ class PipelineHead(Engine):
                 # leaves budget for the next, and a one-token prompt has nothing to prefill.
                 self._waiting.remove(seq)
                 seq.input_is_prompt = False  # tokens come back for the step that ran it
+                self._give_proposer(seq)
                 min(self.mbs[:self._worth()],
                     key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
 
@@ -204,9 +229,12 @@ class PipelineHead(Engine):
         self.metrics.micro_batches.set(k)
         return k
 
-    def _launch(self, m: MicroBatch, tokens: mx.array | None) -> None:
+    def _launch(self, m: MicroBatch, tokens: mx.array | None, cuts: list[int] | None = None,
+                drafting: bool = False) -> None:
         """Sends micro-batch m's next decode step: its rows not finished yet, whose inputs are
-        `tokens`, their last step's output (lazy), then the sequences that join."""
+        `tokens`, their last step's output (lazy), then the sequences that join. `cuts`: the
+        positions each row of the last step drops first (what a verified step ran past the
+        tokens that stood); `drafting`: its rows draft (the tokens are on the host)."""
         live = [i for i, s in enumerate(m.seqs) if not s.finished]
         keep = None if len(live) == len(m.seqs) else live
         admits = [s for s in m.pending if not s.cancelled]
@@ -215,6 +243,8 @@ class PipelineHead(Engine):
                 self._dropped_while_waiting(s)
                 self._finish(s, Finish("cancelled"))
         m.pending = []
+        if cuts:
+            self.state.trim_rows(m.mb, cuts)
         answers = ({i: s.fed for i, s in enumerate(m.seqs) if s.finished}
                    if self.state.prefix_cache is not None else {})
         self.state.keep_answers(m.mb, answers)
@@ -225,12 +255,20 @@ class PipelineHead(Engine):
         if admits:
             inputs.append(mx.array([s.req.prompt[-1] for s in admits]))
         m.seqs = [m.seqs[i] for i in live] + admits
-        step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=1, keep=keep,
-                         answers=answers,
+        x = mx.concatenate(inputs)[:, None] if m.seqs else None
+        m.drafts = ([self._draft(s, s.req.sampling, bool(s.req.grammar)) for s in m.seqs]
+                    if drafting else [])
+        m.width = 1 + max(map(len, m.drafts), default=0)
+        if m.width > 1:
+            # A row's shorter draft is padded with filler: every row runs m.width positions,
+            # and what runs past the tokens that stood is cut at the next step.
+            x = mx.array([[t, *d] + [t] * (m.width - 1 - len(d))
+                          for t, d in zip(x[:, 0].tolist(), m.drafts)])
+        step = wire.Step(wire.DECODE, target=m.mb, rows=len(m.seqs), tokens=m.width, keep=keep,
+                         cuts=cuts or [], drafts=m.drafts, answers=answers,
                          admits=[wire.Admit(s.sid, s.req.sampling, s.req.penalty_context,
                                             s.req.grammar, s.req.resumed) for s in admits])
-        hidden = (self.state.forward(m.mb, mx.concatenate(inputs)[:, None]) if m.seqs
-                  else None)
+        hidden = self.state.forward(m.mb, x) if m.seqs else None
         self._send(step, hidden)
         m.in_flight = bool(m.seqs)
         if m.in_flight:
@@ -238,7 +276,13 @@ class PipelineHead(Engine):
 
     def _collect(self, m: MicroBatch) -> None:
         """Micro-batch m's tokens are due from the tail: its next step goes out first, fed by
-        them while they are still in flight, then they are streamed out."""
+        them while they are still in flight, then they are streamed out. Around a step that
+        verifies drafts the tokens are read first: a draft follows them, and what the next
+        step cuts depends on them."""
+        drafting = self._speculates(m)
+        if drafting or m.width > 1:
+            self._collect_verified(m, drafting)
+            return
         rows = m.seqs
         reply = self._recv_reply(rows)
         self._launch(m, reply[:len(rows)])
@@ -249,6 +293,48 @@ class PipelineHead(Engine):
         live = [i for i, s in enumerate(rows) if not s.finished]
         self._emit_step([rows[i] for i in live], [values[i] for i in live], logprobs, verdicts,
                         failed)
+
+    def _speculates(self, m: MicroBatch) -> bool:
+        """Whether micro-batch m's next step may verify drafts: a row may draft, and the
+        micro-batch is small enough that a draft's extra positions cost less than the steps
+        they save."""
+        if self.speculator is None:
+            return False
+        rows = [s for s in (*m.seqs, *m.pending) if not s.finished]
+        return self.speculator.wanted([s.spec for s in rows if s.proposer is not None],
+                                      len(rows))
+
+    def _collect_verified(self, m: MicroBatch, drafting: bool) -> None:
+        """`_collect` on the host: the tokens of m's last step (each row's run, when it
+        verified drafts) are streamed out, then its next step is sent, with each row's cut and,
+        when `drafting`, its draft."""
+        rows = m.seqs
+        logprobs: list[list | None] = [None] * len(rows)
+        if m.width == 1:
+            values = self._recv_reply(rows).tolist()
+            runs = [[v] for v in values[:len(rows)]]
+            verdicts, failed = self._recv_rest(rows, values[-1])
+            found = self._logprobs(rows, values[len(rows):-1])
+            logprobs = [[found[s]] if s in found else None for s in rows]
+            cuts = None
+        else:
+            asking = [s for s in rows if s.req.sampling.logprobs is not None]
+            ks = [s.req.sampling.logprobs for s in asking]
+            runs, ints, n_failed = wire.recv_runs(len(rows), m.width,
+                                                  logprob_ints(ks) * m.width, self.tail,
+                                                  self.group)
+            verdicts, failed = self._recv_rest(rows, n_failed)
+            records = unpack_logprobs(ints, [k for k in ks for _ in range(m.width)])
+            found = {s: records[a * m.width:(a + 1) * m.width] for a, s in enumerate(asking)}
+            logprobs = [found.get(s) for s in rows]
+            cuts = [m.width - len(r) for r in runs]
+            for s, d, r in zip(rows, m.drafts, runs):
+                if d:
+                    self.speculator.counted(s.proposer, s.spec, len(d), len(r) - 1)
+        last = mx.array([r[-1] for r in runs])
+        self._emit_runs(rows, [[] if s.finished else r for s, r in zip(rows, runs)], logprobs,
+                        verdicts, failed)
+        self._launch(m, last, cuts, drafting)
 
     def _recv_reply(self, rows: list[Sequence]) -> mx.array:
         """The tail's answer to a step of `rows` (lazy): tokens, logprob records, failures."""
@@ -272,7 +358,13 @@ class PipelineHead(Engine):
             return
         while self._replies:
             r = self._replies.popleft()
-            if isinstance(r, MicroBatch):
+            if isinstance(r, MicroBatch) and r.width > 1:
+                ks = [s.req.sampling.logprobs for s in r.seqs
+                      if s.req.sampling.logprobs is not None]
+                self._recv_rest(r.seqs, wire.recv_runs(len(r.seqs), r.width,
+                                                       logprob_ints(ks) * r.width, self.tail,
+                                                       self.group)[2])
+            elif isinstance(r, MicroBatch):
                 self._recv_rest(r.seqs, self._recv_reply(r.seqs).tolist()[-1])
             else:
                 wire.recv_tokens(1, self.tail, self.group)
@@ -340,6 +432,8 @@ class StageLoop:
         if step.op != wire.DECODE:
             return None
         before = self.state.rows.get(step.target, [])
+        if step.cuts:
+            self.state.trim_rows(step.target, step.cuts)
         self.state.keep_answers(step.target, step.answers)
         self.state.update(step.target, step.keep, [a.seq_id for a in step.admits])
         if self.is_tail:
@@ -354,7 +448,10 @@ class StageLoop:
         out = self.state.forward(step.target, hidden)
         if not self.is_tail:
             return out
-        self._answer(step.target, out[:, -1, :])
+        if step.tokens > 1:
+            self._verify(step.target, out, step.drafts)
+        else:
+            self._answer(step.target, out[:, -1, :])
         return None
 
     def _admit(self, a: wire.Admit) -> None:
@@ -376,12 +473,44 @@ class StageLoop:
         rows = self.state.rows[mb]
         samplers = [self.samplers[s] for s in rows]
         tokens, records, errors = sample_rows(logits, samplers)
+        failed = self._failed(rows, samplers, errors)
+        wire.send_answer(tokens, records, len(failed), 0, self.group)
+        self._answer_rest(rows, samplers, tokens, failed)
+
+    def _verify(self, mb: int, logits: mx.array, drafts: list[list[int]]) -> None:
+        """The tail's answer to a DECODE step that verifies drafts (logits (rows, w, V)): each
+        row's run, as the single node's engine verifies it (omlx_node.speculation), with the
+        logprob records of the rows that ask, then what `_answer` sends after its tokens."""
+        rows = self.state.rows[mb]
+        samplers = [self.samplers[s] for s in rows]
+        verdicts, errors = verify_rows(logits, drafts, samplers)
+        failed = self._failed(rows, samplers, errors)
+        width = logits.shape[1]
+        ks = [s.params.logprobs for s in samplers if s.params.logprobs is not None]
+        records = []
+        for v in verdicts:
+            if v.logprobs is not None:  # a row that asks: `width` records, zeros past its run
+                records += pack_logprobs(v.logprobs, max(ks))
+                records += [0] * ((width - len(v.logprobs)) * (1 + 2 * max(ks)))
+        wire.send_runs([[*v.accepted, v.token] for v in verdicts], width, records, len(failed),
+                       0, self.group)
+        self._answer_rest(rows, samplers, mx.array([v.token for v in verdicts]), failed)
+
+    def _failed(self, rows: list[int], samplers: list[RowSampler], errors: dict[int, str]
+                ) -> dict[int, str]:
+        """The rows of a step that failed, by index: those whose sampler could not be made at
+        admission, and those whose sampling just failed (`errors`)."""
         failed = {i: self.unstarted.pop(sid) for i, sid in enumerate(rows)
                   if sid in self.unstarted}
         for i, error in errors.items():
             self.samplers[rows[i]] = samplers[i]  # its stand-in, until the head drops the row
             failed[i] = error
-        wire.send_answer(tokens, records, len(failed), 0, self.group)
+        return failed
+
+    def _answer_rest(self, rows: list[int], samplers: list[RowSampler], tokens: mx.array,
+                     failed: dict[int, str]) -> None:
+        """What follows a DECODE step's tokens: the constrained rows' verdicts on their
+        `tokens` (one a row: its last), then the failed rows' errors."""
         constrained = [i for i, sid in enumerate(rows) if sid in self.constrained]
         if constrained:
             values = tokens.tolist()

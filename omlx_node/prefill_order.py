@@ -1,5 +1,16 @@
-"""Which waiting prompt may start its prefill: not one that would compute again what a prompt
-just ahead of it is computing now.
+"""Which waiting prompt prefills first: the oldest, or (`Engine.shortest_first`) the one with the
+least left to prefill, aged; and not one that would compute again what a prompt just ahead of it
+is computing now.
+
+Shortest remaining first, measured and not the default (docs/scheduling.md): an agent's later
+turn re-sends its history and prefills only what is
+new (a tool result, a few hundred tokens), while a new session may prefill thousands. Taken
+oldest first, a short turn waited behind every longer prompt that came before it, and what it
+waited for counted twice in its turn time. Ordered by what is left to prefill, a prompt
+partly prefilled keeps its place, and a prompt's wait counts against its length at the rate
+prefill runs (`priority`): one that has waited as long as its own prefill would take comes
+before any newcomer, so no prompt starves behind a stream of shorter ones. Measured in
+docs/scheduling.md.
 
 Agents of one kind start sessions with the same system prompt and tools, a second or less apart.
 A prompt's cached prefix is looked up when its prefill is planned, and the engine plans the next
@@ -12,6 +23,13 @@ the prompt ahead is prefilled and kept, it restores all of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+
+def priority(left: int, waited: float, token_s: float) -> float:
+    """A waiting prompt's place (lower: sooner): its tokens `left` to prefill, less those the
+    engine could have prefilled in the `waited` seconds it has waited (`token_s`: seconds a
+    prompt token takes, 0 until measured)."""
+    return left - (waited / token_s if token_s > 0 else 0.0)
 
 
 def shared_start(a: Sequence[int], b: Sequence[int]) -> int:

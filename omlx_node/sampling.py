@@ -445,6 +445,18 @@ def logprob_ints(ks: list[int]) -> int:
     return len(ks) * (1 + 2 * max(ks)) if ks else 0
 
 
+def pack_logprobs(records: list[Logprob], k_max: int) -> list[int]:
+    """`unpack_logprobs`' inverse: records of rows asking for up to `k_max` alternatives, as
+    the ints `sample_batch` makes them (1 + 2 * k_max each)."""
+    out = []
+    for r in records:
+        pad = [0] * (k_max - len(r.top_ids))
+        out += [*np.array([r.logprob], dtype=np.float32).view(np.int32).tolist(),
+                *r.top_ids, *pad,
+                *np.array(r.top_logprobs, dtype=np.float32).view(np.int32).tolist(), *pad]
+    return out
+
+
 def unpack_logprobs(ints: list[int], ks: list[int]) -> list[Logprob]:
     """The records `sample_batch` made for rows asking for `ks` alternatives, in row order."""
     width, k_max = 1 + 2 * max(ks, default=0), max(ks, default=0)

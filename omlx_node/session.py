@@ -2,7 +2,7 @@
 
 The gateway runs every sequence it sends a worker through one Session. The engine hands each
 step's events of all of them to the session's outbox as one list (`batcher.Outbox`), and the
-call's handler thread sends them as one SessionEvents message. A Generate call per sequence costs
+call's handler thread sends them as one SessionEvents message. A call per sequence costs
 a message, a handler thread's wake-up and the gRPC server's completion work per token, each under
 the GIL that the engine thread builds its steps with; where a device computes a step faster than
 Python builds it (small models on a GPU) that GIL time was the engine's: on an H200, at 32
@@ -15,9 +15,14 @@ gateway to read and stream (on an H200 at batch 1, a third less gateway CPU a to
 bench/stream_interval.py). A sequence's first token and its end are never held
 (`Outbox.urgent`): a client waits for those.
 
+While its sequences have nothing to send (a long prompt being prefilled), the handler sends an
+empty message every POLL_SECONDS that the engine completed a step since the last one: the
+gateway takes a worker that sends nothing past --stall-timeout for a wedged plan, and a prefill
+that advances is not one.
+
 Requests are read on a thread of their own while the handler writes. A sequence's events read
-exactly as its Generate call's would (`fill_chunk`); a request that cannot run, and a sequence
-the node failed under ("lost"), end with the status their Generate call would end with. When the
+as a call of its own would stream it (`fill_chunk`); a request that cannot run, and a sequence
+the node failed under ("lost"), end with the status such a call would end with. When the
 call ends, for whatever reason, every sequence of the session still running is cancelled.
 """
 
@@ -98,7 +103,7 @@ def fill_chunk(chunk: pb.TokenChunk, seq: Sequence, tokens: list[int], finish: F
 
 @dataclass(frozen=True)
 class _Refusal:
-    """A request of the session that did not start: the status its Generate call ends with."""
+    """A request of the session that did not start: the status it ends with."""
 
     request_id: str
     code: grpc.StatusCode
@@ -175,7 +180,7 @@ class Session:
         except ValueError as e:
             self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        except Exception as e:  # not the request's own fault: as a Generate call's, UNKNOWN
+        except Exception as e:  # not the request's own fault: UNKNOWN, as gRPC's own
             log.exception("session: submitting request %s failed", rid)
             self._refuse(rid, grpc.StatusCode.UNKNOWN,
                          f"the worker could not take the request: {type(e).__name__}: {e}")
@@ -223,6 +228,9 @@ class Session:
             except queue.Empty:
                 if not context.is_active():
                     return
+                if self._live and self.engine.stepped_at > sent:  # progress, nothing to say
+                    yield pb.SessionEvents()
+                    sent = time.monotonic()
                 continue
             hold = sent + self.interval - time.monotonic()
             if hold > 0 and not behind and items[0] is not None:
@@ -278,7 +286,7 @@ class Session:
             self._started.add(rid)
             if end is not None:
                 if end.reason == "lost":
-                    # The node failed under the sequence: its Generate call ends UNAVAILABLE,
+                    # The node failed under the sequence: it ends UNAVAILABLE, as a lost call,
                     # so the coordinator tells it from a clean stop ("aborted").
                     event.status_code = grpc.StatusCode.UNAVAILABLE.value[0]
                     event.status_details = end.error

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
 
 from omlx_node.calibrate import row_costs, step_cost
 from omlx_node.metrics import NodeMetrics
@@ -97,6 +96,15 @@ def position_costs(stage: StageRunner) -> dict[int, float]:
     second's budget goes): what a step of that many positions costs on this device."""
     return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
                      rows=COST_POSITIONS, budget_seconds=1.0)
+
+
+def collective_position_costs(stage: StageRunner) -> dict[int, float]:
+    """`position_costs` on a tensor-parallel stage, run by every rank at once: each call of
+    its sharded MLP ends in an all_sum, so every rank makes the same calls, up to 64 positions
+    and with no time budget (which would end the ranks' loops at different sizes)."""
+    return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
+                     rows=tuple(r for r in COST_POSITIONS if r <= 64),
+                     budget_seconds=float("inf"))
 
 
 def crossover(costs: dict[int, float], k: int, limit: int) -> int:
@@ -252,22 +260,6 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 
-
-def trim_rows(caches: list, extra: Sequence[int]) -> None:
-    """Drops each row's last extra[i] positions from a decode step's layer caches: the
-    rejected draft tokens (and a short draft's filler). A one-row KVCache trims its offset;
-    a BatchKVCache trims what every row drops, then shifts each row right by the rest, into
-    its left padding (mlx-lm's own right-padding finalize), so no row keeps a rejected token."""
-    common = min(extra)
-    for c in caches:
-        if common:
-            c.trim(common)
-        if not isinstance(c, BatchKVCache) or max(extra) == common:
-            continue
-        c._right_padding = mx.array([e - common for e in extra])
-        c.finalize()
-
-
 def verify_rows(logits: mx.array, drafts: list[list[int]], samplers: list[RowSampler]
                 ) -> tuple[list[Verdict], dict[int, str]]:
     """One step's verdicts from its logits (B, L, V). A row with a draft keeps what
@@ -315,8 +307,10 @@ class Speculator:
 
     def __init__(self, mode: str, stage: StageRunner, metrics: NodeMetrics | None = None,
                  k: int = DRAFT_TOKENS, drafter: Callable[[], Proposer] | None = None, draft_share: float = 0.0,
-                 costs: dict[int, float] | None = None, max_batch: int = 64):
+                 costs: dict[int, float] | None = None, max_batch: int = 64,
+                 max_rows: int | None = None):
         """`stage`: the model, whose cost curve is measured here unless `costs` gives it;
+        `max_rows`: the most rows a drafting step holds (None: the measured crossover);
         `drafter`: makes a row's draft model
         proposer ("draft=PATH" modes: omlx_node.draft_model), whose pass costs `draft_share`
         of the target's."""
@@ -330,7 +324,7 @@ class Speculator:
         if mode == "auto":
             self.on = measured > 0
         # An explicit mode drafts at least one row at a time, whatever the curve says.
-        self.max_rows = max(measured, 1)
+        self.max_rows = max_rows or max(measured, 1)
         if self.on:
             log.info("speculative decoding on (%s): up to %d rows a step; %d positions cost "
                      "%.1f of one", mode, self.max_rows, k + 1,
@@ -365,8 +359,9 @@ class Speculator:
             return PredictionProposer(prediction)
         return self.drafter() if self.drafter is not None else NgramProposer()
 
-    def draft(self, proposer: Proposer | None, stats: SpecStats, sampler: RowSampler,
-              tokens: Sequence[int], output: Sequence[int], room: int) -> list[int]:
+    def draft(self, proposer: Proposer | None, stats: SpecStats, params: SamplingParams,
+              constrained: bool, tokens: Sequence[int], output: Sequence[int], room: int
+              ) -> list[int]:
         """A row's draft for this step, as long as its acceptance makes worth it: none for a
         row under a grammar or penalties (their state would have to follow each drafted
         token), for a seeded sampled row (its tokens depend on its seed alone, and a step
@@ -374,8 +369,8 @@ class Speculator:
         gets depends on the batch's size) or with no `room` (tokens it may still generate
         beyond the one this step gives it anyway), nor for one backing off after drafts that
         all failed."""
-        if (proposer is None or stats.wait or sampler.processors or sampler.grammar is not None
-                or (sampler.key is not None and not sampler.params.greedy)):
+        if (proposer is None or stats.wait or params.penalized or constrained
+                or (params.seed is not None and not params.greedy)):
             return []
         share = self.draft_share if proposer.source == "draft" else 0.0
         k = min(best_k(stats.alpha, self.costs, self.k, share), room)

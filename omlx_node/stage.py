@@ -35,6 +35,7 @@ from omlx_node.families import (
     mask_kind,
 )
 from omlx_node.layer_stream import LayerStream, StreamError
+from omlx_node.tensor_shard import ShardError, shard_model
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
@@ -126,8 +127,8 @@ class StageRunner:
                  streamed: int = 0, tensor_group=None):
         """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
         least one layer of the range stays resident. `tensor_group`: the mx.distributed group
-        of a tensor-parallel stage, whose ranks each hold a slice of every layer (mlx-lm's own
-        `Model.shard`); None: whole layers."""
+        of a tensor-parallel stage, whose ranks each hold a slice of every layer
+        (omlx_node/tensor_shard.py); None: whole layers."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -185,6 +186,9 @@ class StageRunner:
         # Its sliding-window layers drop old tokens: the prefix cache must cut each block while
         # they still hold it, so prefill chunks end on block boundaries.
         self.has_windows = any(isinstance(c, RotatingKVCache) for c in every)
+        # Speculative decoding trims a step's rejected positions from every layer's cache:
+        # plain KV caches only (decided from every layer, so all stages agree).
+        self.trimmable = all(type(c) is KVCache for c in every)
         tied = not anatomy.head_parts()
         self._templates = caches
         self._departure = anatomy.departure
@@ -221,7 +225,10 @@ class StageRunner:
             model.set_dtype(target)
         if ranks > 1:
             # After dequantizing, which knows mlx's plain quantized layers only.
-            model.shard(tensor_group)
+            try:
+                shard_model(model, inner.layers, config, tensor_group)
+            except ShardError as e:
+                raise StageError(f"{path}: {e}; serve it with --parallel pipeline") from e
         mx.eval(model.parameters())
         inner.layers = layers
         self._stream: LayerStream | None = None
@@ -300,6 +307,18 @@ class StageRunner:
     @property
     def streamed_layers(self) -> int:
         return len(self.layers) - self._kept
+
+    @property
+    def streamed_bytes_read(self) -> int:
+        """Bytes its streamed layers' turns have read from disk so far (routed experts: only
+        those the tokens chose)."""
+        return self._stream.bytes_read if self._stream else 0
+
+    @property
+    def streamed_seconds(self) -> float:
+        """What a forward pass spends in its streamed layers (their reads and compute), as last
+        measured; 0 for a stage that streams none, or before its first pass."""
+        return self._stream.seconds_a_pass if self._stream else 0.0
 
     def __call__(self, x: mx.array, cache: list, last_only: bool = False) -> mx.array:
         """Token ids (B, L) on the first stage, hidden states (B, L, D) on the others.

@@ -247,6 +247,21 @@ class StageState:
             self.caches.pop(mb, None)
             self.rows.pop(mb, None)
 
+    def trim_rows(self, mb: int, extra: list[int]) -> None:
+        """Drops each row's last extra[i] positions from micro-batch `mb`'s caches: a verified
+        step's rejected draft tokens (and a short draft's filler). A one-row KVCache trims its
+        offset; a BatchKVCache trims what every row drops, then shifts each row right by the
+        rest, into its left padding (mlx-lm's own right-padding finalize), so no row keeps a
+        rejected token."""
+        common = min(extra)
+        for c in self.caches[mb]:
+            if common:
+                c.trim(common)
+            if not isinstance(c, BatchKVCache) or max(extra) == common:
+                continue
+            c._right_padding = mx.array([e - common for e in extra])
+            c.finalize()
+
     def give_back_if_idle(self) -> None:
         """Once this stage holds no sequence: drops the device copies of the blocks the prefix
         cache has copied to the host, and empties MLX's buffer cache: the buffers the last

@@ -1,6 +1,6 @@
 """A tensor-parallel stage: ranks that each hold a slice of every layer and compute in step.
 
-Every rank loads the model split by mlx-lm's own `Model.shard(group)` (omlx_node/stage.py):
+Every rank loads the model split by heads and width (omlx_node/tensor_shard.py, in stage.py):
 each layer's attention and MLP end in an all_sum over the group, so every rank must run the
 same forward passes, on the same inputs, in the same order. Rank 0 runs the single-node engine
 (`Batcher`: continuous batching, chunked prefill, sampling, constraints and logprobs) over a
@@ -24,7 +24,10 @@ broadcast.
     FREE, IDLE, STOP as in the pipeline
 
 An idle stage sleeps on the pipeline's doorbells: rank 0 rings rank 1, which rings rank 2.
-Speculative decoding is off here (its cache trims would be rank 0's alone). A failed step leaves
+Speculative decoding: rank 0 drafts and verifies as the single node's engine does; a step of
+k+1 positions a row is a DECODE like any other, and the positions each row drops after it
+reach the other ranks as a DECODE step of rows = 0 whose cuts they apply first. The cost curve
+that decides it is measured by every rank at once (the sharded MLP's all_sums). A failed step leaves
 the ranks disagreeing: rank 0 ends its sequences as "lost" and stops, as a pipeline's head does.
 """
 
@@ -108,6 +111,10 @@ class TensorState(StageState):
         self._answers = {}
         super().update(mb, keep, admit)
 
+    def trim_rows(self, mb: int, extra: list[int]) -> None:
+        self.send(wire.Step(wire.DECODE, target=mb, cuts=list(extra)))
+        super().trim_rows(mb, extra)
+
     def forward(self, mb: int, x: mx.array) -> mx.array:
         x = self.send(wire.Step(wire.DECODE, target=mb, rows=x.shape[0], tokens=x.shape[1]), x)
         return super().forward(mb, x)
@@ -121,10 +128,16 @@ class TensorHead(Batcher):
 
     def __init__(self, stage: StageRunner, metrics: NodeMetrics, group, plan: int,
                  doorbell: wire.Doorbell, prefill_chunk: int | None, max_batch: int,
-                 prefix_cache: PrefixCache | None, grammars: Grammars):
+                 prefix_cache: PrefixCache | None, grammars: Grammars, speculative: str = "off",
+                 speculative_rows: int | None = None, costs: dict[int, float] | None = None):
+        """`speculative`, `speculative_rows`: as the single-node engine's; `costs`: the cost
+        curve by positions that decides it, which every rank measured
+        (speculation.collective_position_costs; None: speculation off)."""
         super().__init__(stage, metrics, prefill_chunk, max_batch, None, grammars, "off")
         self.state = TensorState(stage, metrics.profile, prefix_cache, group, plan, doorbell)
         self.broken = False
+        if costs is not None:
+            self._speculate(speculative, speculative_rows, costs)
 
     def _recover(self) -> None:
         # After a failed step the ranks may disagree on their state: this plan cannot go on.
@@ -196,6 +209,8 @@ class TensorFollower:
             # this rank's share of each).
             mx.eval(state.forward(step.target, self._receive((step.rows, step.tokens))))
         elif step.op == wire.DECODE:
+            if step.cuts:  # what rank 0's verified step ran past the tokens that stood
+                state.trim_rows(step.target, step.cuts)
             state.keep_answers(step.target, step.answers)
             state.update(step.target, step.keep, [a.seq_id for a in step.admits])
             if state.deferred:

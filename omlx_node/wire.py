@@ -27,6 +27,13 @@ The tail stage answers each DECODE step with rows > 0 on the ring's wrap-around 
 3. only when F > 0: int32[F], the failed rows' indices, then for each int32[ERROR_INTS], its
    error, encoded as a verdict's. Only that row's client sees it.
 
+A DECODE step of tokens = w > 1 verifies drafts (speculative decoding, omlx_node.speculation):
+row i's w positions are its input, its draft, then filler. The tail answers it with
+int32[rows * (w + 1) + 1] instead of the first message: for each row [n, n tokens, zeros to
+w], the draft tokens that stood then the target's own next token (1 <= n <= w), then L, then
+F. The logprob records follow the runs: for each row that asks for them, w records, one for each
+token of its run then zeros (`omlx_node.sampling.logprob_ints` of its k, w times).
+
 It answers each LOOKUP step with int32[1]. Nothing else flows back, so rank 0 reads the answers
 in the order it sent those steps; it admitted every row, so it knows every length.
 
@@ -49,12 +56,17 @@ Header fields (int32 each; then the inline payload, zero-padded):
     2 step         the head's step counter (diagnostics)
     3 target       micro-batch id (DECODE) or sequence id (PREFILL, LOOKUP, TRIM)
     4 rows         rows of hidden states that follow
-    5 tokens       tokens per row (the prefill chunk length; 1 for decode)
+    5 tokens       tokens per row (the prefill chunk length; 1 for decode, 1 + the longest
+                   draft for a step that verifies drafts)
     6 payload_len  int32 count of the payload
     7 plan         the low 31 bits of the plan hash (every stage checks it)
 
-DECODE payload: [n_keep, keep row indices..., n_admit, admitted records..., n_answers, answers...]
-where `keep` lists the rows of the micro-batch that stay (-1 for n_keep means "all rows stay"),
+DECODE payload: [n_cut, cuts..., n_keep, keep row indices..., n_admit, admitted records...,
+n_answers, answers..., drafts...] where `cuts` (n_cut = 0 or the rows of the micro-batch's last
+step) says how many positions of that step each row drops from its KV before anything else:
+what a verified step ran past the tokens that stood (the tail's answer says; every stage trims
+on this header). `drafts`, only in a pipeline's step of tokens > 1: for each row [n, its n
+draft tokens], which the tail verifies (a tensor stage's ranks need none). `keep` lists the rows of the micro-batch that stay (-1 for n_keep means "all rows stay"),
 and an answer [row, n, n tokens] gives a leaving row's tokens, its prompt and what was sampled,
 so that every stage's prefix cache keeps the KV the row computed past its prompt before the row
 is dropped (only when the head keeps a prefix cache). An admitted record is
@@ -200,6 +212,8 @@ class Step:
     rows: int = 0
     tokens: int = 0
     keep: list[int] | None = None  # DECODE: rows that stay; None = all
+    cuts: list[int] = field(default_factory=list)  # DECODE: positions each row drops first
+    drafts: list[list[int]] = field(default_factory=list)  # DECODE of tokens > 1: each row's
     answers: dict[int, list[int]] = field(default_factory=dict)  # DECODE: leaving rows' tokens
     admits: list[Admit] = field(default_factory=list)  # DECODE
     freed: list[int] = field(default_factory=list)  # FREE
@@ -211,8 +225,10 @@ class Step:
         if self.op == DECODE:
             keep = [-1] if self.keep is None else [len(self.keep), *self.keep]
             answers = [i for row, t in self.answers.items() for i in (row, len(t), *t)]
-            return [*keep, len(self.admits), *(i for a in self.admits for i in a.encode()),
-                    len(self.answers), *answers]
+            drafts = [i for d in self.drafts for i in (len(d), *d)]
+            return [len(self.cuts), *self.cuts, *keep, len(self.admits),
+                    *(i for a in self.admits for i in a.encode()), len(self.answers), *answers,
+                    *drafts]
         if self.op == FREE:
             return list(self.freed)
         if self.op == PREFILL:
@@ -227,6 +243,7 @@ class Step:
         """Sets the fields `payload()` carries for this step's op."""
         if self.op == DECODE:
             r = _Reader(payload)
+            self.cuts = r.take(r.one())
             n_keep = r.one()
             if n_keep >= 0:
                 self.keep = r.take(n_keep)
@@ -234,6 +251,8 @@ class Step:
             for _ in range(r.one()):
                 row = r.one()
                 self.answers[row] = r.take(r.one())
+            if r.at < len(payload):
+                self.drafts = [r.take(r.one()) for _ in range(self.rows)]
         elif self.op == FREE:
             self.freed = payload
         elif self.op == PREFILL:
@@ -317,6 +336,24 @@ def send_answer(tokens: mx.array, records: mx.array | None, failed: int, dst: in
     if records is not None:
         parts.insert(1, records)
     _send(mx.concatenate(parts), dst, group)
+
+
+def send_runs(runs: list[list[int]], width: int, records: list[int], failed: int, dst: int,
+              group) -> None:
+    """The tail's answer to a DECODE step that verified drafts of `width` positions a row:
+    each row's run of tokens (what stood of its draft, then its own next token), the logprob
+    records of the rows that ask (`width` each), and how many rows failed."""
+    ints = [i for run in runs for i in (len(run), *run, *[0] * (width - len(run)))]
+    _send(mx.array([*ints, *records, failed], dtype=mx.int32), dst, group)
+
+
+def recv_runs(rows: int, width: int, records: int, src: int, group
+              ) -> tuple[list[list[int]], list[int], int]:
+    """`send_runs`' message (`records`: the ints of its logprob records): each row's run, the
+    records, and how many rows failed."""
+    ints = _recv((rows * (width + 1) + records + 1,), mx.int32, src, group).tolist()
+    at = [i * (width + 1) for i in range(rows)]
+    return ([ints[a + 1:a + 1 + ints[a]] for a in at], ints[rows * (width + 1):-1], ints[-1])
 
 
 def recv_tokens(rows: int, src: int, group) -> list[int]:

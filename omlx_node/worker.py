@@ -17,80 +17,43 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from omlx_shared import __version__, auth, cluster_tls
-from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 from omlx_shared.child import write_ready
 from omlx_shared.heap import freeze_startup_heap
-from omlx_node.batcher import Batcher, Engine, Finish
+from omlx_node.batcher import Batcher, Engine
 from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
 from omlx_node.load_priority import at_low_priority
 from omlx_node.metrics import KINDS, NodeMetrics
-from omlx_node.session import POLL_SECONDS, Session, fill_chunk, seq_request
+from omlx_node.session import Session
 from omlx_node.stage import StageRunner
 from omlx_node.warm_up import warm_up
 from omlx_node.wire import Doorbell, link_doorbells
+from omlx_node.worker_config import WorkerConfig, WorkerJob
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Every running Generate stream holds one handler thread while it waits for tokens; a Session
-# holds two (requests, events) for at most this many sequences.
+# The most sequences a Session call carries, and calls the server runs at once (each Session
+# holds two handler threads: requests, events).
 MAX_STREAMS = 512
 
 
-@dataclass
-class WorkerConfig:
-    model_path: Path
-    model_id: str
-    layer_start: int
-    layer_end: int | None
-    streamed_layers: int = 0  # the range's last layers kept on disk (omlx_node/layer_stream.py)
-    rank: int = 0
-    peers: tuple[str, ...] = ()
-    backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
-    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
-    rdma_devices: str = ""
-    plan_hash: str = ""
-    tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)
-    micro_batches: int = 0
-    host: str = "127.0.0.1"
-    prefill_chunk: int | None = None  # None: sized for the device (batcher.device_prefill_chunk)
-    max_batch: int = 64
-    speculative: str = "auto"  # omlx_node.speculation's mode (one-stage pipelines only)
-    stream_interval: float = 0.02  # seconds (session.Session's interval)
-    metrics_port: int = 0  # 0: any free port
-    node_id: str = ""  # the agent's, a label on every metric
-    init_timeout: float = 60.0
-    cache_block_size: int = DEFAULT_BLOCK_SIZE
-    hot_cache_bytes: int = 0  # 0: no prefix cache at all
-    ssd_cache_dir: Path | None = None  # None: RAM only
-    ssd_cache_bytes: int = 0
-    device_cache_bytes: int | None = None  # None: sized for the device (device_tier)
-    kind: str = "chat"  # omlx_shared.model_kinds: the other kinds run encoder_worker's
-
-    @property
-    def world_size(self) -> int:
-        return max(1, len(self.peers))
-
-
 class WorkerService(pb_grpc.ShardWorkerServicer):
-    """Generate/Cancel/Stats/Health of the head worker. Handlers never touch MLX: they talk to
-    the engine through its queue and read each sequence's events back."""
+    """Session and Health of the head worker. Handlers never touch MLX: they talk to the
+    engine through its queue and read each sequence's events back."""
 
     def __init__(self, engine: Engine, config: WorkerConfig, metrics_port: int):
         self.engine, self.config, self.metrics_port = engine, config, metrics_port
@@ -108,44 +71,10 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "not admitted: calls to a shard worker need the cluster session")
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        try:
-            seq = self.engine.submit(seq_request(request))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # Runs when the call ends for any reason, a client that went away included.
-        context.add_callback(lambda: self.engine.cancel(request.request_id))
-        first = True
-        while True:
-            try:
-                event = seq.events.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            tokens: list[int] = []
-            while isinstance(event, int):
-                tokens.append(event)
-                try:
-                    event = seq.events.get_nowait()
-                except queue.Empty:
-                    event = None
-            chunk = fill_chunk(pb.TokenChunk(), seq, tokens, event, first)
-            first = False
-            if isinstance(event, Finish) and event.reason == "lost":
-                # The node failed under the sequence: answered as a worker that went away is,
-                # so the coordinator tells it from a clean stop ("aborted").
-                if tokens:
-                    yield chunk
-                context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-            yield chunk
-            if isinstance(event, Finish):
-                return
-
     def Session(self, requests, context: grpc.ServicerContext):
         self._authorize(context)
-        session = Session(self.engine, MAX_STREAMS, self.compiler, self.config.stream_interval)
+        session = Session(self.engine, MAX_STREAMS, self.compiler,
+                          self.config.engine.stream_interval)
         with self._sessions_lock:
             self._sessions.add(session)
         context.add_callback(lambda: session.close("the call ended"))
@@ -166,11 +95,6 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
         for session in sessions:
             session.close("the worker is shutting down")
 
-    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        self.engine.cancel(request.request_id)
-        return pb.CancelReply(found=True)
-
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext):
         self._authorize(context)
         e, info, c = self.engine, self.engine.stage.info, self.config
@@ -180,15 +104,6 @@ class WorkerService(pb_grpc.ShardWorkerServicer):
                               num_layers=info.num_layers, metrics_port=self.metrics_port,
                               pid=os.getpid(), worker_pid=os.getpid(), rank=c.rank,
                               world_size=c.world_size)
-
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext):
-        self._authorize(context)
-        e = self.engine
-        return pb.StatsReply(running=e.running, waiting=e.waiting,
-                             prompt_tokens_total=e.prompt_total,
-                             generated_tokens_total=e.generated_total,
-                             requests_total=e.requests_total,
-                             decode_tokens_per_second=e.decode_rate())
 
 
 def plan_int(plan_hash: str) -> int:
@@ -217,8 +132,9 @@ def join_group(config: WorkerConfig):
         try:
             row = json.loads(config.rdma_devices)[rank]
         except (ValueError, IndexError, TypeError):
-            raise SystemExit(f"error: --rdma-devices must be MLX's device matrix as JSON with a "
-                             f"row for rank {rank}, got {config.rdma_devices!r}") from None
+            raise SystemExit(f"error: the plan's RDMA devices (rdma_devices) must be MLX's "
+                             f"device matrix as JSON with a row for rank {rank}, got "
+                             f"{config.rdma_devices!r}") from None
         devices = scratch / "devices.json"
         devices.write_text(config.rdma_devices)
         os.environ["MLX_IBV_DEVICES"] = str(devices)
@@ -296,7 +212,7 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
                       tensor_group=None) -> PrefixCache | None:
     """`tensor_group`: the ranks of a tensor-parallel stage keep a prefix cache only if every
     one does (its lookups and `block_layout`'s forward pass are collective), each of its heads."""
-    wanted = config.hot_cache_bytes > 0
+    wanted = config.engine.hot_cache_bytes > 0
     name = f"{config.model_id}@{weights_fingerprint(config.model_path)}"
     if tensor_group is not None:
         import mlx.core as mx
@@ -305,16 +221,17 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
         name += f"/tensor{tensor_group.rank()}of{tensor_group.size()}"
     if not wanted:
         return None
-    info = stage.info
-    layout = None if stage.prefix_cache_off else block_layout(stage, config.cache_block_size)
+    info, engine = stage.info, config.engine
+    layout = None if stage.prefix_cache_off else block_layout(stage, engine.cache_block_size)
     return PrefixCache(
         name,
-        (info.layer_start, info.layer_end), config.cache_block_size,
-        hot_max_bytes=config.hot_cache_bytes, ssd_dir=config.ssd_cache_dir,
-        ssd_max_bytes=config.ssd_cache_bytes, metrics_registry=metrics.registry,
+        (info.layer_start, info.layer_end), engine.cache_block_size,
+        hot_max_bytes=engine.hot_cache_bytes,
+        ssd_dir=Path(engine.ssd_cache_dir) if engine.ssd_cache_dir else None,
+        ssd_max_bytes=engine.ssd_cache_bytes, metrics_registry=metrics.registry,
         dtype=info.dtype,
-        device_max_bytes=(default_max_bytes() if config.device_cache_bytes is None
-                          else config.device_cache_bytes), layout=layout)
+        device_max_bytes=(default_max_bytes() if engine.device_cache_bytes is None
+                          else engine.device_cache_bytes), layout=layout)
 
 
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
@@ -364,14 +281,17 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
+    from omlx_node.speculation import collective_position_costs
     from omlx_node.tensor import TensorFollower, TensorHead
 
     metrics.load_seconds.set(stage.info.load_seconds)
     metrics.shard_bytes.set(stage.nbytes())
     info = stage.info
-    log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s)", config.rank,
+    log.info("rank %d/%d: layers [%d, %d) of %s loaded in %.1fs (%s%s)", config.rank,
              config.world_size, info.layer_start, info.layer_end, config.model_id,
-             info.load_seconds, info.dtype)
+             info.load_seconds, info.dtype,
+             f"; the last {stage.streamed_layers} stream from disk" if stage.streamed_layers
+             else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
     log.info("rank %d: warmed up in %.2fs", config.rank,
@@ -388,6 +308,10 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         "stage": str(config.rank), "layers": f"{info.layer_start}:{info.layer_end}"})
 
     freeze_startup_heap()  # the loaded model and every module: no full collection walks them
+    tensor_costs = None
+    if config.tensor and config.engine.speculative != "off":
+        # Every rank at once: the sharded MLP's all_sums need them all.
+        tensor_costs = collective_position_costs(stage)
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
         # kill it before that STOP lands, and rank 0 would fail sending it. An agent that cannot
@@ -402,13 +326,15 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
             StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
         return 0
 
+    settings = config.engine
     if config.tensor:
         engine: Engine = TensorHead(stage, metrics, group, plan, doorbells[1],
-                                    config.prefill_chunk, config.max_batch, prefix_cache,
-                                    grammars)
+                                    settings.prefill_chunk, settings.max_batch, prefix_cache,
+                                    grammars, settings.speculative, settings.speculative_rows,
+                                    tensor_costs)
     elif group is None:
-        engine = Batcher(stage, metrics, config.prefill_chunk, config.max_batch, prefix_cache,
-                         grammars, config.speculative)
+        engine = Batcher(stage, metrics, settings.prefill_chunk, settings.max_batch,
+                         prefix_cache, grammars, settings.speculative, settings.speculative_rows)
     else:
         costs = None
         if not config.micro_batches:
@@ -418,8 +344,9 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                      next((r for r in (2 ** i for i in range(1, 12))
                            if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
-                              config.micro_batches or config.world_size, config.prefill_chunk,
-                              config.max_batch, prefix_cache, costs, grammars)
+                              config.micro_batches or config.world_size, settings.prefill_chunk,
+                              settings.max_batch, prefix_cache, costs, grammars,
+                              settings.speculative, settings.speculative_rows)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),
                          maximum_concurrent_rpcs=MAX_STREAMS)
     service = WorkerService(engine, config, ready["metrics_port"])
@@ -436,3 +363,36 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         engine.shutdown_pipeline()
     server.stop(grace=2).wait(5)
     return 0 if engine.ready else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m omlx_node.worker --ready-file F`: a worker started by its node agent (or a
+    test), which reads its WorkerJob as one JSON line on stdin. Started ahead of its plan (a
+    standby), it has imported MLX and mlx-lm by the time the line comes."""
+    import argparse
+
+    from omlx_shared.child import watch_parent
+    from omlx_shared.typed_json import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m omlx_node.worker")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--ready-file", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A worker is only ever its agent's: when the agent goes, so does it.
+    watch_parent(lambda: os._exit(0))
+    line = sys.stdin.readline()
+    if not line:  # the agent went away without a plan for us
+        return 0
+    try:
+        job = WorkerJob.from_json(line)
+    except ConfigError as e:
+        print(f"error: the worker's job: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(job.env)
+    return run_worker(job.config, args.ready_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

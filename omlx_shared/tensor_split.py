@@ -1,14 +1,30 @@
-"""Whether a model can run as a tensor-parallel stage of N ranks, known without MLX.
+"""Whether a model can run as a tensor-parallel stage of N ranks, and how, known without MLX.
 
-A tensor-parallel stage runs mlx-lm's own `Model.shard(group)`: attention split by heads (q, k, v
-column-sharded, o row-sharded), the MLP by its intermediate size, experts by theirs; embedding
-and head stay whole on every rank. The coordinator decides before any weight moves, and imports
-no MLX, so the families that have `shard()` are listed here (tests/test_tensor_split.py checks
-the list against mlx-lm's classes) and the shape checks read config.json alone. The stage runner
-(omlx_node/stage.py) checks the same when it loads.
+A tensor-parallel stage splits attention by heads (q, k, v column-sharded, o row-sharded) and the
+MLP by its intermediate size (experts by theirs); embedding and head stay whole on every rank.
+Two sharders do it (omlx_node/tensor_shard.py):
+
+- mlx-lm's own `Model.shard(group)`, for the families that have one, where the rank count divides
+  every size it splits (it splits evenly, and needs at least one KV head a rank);
+- the generic sharder, for families of the common decoder shape (every layer a `self_attn` of
+  q/k/v/o projections with per-head norms at most, and an `mlp` of gate/up/down projections, or
+  an MoE block of SwitchGLU experts, dense shared experts and routers, split by width),
+  with or without `shard()`: it gives each rank a contiguous run of KV heads with their query
+  heads, ceil or floor of KV heads/ranks; with fewer KV heads than ranks, a run of query heads
+  (ceil or floor of heads/ranks) with the KV heads they read (a KV head whose query heads
+  straddle two ranks is held by both: a replica, as GQA allows, since a query head reads one KV
+  head alone); and ceil or floor of the MLP's width. So 3 ranks serve a model of 32 heads and 8
+  KV heads (12, 12 and 8 heads), or of 4 heads and 2 KV heads, and 4 ranks one of 1 KV head.
+
+The coordinator decides before any weight moves, and imports no MLX, so the families are listed
+here (tests/test_tensor_split.py checks the lists against mlx-lm's classes) and the checks read
+config.json alone. The stage runner checks the same when it loads, and the generic sharder checks
+every layer's modules.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # mlx-lm 0.32's model modules whose Model has shard().
 SHARDABLE = frozenset({
@@ -17,6 +33,12 @@ SHARDABLE = frozenset({
     "llama", "longcat_flash", "longcat_flash_ngram", "minimax", "minimax_m3_vl", "ministral3",
     "mistral4", "muse_spark", "prism_hadamard_qwen35", "qwen2", "qwen3", "qwen3_5",
     "qwen3_5_moe", "qwen3_moe", "solar_open", "step3p5",
+})
+# mlx-lm 0.32's model modules of the common decoder shape (the generic sharder's).
+COMMON_SHAPE = frozenset({
+    "cohere2", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "granite",
+    "hunyuan_v1_dense", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss",
+    "smollm3",
 })
 # config.json model types mlx-lm loads with another family's module (its MODEL_REMAPPING).
 ALIASES = {"mistral": "llama", "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3",
@@ -27,6 +49,49 @@ DIVIDED = (("num_attention_heads", "attention heads"),
            ("intermediate_size", "MLP intermediate size"),
            ("moe_intermediate_size", "expert intermediate size"),
            ("shared_expert_intermediate_size", "shared expert intermediate size"))
+# What the generic sharder splits, at least one a rank.
+SPLIT = (("num_attention_heads", "attention heads"), ("intermediate_size", "MLP intermediate size"),
+         ("moe_intermediate_size", "expert intermediate size"),
+         ("shared_expert_intermediate_size", "shared expert intermediate size"))
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """One rank's share of a layer's attention: query heads [q_start, q_end), and the KV heads
+    they read, in order."""
+    q_start: int
+    q_end: int
+    kv: tuple[int, ...]
+
+
+def share(size: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous run [start, end) of `size` units: the first size % ranks ranks
+    one more than the others."""
+    base, extra = divmod(size, ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def head_slice(n_heads: int, n_kv_heads: int, ranks: int, rank: int) -> HeadSlice:
+    """Rank `rank`'s query heads and the KV heads they read (GQA: query head h reads KV head
+    h // (n_heads / n_kv_heads)).
+
+    With at least as many KV heads as ranks, each rank gets whole groups (a KV head and its
+    query heads), ceil or floor of n_kv_heads / ranks of them: nothing is held twice. With
+    fewer, the query heads are split (ceil or floor of n_heads / ranks), and a KV head whose
+    query heads straddle ranks is held by each; where a rank's run then reads its KV heads
+    unevenly, each of its query heads gets its own copy of its KV head, so its attention stays a
+    plain GQA of equal groups."""
+    group = n_heads // n_kv_heads
+    if n_kv_heads >= ranks:
+        kv_start, kv_end = share(n_kv_heads, ranks, rank)
+        return HeadSlice(kv_start * group, kv_end * group, tuple(range(kv_start, kv_end)))
+    q_start, q_end = share(n_heads, ranks, rank)
+    read = [h // group for h in range(q_start, q_end)]
+    kv = sorted(set(read))
+    if len({read.count(k) for k in kv}) > 1:
+        return HeadSlice(q_start, q_end, tuple(read))
+    return HeadSlice(q_start, q_end, tuple(kv))
 
 
 def _setting(config: dict, key: str):
@@ -35,19 +100,66 @@ def _setting(config: dict, key: str):
     return (config.get("text_config") or {}).get(key) if value is None else value
 
 
+def _family(config: dict) -> str:
+    model_type = str(config.get("model_type", ""))
+    return ALIASES.get(model_type, model_type)
+
+
+def _undivided(config: dict, ranks: int) -> str:
+    """Why mlx-lm's shard() cannot split this model evenly over `ranks`; "" when it can."""
+    for key, what in DIVIDED:
+        value = _setting(config, key)
+        if isinstance(value, int) and value % ranks:
+            return f"{value} {what} ({key}), which do not divide over {ranks} ranks"
+    return ""
+
+
+def uses_model_shard(config: dict, ranks: int) -> bool:
+    """Whether the stage runs mlx-lm's own Model.shard() (else the generic sharder)."""
+    return _family(config) in SHARDABLE and not _undivided(config, ranks)
+
+
+def largest_share(config: dict, ranks: int) -> tuple[float, float]:
+    """The largest fraction of a layer's weights, and of its KV, that one rank of `ranks`
+    holds: 1/ranks where the split is even; more where it is not (rank 0's extra head) or KV
+    heads are held twice. Counted whole for the weights: the largest of its attention's query
+    share, KV share and MLP share (plan sizes need not be exact, only not short)."""
+    even = 1 / ranks
+    heads, kv = _setting(config, "num_attention_heads"), _setting(config, "num_key_value_heads")
+    widths = [w for key, _ in SPLIT[1:] if isinstance(w := _setting(config, key), int) and w]
+    if uses_model_shard(config, ranks) or not isinstance(heads, int):
+        return even, even
+    kv = kv if isinstance(kv, int) and kv else heads
+    slices = [head_slice(heads, kv, ranks, r) for r in range(ranks)]
+    q = max(s.q_end - s.q_start for s in slices) / heads
+    kv_share = max(len(s.kv) for s in slices) / kv
+    mlp = max((-(-w // ranks) / w for w in widths), default=even)
+    return max(q, kv_share, mlp), kv_share
+
+
 def tensor_refusal(config: dict, ranks: int) -> str:
     """Why the model of `config` (a config.json) cannot be a tensor-parallel stage of `ranks`
     ranks, with what to do instead; "" when it can."""
     model_type = str(config.get("model_type", ""))
-    family = ALIASES.get(model_type, model_type)
+    family = _family(config)
     if ranks < 2:
         return f"a tensor-parallel stage needs at least 2 ranks, got {ranks}"
-    if family not in SHARDABLE:
-        return (f"model family {model_type!r} has no tensor-parallel split in mlx-lm "
-                f"(no Model.shard()); serve it with --parallel pipeline")
-    for key, what in DIVIDED:
-        value = _setting(config, key)
-        if isinstance(value, int) and value % ranks:
-            return (f"{model_type} has {value} {what} ({key}), which do not divide over "
-                    f"{ranks} ranks; use a rank count that divides it or --parallel pipeline")
-    return ""
+    if uses_model_shard(config, ranks):
+        return ""
+    if family in COMMON_SHAPE:
+        for key, what in SPLIT:
+            value = _setting(config, key)
+            if isinstance(value, int) and value < ranks:
+                return (f"{model_type} has {value} {what} ({key}), fewer than the {ranks} "
+                        f"ranks (each needs at least one); use at most {value} ranks or "
+                        f"--parallel pipeline")
+        return ""
+    if family in SHARDABLE:
+        return (f"{model_type} has {_undivided(config, ranks)}; mlx-lm's Model.shard() splits "
+                f"evenly and {model_type} is not of the common decoder shape the uneven split "
+                f"serves (its layers are not all attention q/k/v/o and a gate/up/down MLP or "
+                f"SwitchGLU experts); use a rank count that divides it or --parallel pipeline")
+    return (f"model family {model_type!r} has no tensor-parallel split: mlx-lm has no "
+            f"Model.shard() for it and its layers are not of the common decoder shape the "
+            f"generic sharder splits (attention q/k/v/o with per-head norms at most, a "
+            f"gate/up/down MLP or SwitchGLU experts); serve it with --parallel pipeline")

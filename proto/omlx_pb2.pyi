@@ -312,18 +312,6 @@ class TranscribeReply(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[TranscriptSegment]
     def __init__(self, text: _Optional[str] = ..., language: _Optional[str] = ..., duration: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ...) -> None: ...
 
-class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class CancelReply(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
-
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -435,26 +423,6 @@ class NodeCheck(_message.Message):
     detail: str
     fix: str
     def __init__(self, name: _Optional[str] = ..., status: _Optional[str] = ..., detail: _Optional[str] = ..., fix: _Optional[str] = ...) -> None: ...
-
-class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class StatsReply(_message.Message):
-    __slots__ = ("running", "waiting", "prompt_tokens_total", "generated_tokens_total", "requests_total", "decode_tokens_per_second")
-    RUNNING_FIELD_NUMBER: _ClassVar[int]
-    WAITING_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
-    running: int
-    waiting: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    requests_total: int
-    decode_tokens_per_second: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes")

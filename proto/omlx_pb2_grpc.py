@@ -377,7 +377,7 @@ class NodeAgent:
 
 
 class ShardWorkerStub:
-    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """A shard worker. Only rank 0 (the pipeline's head) serves Session.
     """
 
     def __init__(self, channel):
@@ -386,30 +386,15 @@ class ShardWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/omlx.v1.ShardWorker/Generate',
-                request_serializer=proto_dot_omlx__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.TokenChunk.FromString,
-                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/omlx.v1.ShardWorker/Session',
                 request_serializer=proto_dot_omlx__pb2.SessionRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.SessionEvents.FromString,
                 _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/omlx.v1.ShardWorker/Cancel',
-                request_serializer=proto_dot_omlx__pb2.CancelRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.CancelReply.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/omlx.v1.ShardWorker/Health',
                 request_serializer=proto_dot_omlx__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.HealthReply.FromString,
-                _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/omlx.v1.ShardWorker/Stats',
-                request_serializer=proto_dot_omlx__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_omlx__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Encode = channel.unary_unary(
                 '/omlx.v1.ShardWorker/Encode',
@@ -424,19 +409,11 @@ class ShardWorkerStub:
 
 
 class ShardWorkerServicer:
-    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """A shard worker. Only rank 0 (the pipeline's head) serves Session.
     """
 
-    def Generate(self, request, context):
-        """Submit one sequence; its tokens stream back as they are sampled.
-        Cancelling the call (client disconnect, deadline) frees the sequence at once.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Session(self, request_iterator, context):
-        """Many sequences over one call, as the gateway sends them: each engine step's tokens of every
+        """Every sequence over one call, as the gateway sends them: each engine step's tokens of every
         sequence of the session come back as one SessionEvents message. A stream per sequence costs
         the worker a message, a handler thread's wake-up and the GIL time of both per token, which
         on a GPU is taken from the engine's own Python (at 32 streams of a 1.1B model on an H200,
@@ -448,20 +425,7 @@ class ShardWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Cancel(self, request, context):
-        """Cancel a running sequence by id (for clients that cannot cancel the stream itself).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -484,30 +448,15 @@ class ShardWorkerServicer:
 
 def add_ShardWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=proto_dot_omlx__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_omlx__pb2.TokenChunk.SerializeToString,
-            ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=proto_dot_omlx__pb2.SessionRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.SessionEvents.SerializeToString,
             ),
-            'Cancel': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cancel,
-                    request_deserializer=proto_dot_omlx__pb2.CancelRequest.FromString,
-                    response_serializer=proto_dot_omlx__pb2.CancelReply.SerializeToString,
-            ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
                     request_deserializer=proto_dot_omlx__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_omlx__pb2.HealthReply.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=proto_dot_omlx__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_omlx__pb2.StatsReply.SerializeToString,
             ),
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
@@ -528,35 +477,8 @@ def add_ShardWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ShardWorker:
-    """A shard worker. Only rank 0 (the pipeline's head) serves Generate/Cancel/Stats.
+    """A shard worker. Only rank 0 (the pipeline's head) serves Session.
     """
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/omlx.v1.ShardWorker/Generate',
-            proto_dot_omlx__pb2.GenerateRequest.SerializeToString,
-            proto_dot_omlx__pb2.TokenChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Session(request_iterator,
@@ -586,33 +508,6 @@ class ShardWorker:
             _registered_method=True)
 
     @staticmethod
-    def Cancel(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/omlx.v1.ShardWorker/Cancel',
-            proto_dot_omlx__pb2.CancelRequest.SerializeToString,
-            proto_dot_omlx__pb2.CancelReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Health(request,
             target,
             options=(),
@@ -629,33 +524,6 @@ class ShardWorker:
             '/omlx.v1.ShardWorker/Health',
             proto_dot_omlx__pb2.HealthRequest.SerializeToString,
             proto_dot_omlx__pb2.HealthReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/omlx.v1.ShardWorker/Stats',
-            proto_dot_omlx__pb2.StatsRequest.SerializeToString,
-            proto_dot_omlx__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,10 +119,10 @@ def test_calls_need_the_session_and_the_secret_never_travels(node, tmp_path):
         # The shard worker takes the same session, and nothing else.
         stranger = intruder.worker(reply.worker_address)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stranger.stats()
+            await stranger.health()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         worker = client.worker(reply.worker_address)
-        assert (await worker.stats()).running == 0
+        assert (await worker.health()).ready
 
         # A second admission (a restarted coordinator) replaces the session.
         again = AgentClient(address, "mac-a", SECRET)

@@ -328,13 +328,13 @@ def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
             reply = await client.load_shard(pb.LoadShardRequest(model_path=str(model),
                                                                 model_id="m"))
             thief.session = client.session
-            for call in (thief.health(), thief.worker(reply.worker_address).stats()):
+            for call in (thief.health(), thief.worker(reply.worker_address).health()):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             # The session still serves its own channel, to the agent and to its worker.
             assert (await client.health()).ready
-            assert (await client.worker(reply.worker_address).stats()).running == 0
+            assert (await client.worker(reply.worker_address).health()).ready
         finally:
             await client.close()
             await thief.close()
@@ -385,7 +385,7 @@ def test_a_registration_never_displaces_a_live_member(node, model, caplog):
                         ).status_code == 202
                 assert [(m.name, m.agent.address) for m in cluster.members] == [(NODE, address)]
                 assert served.ready and served.epoch == epoch
-                assert (await served.node.stats()).running == 0  # it still serves
+                assert (await served.node.health()).ready  # it still serves
                 assert (await register(auth.registration(SECRET, address, NODE))
                         ).json() == {"status": "member"}
         finally:

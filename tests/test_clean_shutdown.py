@@ -17,6 +17,9 @@ import pytest
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.pipeline import pipeline
+from tests.helpers.session import SessionClient
+
+pytestmark = pytest.mark.slow  # real processes signalled
 
 # linux/connector.h and linux/cn_proc.h
 NETLINK_CONNECTOR, CN_IDX_PROC, CN_VAL_PROC = 11, 1, 1
@@ -83,11 +86,11 @@ def exit_codes():
 
 def test_sigterm_stops_every_rank_with_code_0(model):
     """Both ranks get SIGTERM at once, as their agents send it, one stream still running."""
-    with pipeline(model, [2, 2]) as (stub, workers):
-        assert len(list(stub.Generate(pb.GenerateRequest(
+    with pipeline(model, [2, 2]) as (stub, workers), SessionClient(stub) as session:
+        assert len(list(session.generate(pb.GenerateRequest(
             request_id="a", prompt_tokens=[5, 6, 7], max_tokens=8), timeout=60))) >= 1
-        running = stub.Generate(pb.GenerateRequest(request_id="b", prompt_tokens=[5, 6, 7],
-                                                   max_tokens=1800), timeout=60)
+        running = session.generate(pb.GenerateRequest(request_id="b", prompt_tokens=[5, 6, 7],
+                                                      max_tokens=1800), timeout=60)
         next(running)
         for w in workers:
             w.proc.send_signal(signal.SIGTERM)
@@ -101,7 +104,6 @@ def test_sigterm_stops_every_rank_with_code_0(model):
         assert "exits with code 0" in log.splitlines()[-1]
 
 
-@pytest.mark.slow
 def test_a_two_node_serve_stops_every_worker_with_code_0(model, tmp_path):
     with exit_codes() as collect:
         with start_server(model, "--nodes", "2", home=tmp_path / "h") as server:

@@ -82,8 +82,6 @@ def test_no_command_is_a_usage_error(home: Path) -> None:
     (["coordinator"], ["--model", "--host", "--port", "--api-key", "--secret", "--os-reserve",
                        "--no-discovery", "--backend"]),
     (["join"], ["--secret", "--host", "--port", "--name", "--coordinator", "--no-announce"]),
-    (["worker"], ["--model", "--layers", "--rank", "--peers", "--backend", "--rdma-devices",
-                  "--plan-hash", "--init-timeout", "--ready-file"]),
     (["node"], ["--host", "--port", "--ready-file", "--data-port", "--metrics-port", "--model",
                 "--exit-with-parent", "--prefill-chunk", "--max-batch"]),
     (["models"], []),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from dataclasses import replace
+
 from omlx_coordinator.disk_layers import STREAM_BUFFERS, streamed_layers
 from omlx_coordinator.planner import GiB, NodeSpec, PlanError, make_plan
 from tests.helpers.layouts import uniform_layout
@@ -56,3 +58,19 @@ def test_streamed_layers_is_the_least_that_fits():
     # 20 - 4n + 2 * 4 <= 19 -> n = 3
     assert streamed_layers(prefix, 0, 5, 20, 19, True, 4) == 3
     assert streamed_layers(prefix, 0, 5, 20, 11, True, 4) is None  # 4 + 8 > 11
+
+
+def test_streamed_experts_cost_the_share_a_token_routes_to():
+    # Layers of 1 GiB of which 7/8 are stacked routed experts, 2 of 16 read at batch 1.
+    read = GiB - GiB * 7 // 8 + GiB * 7 // 64
+    dense = uniform_layout(L=16, layer=GiB)
+    moe = replace(dense, layer_read_bytes=(read,) * 16)
+    node = NodeSpec("mac", 9 * GiB, speed=100.0, weights_cap=8 * GiB + dense.norm_bytes,
+                    disk_gbps=5.0)
+    plans = {name: make_plan(lay, [node], **KW) for name, lay in (("dense", dense), ("moe", moe))}
+    assert plans["moe"].stages[0].streamed_layers == plans["dense"].stages[0].streamed_layers == 11
+    compute = 16.5 * GiB / 100e9 * 1e3
+    assert plans["moe"].stages[0].est_ms == pytest.approx(11 * read / 5e9 * 1e3 + compute)
+    text = "\n".join(plans["moe"].explanation)
+    assert "at batch 1 only the routed experts of their 11.00 GiB are read" in text, text
+    assert "routed experts" not in "\n".join(plans["dense"].explanation)

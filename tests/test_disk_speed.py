@@ -33,3 +33,10 @@ def test_an_unwritable_folder_is_a_warning_not_a_failure(tmp_path: Path, caplog)
     blocked.write_text("not a folder")
     assert disk_speed.node_disk_speed(tmp_path / "c.json", blocked / "store") == 0.0
     assert "could not measure the disk" in caplog.text
+
+
+def test_a_store_not_made_yet_is_measured_where_it_will_be(tmp_path: Path) -> None:
+    # A first join: neither its home nor the store in it exists yet.
+    store = tmp_path / "home" / "models"
+    assert disk_speed.node_disk_speed(tmp_path / "disk-speed.json", store) > 0
+    assert store.is_dir() and list(store.iterdir()) == []

@@ -174,6 +174,7 @@ def test_unsupported_family_and_range(tmp_path):
         StageRunner(path, 1, 5)
 
 
+@pytest.mark.slow
 def test_the_engine_gives_freed_buffers_back_to_the_device(tmp_path):
     """MLX keeps freed buffers for reuse and never returns them unasked: a long prompt's chunks
     and a finished request's KV would stay held on a device another model's worker shares.

@@ -156,3 +156,26 @@ def test_killed_rank_of_a_tensor_parallel_stage_mid_stream(model, tmp_path, rank
         assert outs == refs
         assert status["epoch"] == 2 and status["parallel"] == "tensor x2 over ring"
         assert all(n["healthy"] for n in status["nodes"])
+
+
+@pytest.mark.parametrize("parallel, rank", [("pipeline", 0), ("pipeline", 1), ("tensor", 1)])
+def test_killed_stage_of_a_speculating_plan_resumes_every_stream_unchanged(model, tmp_path,
+                                                                           parallel, rank):
+    """The head drafts (prompt lookup) and the tail verifies, eight streams in one step: a
+    stage dies mid-stream (the head with every row's drafting state, or the tail; or the rank
+    of a tensor-parallel stage that mirrors rank 0's trims), and every stream resumes on the
+    new plan with the same text, drafting again."""
+    with start_server(model, "--nodes", "2", "--parallel", parallel, "--speculative", "ngram",
+                      "--speculative-rows", str(STREAMS), home=tmp_path / "h",
+                      keepalive=None) as server:
+        refs, outs, status = run_and_kill(server, lambda h: h["nodes"][rank]["worker_pid"])
+        assert outs == refs
+        assert status["epoch"] == 2 and all(n["healthy"] for n in status["nodes"])
+        deadline = time.monotonic() + 60  # the new head's drafts, as its agent last read them
+        while time.monotonic() < deadline:
+            [spec] = httpx.get(server.url + "/cluster/status",
+                               timeout=5).json()["models"][0]["speculative"] or [None]
+            if spec is not None:
+                break
+            time.sleep(0.5)
+        assert spec is not None and spec["tokens_per_step"] > 1

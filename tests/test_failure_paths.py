@@ -20,7 +20,6 @@ from omlx_coordinator.cluster import ClusterOptions
 from omlx_coordinator.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.generation import (
-    MAX_ATTEMPTS,
     Delta,
     Done,
     GatewaySettings,
@@ -28,6 +27,7 @@ from omlx_coordinator.generation import (
     generate,
 )
 from omlx_coordinator.metrics import GatewayMetrics
+from omlx_coordinator.retry import MAX_ATTEMPTS
 from omlx_coordinator.weight_transfer import WeightSource, ensure_weights
 from omlx_coordinator.worker_session import WorkerSession
 from omlx_node.kv_cache import PrefixCache
@@ -101,6 +101,7 @@ def long_request(max_tokens: int = 1500) -> GenerationRequest:
                              ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_node_status_codes_map_to_http(model):
     """INVALID_ARGUMENT (the node refuses the request) is the client's 400; any other status
     that is not a lost node (here UNAUTHENTICATED: the worker does not take this session) is a
@@ -126,6 +127,7 @@ def test_node_status_codes_map_to_http(model):
     assert isinstance(fine, Done) and len(tokens) == 4
 
 
+@pytest.mark.slow
 def test_a_recovery_that_outlasts_the_request_is_a_504(model):
     async def scenario(cluster: ModelManager):
         replan = asyncio.create_task(cluster.main.recover("test: a new plan", always=True))
@@ -315,6 +317,7 @@ def test_a_bad_manifest_is_refused_and_nothing_is_written(model, tmp_path, case)
     assert store.prepare(_manifest(source)).files  # the store still takes a good one
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_write_aborts_and_the_transfer_resumes(big, tmp_path):
     """The store had room when it prepared; then something else fills its disk (a file written
     into the agent's tmpfs through its mount namespace). The write fails with ENOSPC:

@@ -100,6 +100,11 @@ class TwoStages:
         self.embed_tokens = first.embed_tokens
         # What speculative decoding's cost probe reads (one layer's MLP): the first stage's.
         self.feed_forward, self.hidden_size = first.feed_forward, first.hidden_size
+        self.trimmable = first.trimmable  # decided from every layer: both stages agree
+
+    @property
+    def streamed_seconds(self) -> float:
+        return self.first.streamed_seconds + self.second.streamed_seconds
 
     def make_cache(self) -> list:
         return self.first.make_cache() + self.second.make_cache()

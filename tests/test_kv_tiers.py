@@ -27,6 +27,8 @@ from safetensors.numpy import load_file
 
 from omlx_node.kv_cache import PrefixCache, block_hashes, model_dir_name
 from omlx_node.stage import StageRunner
+from tests.helpers import disks
+from tests.helpers.disks import tmpfs_unavailable
 from tests.tiny_models import build_model
 from tests.helpers.kv import (
     BIG,
@@ -69,20 +71,10 @@ def degraded_warnings(caplog) -> list[logging.LogRecord]:
 @contextmanager
 def tmpfs(path: Path, size: str):
     """A tmpfs of `size` mounted at `path`; skips the test when mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root on Linux")
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True, text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    if (why := tmpfs_unavailable()) is not None:
+        pytest.skip(why)
+    with disks.tmpfs(path, size) as mounted:
+        yield mounted
 
 
 def remount_ro(path: Path) -> None:
@@ -1106,11 +1098,14 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
 
     from omlx_node.batcher import Batcher, SeqRequest
     from omlx_node.metrics import NodeMetrics
-    from omlx_node.worker import WorkerConfig, make_prefix_cache, weights_fingerprint
+    from omlx_node.worker import make_prefix_cache, weights_fingerprint
+    from omlx_node.worker_config import WorkerConfig
+    from omlx_shared.engine_config import EngineConfig
 
     config = WorkerConfig(model_path=model_path, model_id="tiny", layer_start=0, layer_end=None,
-                          cache_block_size=BS, hot_cache_bytes=BIG, ssd_cache_dir=tmp_path,
-                          ssd_cache_bytes=BIG, device_cache_bytes=0)
+                          engine=EngineConfig(cache_block_size=BS, hot_cache_bytes=BIG,
+                                              ssd_cache_dir=str(tmp_path), ssd_cache_bytes=BIG,
+                                              device_cache_bytes=0))
     prompt = rand_tokens(3 * BS + 1, vocab, seed=11)
     odd = PrefixCache(f"tiny@{weights_fingerprint(model_path)}", (0, stage.info.num_layers), BS,
                       ssd_dir=tmp_path, dtype=stage.info.dtype)

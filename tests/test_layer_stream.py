@@ -20,6 +20,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 from transformers import AutoTokenizer
 
+from omlx_coordinator.model_layout import read_layout
 from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageError, StageRunner
@@ -51,7 +52,7 @@ def reference(path: Path, n: int = 10) -> list[int]:
 
 
 @pytest.mark.parametrize("family,bits", [("llama", None), ("qwen3_moe", None),
-                                         ("gemma3_text", None), ("llama", 4)])
+                                         ("gemma3_text", None), ("llama", 4), ("qwen3_moe", 4)])
 def test_streamed_layers_give_mlx_lms_tokens(tmp_path: Path, family: str, bits: int | None):
     # gemma3's sanitize drops the model's head when it sees no head weight: streaming must
     # never call it on the model being served.
@@ -74,14 +75,67 @@ def test_a_later_stage_streams_its_own_last_layers(tmp_path: Path):
     assert mx.allclose(got, whole(x, whole.make_cache()), atol=1e-5).item()
 
 
+def _rchar() -> int:
+    """Bytes this process has read through read(2)/pread(2), as the kernel counts them."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_streamed_moe_layer_reads_only_its_routed_experts(tmp_path: Path, bits: int | None):
+    # 16 experts, 2 a token, wide enough that the experts are most of a layer.
+    path = build_model(tmp_path / "moe", family="qwen3_moe", num_layers=4, quantize_bits=bits,
+                       extra_config={"num_experts": 16, "moe_intermediate_size": 128})
+    stage = StageRunner(path, streamed=3)
+    whole = StageRunner(path).nbytes() - stage.nbytes()  # the streamed layers' weights
+    planned = sum(read_layout(path).read_bytes(i) for i in (1, 2, 3))
+    assert greedy(stage) == reference(path)
+    cache = stage.make_cache()
+    stage(mx.array([PROMPT]), cache)
+    kernel = Path("/proc/self/io").exists()
+    for token in (5, 9, 40):  # decode steps at batch 1: 2 of 16 experts a layer
+        seen, counted = _rchar() if kernel else 0, stage.streamed_bytes_read
+        mx.eval(stage(mx.array([[token]]), cache))
+        counted = stage.streamed_bytes_read - counted
+        assert 0 < counted < whole / 4, (counted, whole)
+        assert counted == planned  # the planner's read estimate at batch 1, to the byte
+        if kernel:  # what the kernel saw this process read, the files' headers included
+            seen = _rchar() - seen
+            assert counted <= seen < counted + (64 << 10), (seen, counted)
+    # Rows that route apart read the union of their experts: more, never more than all.
+    before = stage.streamed_bytes_read
+    mx.eval(stage(mx.array([[t] for t in range(1, 33)]), stage.make_cache()))
+    assert counted < stage.streamed_bytes_read - before <= whole
+
+
+def test_experts_stored_one_tensor_each_are_read_whole(tmp_path: Path):
+    # Hugging Face's layout: qwen3_moe's sanitize stacks experts.E.* at load; a streamed layer
+    # then reads all of them, and the planner counts it so.
+    path = build_model(tmp_path / "moe", family="qwen3_moe", num_layers=4)
+    weights = mx.load(str(path / "model.safetensors"))
+    for name in [k for k in weights if ".switch_mlp." in k]:
+        stacked = weights.pop(name)
+        for e in range(stacked.shape[0]):
+            weights[name.replace(".switch_mlp.", f".experts.{e}.")] = stacked[e]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    lay = read_layout(path)
+    assert lay.read_bytes(3) == lay.layer_bytes[3] > lay.stream_bytes(3)
+    stage = StageRunner(path, streamed=2)
+    assert greedy(stage) == reference(path)
+    before = stage.streamed_bytes_read
+    mx.eval(stage(mx.array([[5]]), stage.make_cache()))
+    assert stage.streamed_bytes_read - before == lay.layer_bytes[2] + lay.layer_bytes[3]
+
+
 def test_every_layer_on_disk_is_refused(tmp_path: Path):
     path = build_model(tmp_path / "m", num_layers=4)
     with pytest.raises(StageError, match="at least one layer of a stage stays in memory"):
         StageRunner(path, 0, 2, streamed=2)
 
 
-def test_a_weights_file_gone_mid_serving_fails_the_step(tmp_path: Path):
-    path = build_model(tmp_path / "m", num_layers=4)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_weights_file_gone_mid_serving_fails_the_step(tmp_path: Path, family: str):
+    path = build_model(tmp_path / "m", family=family, num_layers=4)
     stage = StageRunner(path, streamed=2)
     assert len(greedy(stage, 2)) == 2
     weights = path / "model.safetensors"
@@ -163,7 +217,6 @@ def test_footprint_stays_under_the_resident_part_while_decoding(tmp_path: Path):
 @pytest.mark.slow
 def test_serve_with_weights_memory_streams_and_answers_as_mlx_lm(
         tiny_model_path: Path, tmp_path: Path):
-    from omlx_coordinator.model_layout import read_layout
     from tests.conftest import start_server
 
     total = read_layout(tiny_model_path).total_weight_bytes

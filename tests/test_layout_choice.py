@@ -42,10 +42,11 @@ def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():
 
 
 @pytest.mark.parametrize("shape, nodes, why", [
-    ((("model_type", "gemma3_text"), ("num_attention_heads", 8)), 2,
-     "model family 'gemma3_text' has no tensor-parallel split in mlx-lm"),
-    (LLAMA_8B, 3, "32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
-    ((*LLAMA_8B[:3], ("num_key_value_heads", 2)), 4, "2 KV heads (num_key_value_heads)"),
+    ((("model_type", "olmo2"), ("num_attention_heads", 8)), 2,
+     "model family 'olmo2' has no tensor-parallel split: mlx-lm has no Model.shard() for it"),
+    ((("model_type", "gpt_oss"), ("num_attention_heads", 32)), 3,
+     "gpt_oss has 32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
+    (LLAMA_8B, 33, "llama has 32 attention heads (num_attention_heads), fewer than the 33 ranks"),
 ])
 def test_tensor_refused_at_plan_time_saying_why(shape, nodes, why):
     with pytest.raises(PlanError) as err:
@@ -102,8 +103,8 @@ def test_auto_model_that_fits_one_fast_node_over_a_slow_link_stays_on_one():
     assert plan.layout_name == "pipeline x1" and plan.stages[0].layer_end == 32
 
 
-def test_auto_family_without_shard_never_tensor():
-    shape = (("model_type", "gemma3_text"), ("num_attention_heads", 8))
+def test_auto_family_without_tensor_split_never_tensor():
+    shape = (("model_type", "olmo2"), ("num_attention_heads", 8))
     plan = plan_layout(layout(shape=shape), macs(2, 16, 0.02), "auto", **SETTINGS)
     assert plan.layout_name == "pipeline x2"
     assert "tensor x2: cannot serve: m cannot run tensor-parallel" in "\n".join(plan.explanation)
@@ -118,3 +119,13 @@ def test_nothing_fits_says_what_is_missing():
 def test_bad_parallel_is_refused():
     with pytest.raises(PlanError, match="parallel must be one of auto, pipeline, tensor"):
         plan_layout(layout(), macs(2, 64, 0.02), "sideways")
+
+
+def test_uneven_split_plans_the_largest_rank():
+    """32 heads and 8 KV heads over 3 nodes: 3, 3 and 2 KV heads with their query heads; each
+    rank is planned as the largest share, 3/8, not a third."""
+    plan = plan_layout(layout(), macs(3, 64, 0.05), "tensor", **SETTINGS)
+    assert plan.layout_name == "tensor x3"
+    assert plan.stages[0].weight_bytes == 16 * GiB * 3 // 8 + (1 << 29) * 2 + (1 << 13)
+    assert plan.stages[0].kv_bytes == 32 * (1 << 12) * 4096 * 4 * 3 // 8
+    assert "up to 38% (an uneven split) of every layer" in "\n".join(plan.explanation)

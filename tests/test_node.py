@@ -20,6 +20,7 @@ from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import parse_metrics
 from tests.tiny_models import build_model
 from tests.helpers.node import running_node
+from tests.helpers.session import SessionClient, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -64,35 +65,32 @@ def test_load_generate_cancel_stats(node, model):
     ref_model, tok = load(str(model))
     ids = tok.encode("The capital of France is")
     ref = [int(t) for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=12)]
-    chunks = list(stub.Generate(pb.GenerateRequest(request_id="a", prompt_tokens=ids,
-                                                   max_tokens=12), timeout=60))
+    session = SessionClient(stub)
+    chunks = list(session.generate(pb.GenerateRequest(request_id="a", prompt_tokens=ids,
+                                                      max_tokens=12), timeout=60))
     assert [t for c in chunks for t in c.tokens] == ref
     assert chunks[0].prompt_tokens == len(ids) and chunks[-1].finish_reason == "length"
 
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(request_id="b", prompt_tokens=[10**7],
-                                              max_tokens=2), timeout=10))
+        list(session.generate(pb.GenerateRequest(request_id="b", prompt_tokens=[10**7],
+                                                 max_tokens=2), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "vocabulary" in err.value.details()
 
-    # A client that goes away mid-stream frees its sequence on the node.
-    stream = stub.Generate(pb.GenerateRequest(request_id="c", prompt_tokens=ids,
-                                              max_tokens=1500), timeout=60)
+    # A sequence cancelled by id, and a client that goes away mid-stream (the session's call
+    # ends), free their sequences on the node.
+    stream = session.generate(pb.GenerateRequest(request_id="c", prompt_tokens=ids,
+                                                 max_tokens=1500), timeout=60)
     next(stream)
-    stream.cancel()
-    deadline = time.monotonic() + 10
-    while stub.Stats(pb.StatsRequest(), timeout=5).running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stats = stub.Stats(pb.StatsRequest(), timeout=5)
-    assert stats.running == 0 and stats.waiting == 0
-    assert stats.generated_tokens_total < 1000
-
-    # Cancel by id (for clients that cannot cancel the stream itself).
-    stream = stub.Generate(pb.GenerateRequest(request_id="d", prompt_tokens=ids,
-                                              max_tokens=1500), timeout=60)
+    session.cancel("c")
+    stream = session.generate(pb.GenerateRequest(request_id="d", prompt_tokens=ids,
+                                                 max_tokens=1500), timeout=60)
     next(stream)
-    stub.Cancel(pb.CancelRequest(request_id="d"), timeout=5)
-    assert [c.finish_reason for c in stream][-1] == "cancelled"
+    session.close()
+    idle = wait_idle(stub)
+    assert idle["omlx_node_requests_processing"] == 0
+    assert idle["omlx_node_requests_deferred"] == 0
+    assert idle["omlx_node_tokens_predicted_total"] < 2000
 
     health = stub.Health(pb.HealthRequest(), timeout=5)
     assert health.ready and health.model_id == "m" and health.metrics_port > 0

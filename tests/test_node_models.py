@@ -18,7 +18,10 @@ from mlx_lm.generate import generate_step
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node
+from tests.helpers.session import generate_chunks
 from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow  # a real node agent starting and stopping shard workers
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -68,7 +71,7 @@ def workers(agent) -> dict[str, pb.WorkerStatus]:
 
 def generated(address: str, ids: list[int]) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        chunks = pb_grpc.ShardWorkerStub(channel).Generate(pb.GenerateRequest(
+        chunks = generate_chunks(pb_grpc.ShardWorkerStub(channel), pb.GenerateRequest(
             request_id=f"r{time.monotonic_ns()}", prompt_tokens=ids, max_tokens=MAX_TOKENS),
             timeout=60)
         return [t for c in chunks for t in c.tokens]

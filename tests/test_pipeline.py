@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
-import time
+import sys
 
 import mlx.core as mx
 import pytest
@@ -11,10 +12,13 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from openai import OpenAI
 
-from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from omlx_node.worker_config import WorkerConfig, WorkerJob, worker_process
+from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
 from tests.conftest import free_port, start_server
 from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
+from tests.helpers.session import SessionClient, wait_idle
+from tests.helpers.workers import stage_worker
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +59,9 @@ def test_pipeline_concurrency_with_cancellation(model, references):
         def one(i: int):
             p = PROMPTS[i % len(PROMPTS)]
             if i % 4 == 3:  # these leave after their first tokens
-                call = stub.Generate(pb.GenerateRequest(request_id=f"c{i}",
-                                                        prompt_tokens=tok.encode(p),
-                                                        max_tokens=500), timeout=120)
-                next(call)
-                call.cancel()
+                with SessionClient(stub) as session:  # closed: the sequence is cancelled
+                    next(session.generate(pb.GenerateRequest(
+                        request_id=f"c{i}", prompt_tokens=tok.encode(p), max_tokens=500)))
                 cancelled.append(p)
                 return None
             return p, generate(stub, tok.encode(p), rid=f"r{i}")
@@ -70,25 +72,25 @@ def test_pipeline_concurrency_with_cancellation(model, references):
             if r is not None:
                 p, (tokens, _) = r
                 assert tokens == references[p]
-        deadline = time.monotonic() + 10
-        while stub.Stats(pb.StatsRequest(), timeout=5).running and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stub.Stats(pb.StatsRequest(), timeout=5).running == 0
+        assert wait_idle(stub)["omlx_node_requests_processing"] == 0
         # The pipeline keeps serving after the cancellations.
         assert generate(stub, tok.encode(PROMPTS[1]))[0] == references[PROMPTS[1]]
 
 
 @pytest.mark.slow
 def test_group_that_cannot_form_names_host_port_backend(model):
-    """A rank that dies before joining (a --layers it cannot read): rank 0 gives up after its
-    init timeout, naming the backend, its own host and port and every peer's."""
-    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", layers,
-        "--peers", ",".join(peers), "--init-timeout", "3"), f"rank {r}")
-        for r, layers in enumerate(["0:2", "two:four"])]
+    """A rank that dies before joining (a job it cannot read: its first layer "two"): it says
+    which field, and rank 0 gives up after its init timeout, naming the backend, its own host
+    and port and every peer's."""
+    peers = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+    workers = [stage_worker(model, 0, (0, 2), peers, init_timeout=3),
+               worker_process("rank 1")]
     try:
-        assert workers[1].proc.wait(60) == 1 and "two" in workers[1].log_tail()
+        job = json.loads(WorkerJob(WorkerConfig(model, "m", 2, 4, rank=1, peers=peers)).to_json())
+        job["config"]["layer_start"] = "two"
+        workers[1].send_line(json.dumps(job))
+        assert workers[1].proc.wait(60) == 2
+        assert "WorkerJob.config.layer_start: expected int, got 'two'" in workers[1].log_tail()
         with pytest.raises(ChildError) as err:
             workers[0].wait_ready(60)
     finally:
@@ -103,13 +105,12 @@ def test_group_that_cannot_form_names_host_port_backend(model):
 
 @pytest.mark.slow
 def test_rank_zero_alone_times_out_naming_peers(model):
-    peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    r = subprocess.run(omlx_command("worker", "--model", str(model), "--model-id", "m",
-                                    "--layers", "0:2", "--rank", "0", "--peers", peers,
-                                    "--init-timeout", "2"),
+    peers = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+    job = WorkerJob(WorkerConfig(model, "m", 0, 2, peers=peers, init_timeout=2))
+    r = subprocess.run([sys.executable, "-m", "omlx_node.worker"], input=job.to_json() + "\n",
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "could not form the ring group" in r.stderr and peers.split(",")[1] in r.stderr
+    assert "could not form the ring group" in r.stderr and peers[1] in r.stderr
 
 
 @pytest.mark.slow

@@ -95,6 +95,37 @@ def test_refused_before_the_body_only_while_every_model_is_full():
     assert refusal.retry_after == adm.UNMEASURED_RETRY_SECONDS
 
 
+def test_undecided_requests_count_as_held_in_every_model_until_decided():
+    """A burst is refused from its headers once the requests still running toward admission
+    could take every model's room; each leaves the undecided when admitted or ended."""
+    clock = Clock()
+    a, b = Admission(2, clock), Admission(3, clock)
+    arrivals = adm.Arrivals()
+    scopes: list[dict] = [{adm._SCOPE_KEY: []} for _ in range(3)]
+    for scope in scopes[:2]:
+        assert refuse_all_full([a, b], arrivals.undecided) is None
+        arrivals.arrived(scope)
+    assert refuse_all_full([a, b], arrivals.undecided) is None  # b has room for a third
+    arrivals.arrived(scopes[2])
+    refusal = refuse_all_full([a, b], arrivals.undecided)
+    assert refusal is not None and refusal.held == 3 and (a.held, b.held) == (0, 0)
+    hold(scopes[0], a)  # admitted: held, no longer undecided
+    assert (arrivals.undecided, a.held) == (2, 1)
+    adm.Arrivals.decided(scopes[0])  # once only
+    assert arrivals.undecided == 2
+    with pytest.raises(APIError):
+        hold(scopes[1], _full(clock))  # refused: decided too
+    assert arrivals.undecided == 1
+    adm.Arrivals.decided(scopes[2])  # ended before admission (ReleaseWhenDone's finally)
+    assert arrivals.undecided == 0
+
+
+def _full(clock: Clock) -> Admission:
+    full = Admission(1, clock)
+    full.admit()
+    return full
+
+
 def test_a_models_config_sets_a_bound_per_model(tmp_path):
     path = tmp_path / "models.toml"
     path.write_text('[[model]]\nname = "a"\npath = "/m/a"\nmax_queue = 12\n'

@@ -20,6 +20,7 @@ from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import start_server
 from tests.helpers.node import running_node
+from tests.helpers.session import generate_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -132,9 +133,9 @@ def test_a_models_own_mode_reaches_its_worker(tiny_model_path, tmp_path):
             reply = agent.LoadShard(pb.LoadShardRequest(
                 model_path=str(tiny_model_path), model_id="m", speculative=mode), timeout=180)
             with grpc.insecure_channel(reply.worker_address) as channel:
-                chunks = list(pb_grpc.ShardWorkerStub(channel).Generate(pb.GenerateRequest(
+                chunks = generate_chunks(pb_grpc.ShardWorkerStub(channel), pb.GenerateRequest(
                     request_id=mode or "node", prompt_tokens=ids, max_tokens=16,
-                    prediction_tokens=ref), timeout=60))
+                    prediction_tokens=ref), timeout=60)
             assert [t for c in chunks for t in c.tokens] == ref
             last = chunks[-1]
             assert (last.accepted_prediction_tokens > 0) is drafts, mode

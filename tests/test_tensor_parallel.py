@@ -1,14 +1,15 @@
 """Tensor-parallel stages (omlx_node/tensor.py): ranks holding a slice of every layer, as
 separate worker processes over mx.distributed's ring on loopback, against mlx-lm's own
-generation on tiny random fp32 models of the families that have `shard()`."""
+generation on tiny random fp32 models: families split by mlx-lm's own `shard()` (dense, GQA, MoE,
+MLA, gpt_oss's sliding-window MoE), families split by the generic sharder (gemma3_text and cohere2
+sliding-window; mixtral, MoE), and 3 ranks over 4 heads and 2 KV heads (uneven, a KV head held by
+two ranks), dense and MoE."""
 
 from __future__ import annotations
 
 import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import httpx
 import mlx.core as mx
 import pytest
@@ -16,16 +17,17 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from openai import OpenAI
 
-from omlx_shared.child import ChildError, ChildProcess, omlx_command
+from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
-from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port, start_server
-from tests.helpers.pipeline import PROMPTS, generate, run_concurrently
+from tests.helpers.pipeline import PROMPTS, generate, run_concurrently, tensor_stage
+from tests.helpers.session import generate_chunks
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3_text", "cohere2", "gpt_oss",
+            "mixtral"]
 TOKENS = 16
 TIE = 1e-4  # a divergence is allowed only where mlx-lm's top two logits are this close
 
@@ -60,39 +62,29 @@ def assert_matches(tokens: list[int], ref: list[tuple[int, float, float]], promp
     assert len(tokens) == len(ref), prompt
 
 
-@contextmanager
-def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
-    """Starts one `omlx-cluster worker --tensor` per rank; yields rank 0's ShardWorker stub."""
-    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(ranks))
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(model), "--model-id", "m", "--rank", str(r), "--layers", "0:",
-        "--peers", peers, "--tensor", "--plan-hash", "0123456789abcdef", "--prefill-chunk", "8",
-        *extra), f"rank {r}") for r in range(ranks)]
-    try:
-        infos = [w.wait_ready(120) for w in workers]
-        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
-        yield pb_grpc.ShardWorkerStub(channel), infos
-        channel.close()
-        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
-            w.stop()
-            assert w.proc.returncode == 0, w.log_tail()
-    finally:
-        for w in workers:
-            w.stop()
-
-
 def test_tensor_stage_greedy_matches_mlx_lm(model):
     """One stream alone, then every prompt at once (continuous batching, chunked prefill of
     prompts longer than the 8-token chunk), with the prefix cache on."""
+    check_stage(model, ranks=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+def test_three_ranks_over_heads_that_do_not_divide(family, tmp_path):
+    """4 query heads and 2 KV heads over 3 ranks: 2, 1 and 1 query heads, KV head 1 on ranks 1
+    and 2 (the generic sharder's uneven split); qwen3_moe's experts 11, 11 and 10 wide."""
+    check_stage(build_model(tmp_path / family, family, num_layers=3), ranks=3)
+
+
+def check_stage(model: Path, ranks: int) -> None:
     _, tok = load(str(model))
     refs = reference(model, PROMPTS)
-    with tensor_stage(model, extra=("--hot-cache-max-size", "64MB")) as (stub, infos):
-        # Each rank holds its slice of the layers: less than the whole model, more than half
-        # (the embedding and the head stay whole).
+    with tensor_stage(model, ranks, extra=("--hot-cache-max-size", "64MB")) as (stub, infos):
+        # Each rank holds its slice of the layers: less than the whole model, more than its
+        # share (the embedding and the head stay whole).
         whole = (model / "model.safetensors").stat().st_size
         for info in infos:
             held = shard_bytes(info["metrics_port"])
-            assert whole / 2 < held < whole * 0.9, (held, whole)
+            assert whole / ranks < held < whole * 0.9, (held, whole)
         alone, reason = generate(stub, tok.encode(PROMPTS[0]), TOKENS)
         assert reason == "length"
         assert_matches(alone, refs[PROMPTS[0]], PROMPTS[0])
@@ -100,9 +92,9 @@ def test_tensor_stage_greedy_matches_mlx_lm(model):
         for p, (tokens, _) in zip(PROMPTS * 2, outs):
             assert_matches(tokens, refs[p], p)
         # Logprobs (sampled on rank 0) within 1e-4 of mlx-lm's.
-        chunks = list(stub.Generate(pb.GenerateRequest(
+        chunks = generate_chunks(stub, pb.GenerateRequest(
             request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
-            logprobs=True, top_logprobs=2, ignore_eos=True), timeout=120))
+            logprobs=True, top_logprobs=2, ignore_eos=True))
         got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
         assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
         for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
@@ -121,13 +113,14 @@ def shard_bytes(metrics_port: int) -> float:
 
 
 def test_heads_that_do_not_divide_are_refused(tmp_path):
-    """3 ranks of a model with 4 attention heads: each rank exits, saying why."""
-    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    """3 ranks of gpt_oss, 4 attention heads with a sink each: mlx-lm's shard() splits evenly,
+    and the uneven split serves only the common shape. Each rank exits, saying why."""
+    path = build_model(tmp_path / "m", "gpt_oss", num_layers=2)
     with pytest.raises(ChildError) as err:
         with tensor_stage(path, ranks=3):
             pass
-    assert "4 attention heads (num_attention_heads), which do not divide over 3 ranks" in str(
-        err.value)
+    assert "gpt_oss has 4 attention heads (num_attention_heads), which do not divide over 3 "\
+           "ranks; mlx-lm's Model.shard() splits evenly" in str(err.value)
 
 
 def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
@@ -151,10 +144,10 @@ def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
 
 
 def test_gateway_refuses_tensor_for_heads_that_do_not_divide(tmp_path):
-    model = build_model(tmp_path / "llama", "llama", num_layers=2)
+    model = build_model(tmp_path / "gpt_oss", "gpt_oss", num_layers=2)
     r = subprocess.run(omlx_command("serve", "--model", str(model), "--port", str(free_port()),
                                     "--nodes", "3", "--parallel", "tensor"),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert ("cannot run tensor-parallel over 3 nodes: llama has 4 attention heads "
+    assert ("cannot run tensor-parallel over 3 nodes: gpt_oss has 4 attention heads "
             "(num_attention_heads), which do not divide over 3 ranks") in r.stderr

@@ -8,7 +8,7 @@ import pkgutil
 
 import pytest
 
-from omlx_shared.tensor_split import ALIASES, SHARDABLE, tensor_refusal
+from omlx_shared.tensor_split import ALIASES, SHARDABLE, tensor_refusal, uses_model_shard
 
 LLAMA = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8,
          "intermediate_size": 14336}
@@ -35,25 +35,39 @@ def test_aliases_are_mlx_lms():
         assert MODEL_REMAPPING[alias] == family
 
 
-@pytest.mark.parametrize("config, ranks, why", [
-    (LLAMA, 2, ""),
-    (LLAMA, 4, ""),
-    (LLAMA, 8, ""),
-    ({**LLAMA, "model_type": "mistral"}, 2, ""),
-    (LLAMA, 3, "32 attention heads (num_attention_heads), which do not divide over 3 ranks"),
-    ({**LLAMA, "num_key_value_heads": 1}, 2, "1 KV heads (num_key_value_heads), which do not "
-                                             "divide over 2 ranks"),
-    ({**LLAMA, "intermediate_size": 11}, 2, "11 MLP intermediate size"),
+@pytest.mark.parametrize("config, ranks, why, own", [
+    (LLAMA, 2, "", True),
+    (LLAMA, 4, "", True),
+    (LLAMA, 8, "", True),
+    ({**LLAMA, "model_type": "mistral"}, 2, "", True),
+    # What shard() cannot split evenly the generic sharder splits unevenly.
+    (LLAMA, 3, "", False),
+    ({**LLAMA, "num_key_value_heads": 1}, 2, "", False),
+    ({**LLAMA, "intermediate_size": 11}, 2, "", False),
+    (LLAMA, 33, "llama has 32 attention heads (num_attention_heads), fewer than the 33 ranks",
+     None),
+    # An MoE of SwitchGLU experts: the generic sharder splits its width unevenly too.
     ({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
-      "moe_intermediate_size": 33, "intermediate_size": 64}, 2,
-     "33 expert intermediate size (moe_intermediate_size)"),
-    ({"model_type": "gemma3_text", "num_attention_heads": 4}, 2,
-     "model family 'gemma3_text' has no tensor-parallel split in mlx-lm (no Model.shard()); "
-     "serve it with --parallel pipeline"),
+      "moe_intermediate_size": 33, "intermediate_size": 64}, 2, "", False),
+    ({"model_type": "qwen3_moe", "num_attention_heads": 4, "moe_intermediate_size": 2}, 3,
+     "qwen3_moe has 2 expert intermediate size (moe_intermediate_size), fewer than the 3 ranks",
+     None),
+    # gpt_oss's attention has sinks, one a head: its own shard() alone splits it.
+    ({"model_type": "gpt_oss", "num_attention_heads": 4, "num_key_value_heads": 2}, 3,
+     "gpt_oss has 4 attention heads (num_attention_heads), which do not divide over 3 ranks; "
+     "mlx-lm's Model.shard() splits evenly and gpt_oss is not of the common decoder shape",
+     None),
+    ({"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1}, 3,
+     "", False),
+    ({"model_type": "olmo2", "num_attention_heads": 4}, 2,
+     "model family 'olmo2' has no tensor-parallel split: mlx-lm has no Model.shard() for it "
+     "and its layers are not of the common decoder shape", None),
     ({"model_type": "qwen3_5", "text_config": {"num_attention_heads": 6}}, 4,
-     "6 attention heads"),
-    (LLAMA, 1, "at least 2 ranks"),
+     "6 attention heads", None),
+    (LLAMA, 1, "at least 2 ranks", None),
 ])
-def test_refusals(config, ranks, why):
+def test_refusals(config, ranks, why, own):
     got = tensor_refusal(config, ranks)
     assert (why in got) if why else got == ""
+    if not why:  # which sharder splits it: mlx-lm's own shard() where it can
+        assert uses_model_shard(config, ranks) == own

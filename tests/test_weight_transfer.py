@@ -30,7 +30,7 @@ from omlx_shared.safetensors_header import read_header
 from proto import omlx_pb2 as pb
 from tests.cluster_secret import SECRET
 from tests.conftest import parse_metrics
-from tests.tiny_models import build_model, serving
+from tests.tiny_models import build_model, serving, truncated_model
 from tests.helpers.weights import (
     _can_mount,
     admitted,
@@ -39,6 +39,8 @@ from tests.helpers.weights import (
     chunk,
     push,
 )
+
+pytestmark = pytest.mark.slow  # real node agents receiving weights
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,6 @@ def test_tied_embeddings_travel_to_the_last_stage(tmp_path):
     assert mx.array_equal(whole(h, whole.make_cache()), part(h, part.make_cache())).item()
 
 
-@pytest.mark.slow
 def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     ref_model, tok = load(str(small))
     prompt = tok.encode("The capital of France is")
@@ -177,6 +178,53 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
     assert second == sum(f.size for f in source.files_for(start, end))
     b_folder = tmp_path / "b" / "models" / f"tiny-wt@{source.fingerprint[:12]}"
     assert_holds_exactly(b_folder, source.files_for(start, end))
+
+
+def test_a_remote_head_receives_the_draft_model_and_drafts_with_it(small, tmp_path):
+    """A model whose draft (`speculative = "draft=PATH"`) only the coordinator holds, over two
+    joined nodes: the head receives the draft's files as it receives its layers, into its own
+    store, drafts with them in the pipeline, and the output is mlx-lm's."""
+    draft = truncated_model(small, tmp_path / "draft", 3)  # the same tokenizer, fewer layers
+    ref_model, tok = load(str(small))
+    prompt = tok.encode("one two three one two three one two three one two")
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=24)]
+    with agent_process(tmp_path / "a", "mac-a") as (_, a), \
+            agent_process(tmp_path / "b", "mac-b") as (_, b):
+        async def main():
+            manager = serving(small, "tiny-wt", ClusterOptions(nodes=0, secret=SECRET,
+                                                               os_reserve_bytes=0),
+                              speculative=f"draft={draft}")
+            await manager.start()
+            cluster = manager.cluster
+            try:
+                await cluster.add_remote(a, "mac-a")
+                await cluster.add_remote(b, "mac-b")
+                assert manager.main.ready, manager.main.status
+                layers = manager.main.stages_on()
+                call = manager.main.node.generate(pb.GenerateRequest(
+                    request_id="r", prompt_tokens=prompt, max_tokens=24, ignore_eos=True),
+                    timeout=60)
+                tokens = [t async for chunk in call for t in chunk.tokens]
+                head = next(m for m in cluster.members if layers[m.name][0] == 0)
+                deadline = asyncio.get_running_loop().time() + 30
+                while True:  # the head worker's drafts, as its agent probes them
+                    [worker] = (await head.agent.health()).workers
+                    if worker.speculative_tokens_per_step or \
+                            asyncio.get_running_loop().time() > deadline:
+                        break
+                    await asyncio.sleep(0.5)
+                return tokens, head.name, len(layers), worker
+            finally:
+                await manager.stop()
+
+        tokens, head, stages, worker = run(main())
+    assert tokens == reference
+    assert stages == 2
+    assert worker.speculative_tokens_per_step >= 1, worker  # it drafted
+    source = WeightSource(draft, "draft")
+    home = tmp_path / ("a" if head == "mac-a" else "b")
+    assert_holds_exactly(home / "models" / f"draft@{source.fingerprint[:12]}",
+                         source.files_for(0, source.num_layers))
 
 
 class Interrupt(Exception):

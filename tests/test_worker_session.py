@@ -18,12 +18,15 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.generation import RETRIABLE
+from omlx_coordinator.retry import RETRIABLE
 from omlx_coordinator.worker_session import WorkerSession
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node
+from tests.helpers.session import generate_chunks, wait_idle, worker_load
 from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow  # a real shard worker process
 
 PROMPTS = ["The capital of France is", "One two three", "def main():", "Hello"]
 
@@ -50,16 +53,18 @@ def reference(worker):
     return out
 
 
-def _stats(address: str) -> pb.StatsReply:
+RUNNING, WAITING = "omlx_node_requests_processing", "omlx_node_requests_deferred"
+GENERATED = "omlx_node_tokens_predicted_total"
+
+
+def _load(address: str) -> dict[str, float]:
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.ShardWorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+        return worker_load(pb_grpc.ShardWorkerStub(channel))
 
 
-def _wait_idle(address: str) -> pb.StatsReply:
-    deadline = time.monotonic() + 10
-    while (stats := _stats(address)).running + stats.waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return stats
+def _wait_idle(address: str) -> dict[str, float]:
+    with grpc.insecure_channel(address) as channel:
+        return wait_idle(pb_grpc.ShardWorkerStub(channel))
 
 
 async def _collect(call) -> list[pb.TokenChunk]:
@@ -138,7 +143,7 @@ def test_a_bad_request_fails_alone_and_cancels_free_their_sequences(worker, refe
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.details()
     assert first.prompt_tokens == len(other_ids)
     assert [t for c in good_chunks for t in c.tokens] == ref
-    assert after.running == 0 and after.waiting == 0
+    assert after[RUNNING] == 0 and after[WAITING] == 0
     assert [t for c in again for t in c.tokens] == other_ref
 
 
@@ -173,7 +178,7 @@ def test_a_request_too_large_for_one_message_fails_alone(worker, reference):
 def test_a_session_that_ends_cancels_its_sequences_and_deadlines_hold(worker, reference):
     address, _ = worker
     ids = reference[0][0]
-    before = _stats(address).generated_tokens_total
+    before = _load(address)[GENERATED]
 
     async def run():
         async with grpc.aio.insecure_channel(address) as channel:
@@ -191,21 +196,21 @@ def test_a_session_that_ends_cancels_its_sequences_and_deadlines_hold(worker, re
 
     err, idle_after_deadline = asyncio.run(run())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert idle_after_deadline.running == 0
-    stats = _wait_idle(address)
-    assert stats.running == 0 and stats.waiting == 0
+    assert idle_after_deadline[RUNNING] == 0
+    idle = _wait_idle(address)
+    assert idle[RUNNING] == 0 and idle[WAITING] == 0
     # Four sequences of up to 1500 tokens each, all stopped early.
-    assert stats.generated_tokens_total - before < 3000
+    assert idle[GENERATED] - before < 3000
 
 
 def test_logprobs_and_a_worker_that_goes_away(worker, reference, tmp_path):
-    """Logprobs come as a Generate call gives them; a session whose worker is gone fails each
-    of its sequences with UNAVAILABLE, the status the gateway runs a request again on."""
+    """Logprobs come the same over the gateway's session and a test's own; a session whose
+    worker is gone fails each of its sequences with UNAVAILABLE, the status the gateway runs a request again on."""
     address, _ = worker
     ids = reference[0][0]
     with grpc.insecure_channel(address) as channel:
-        alone = list(pb_grpc.ShardWorkerStub(channel).Generate(
-            _request("lp", ids, 6, logprobs=True, top_logprobs=3), timeout=60))
+        alone = generate_chunks(pb_grpc.ShardWorkerStub(channel),
+                                _request("lp", ids, 6, logprobs=True, top_logprobs=3), 60)
 
     async def run(addr: str, request: pb.GenerateRequest):
         async with grpc.aio.insecure_channel(addr) as channel:

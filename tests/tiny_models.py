@@ -107,7 +107,50 @@ FAMILY_CONFIGS = {
     "cohere2": dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, logit_scale=0.5,
                     layer_norm_eps=1e-5, tie_word_embeddings=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    # More families of the common decoder shape (the generic tensor-parallel sharder's).
+    "gemma": dict(head_dim=16, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "ernie4_5": dict(head_dim=16, use_bias=False, tie_word_embeddings=True),
+    "exaone4": dict(head_dim=16, sliding_window=8, sliding_window_pattern="LG",
+                    rope_scaling=None, tie_word_embeddings=False),
+    "hunyuan_v1_dense": dict(head_dim=16, use_qk_norm=True, attention_bias=False,
+                             tie_word_embeddings=True,
+                             rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "seed_oss": dict(head_dim=16, attention_bias=False, attention_out_bias=False,
+                     mlp_bias=False, tie_word_embeddings=False),
+    "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=True),
+    "qwen2_moe": dict(_MOE, num_experts=4, shared_expert_intermediate_size=32,
+                      tie_word_embeddings=False),
 }
+
+
+def tiny_config(family: str, num_layers: int = 4, hidden_size: int = 64, vocab_size: int = 384,
+                extra_config: dict | None = None) -> dict:
+    """The config.json of a tiny `family` model: 4 attention heads, 2 KV heads."""
+    return {
+        "model_type": family,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": hidden_size * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "eos_token_id": 2,
+        "bos_token_id": 0,
+        **FAMILY_CONFIGS[family],
+        **(extra_config or {}),
+    }
+
+
+def instantiate(config: dict, seed: int = 0) -> nn.Module:
+    """mlx-lm's model of `config`, with random weights from `seed`."""
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    return model_class(args_class.from_dict(config))
 
 
 def build_model(
@@ -126,25 +169,8 @@ def build_model(
     `corpus`, CORPUS by default)."""
     dest.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(dest, vocab_size, corpus, chat_template)
-    config = {
-        "model_type": family,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "intermediate_size": hidden_size * 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab,
-        "max_position_embeddings": 2048,
-        "rope_theta": 10000.0,
-        "eos_token_id": 2,
-        "bos_token_id": 0,
-        **FAMILY_CONFIGS[family],
-        **(extra_config or {}),
-    }
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
+    config = tiny_config(family, num_layers, hidden_size, vocab, extra_config)
+    model = instantiate(config, seed)
     if quantize_bits:
         nn.quantize(model, group_size=32, bits=quantize_bits)
         config["quantization"] = {"group_size": 32, "bits": quantize_bits}

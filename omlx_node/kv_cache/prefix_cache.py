@@ -186,11 +186,13 @@ class PrefixCache:
 
     # ---- public API ------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], restoring: bool = True) -> int:
         """How many leading tokens either tier holds (or sibling layer ranges hold together, see
         siblings.py), as one unbroken chain from the first block, then the longest tail after
         it. Pass prompt[:-1]: the last prompt token must still be run.
-        Marks the blocks found as recently used, so they outlive the step until `restore`."""
+        Marks the blocks found as recently used, so they outlive the step until `restore`;
+        `restoring=False` (a look ahead, e.g. to order waiting prompts) neither marks them nor
+        counts as a lookup in the hit metrics."""
         self._copier.reap()
         hashes = block_hashes(self.model_id, tokens, self.block_size)
         n = 0
@@ -202,6 +204,8 @@ class PrefixCache:
                     break
                 n += 1
             tail = self._find_tail(tokens, hashes[:n])
+            if not restoring:
+                return n * self.block_size + (tail[1] if tail else 0)
             self._mark_used(hashes[:n] + ([tail[0]] if tail else []))
         self.metrics.lookups.inc()
         self.metrics.misses.inc(len(hashes) - n)

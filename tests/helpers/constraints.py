@@ -11,10 +11,11 @@ import grpc
 import jsonschema
 import llguidance
 
-from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port
+from tests.helpers.session import generate_chunks
+from tests.helpers.workers import stage_worker
 
 SCHEMA = {
     "type": "object",
@@ -41,14 +42,12 @@ def parse(tok, tokens: list[int]) -> dict:
 
 @contextmanager
 def two_stages(head: Path, tail: Path, micro_batches: int):
-    """A pipeline of two `omlx-cluster worker`s, layer 0 on `head`'s folder and layer 1 on
-    `tail`'s; yields the head's ShardWorker stub."""
-    peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    workers = [ChildProcess(omlx_command(
-        "worker", "--model", str(folder), "--model-id", "m", "--rank", str(r),
-        "--layers", f"{r}:{r + 1}", "--peers", peers, "--plan-hash", "0123456789abcdef",
-        "--micro-batches", str(micro_batches), "--prefill-chunk", "8"), f"rank {r}")
-        for r, folder in enumerate((head, tail))]
+    """A pipeline of two shard workers, layer 0 on `head`'s folder and layer 1 on `tail`'s;
+    yields the head's ShardWorker stub."""
+    peers = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+    workers = [stage_worker(folder, r, (r, r + 1), peers, ("--prefill-chunk", "8"),
+                            micro_batches=micro_batches)
+               for r, folder in enumerate((head, tail))]
     try:
         port = [w.wait_ready(120) for w in workers][0]["port"]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -59,9 +58,9 @@ def two_stages(head: Path, tail: Path, micro_batches: int):
 
 
 def generate(stub, ids: list[int], max_tokens: int, **fields) -> list[pb.TokenChunk]:
-    return list(stub.Generate(pb.GenerateRequest(
+    return generate_chunks(stub, pb.GenerateRequest(
         request_id=str(time.monotonic_ns()), prompt_tokens=ids, max_tokens=max_tokens,
-        **fields), timeout=120))
+        **fields))
 
 
 def tokens_of(chunks: list[pb.TokenChunk]) -> list[int]:

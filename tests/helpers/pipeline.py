@@ -1,4 +1,4 @@
-"""Pipelines of `omlx-cluster worker` processes driven over gRPC, one stub call at a time or
+"""Pipelines of shard worker processes driven over gRPC, one stub call at a time or
 several at once."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 
-from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.conftest import free_port
+from tests.helpers.session import generate_chunks
+from tests.helpers.workers import stage_worker
 
 
 # Prompts of every kind a pipeline's greedy output is checked on: short, long, code, one char.
@@ -32,17 +33,14 @@ PROMPTS = [
 @contextmanager
 def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
              extra: tuple[str, ...] = ()):
-    """Starts one `omlx-cluster worker` per stage (with `extra` flags); yields the head's
+    """Starts one shard worker per stage (its engine with `extra` flags); yields the head's
     ShardWorker stub."""
-    peers = ",".join(f"127.0.0.1:{free_port()}" for _ in split)
+    peers = tuple(f"127.0.0.1:{free_port()}" for _ in split)
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
-    workers = [
-        ChildProcess(omlx_command(
-            "worker", "--model", str(model), "--model-id", "m", "--rank", str(r),
-            "--layers", f"{bounds[r]}:{bounds[r + 1]}", "--peers", peers,
-            "--plan-hash", "0123456789abcdef", "--micro-batches", str(micro_batches),
-            "--prefill-chunk", "8", "--init-timeout", str(init_timeout), *extra), f"rank {r}")
-        for r in range(len(split))]
+    workers = [stage_worker(model, r, (bounds[r], bounds[r + 1]), peers,
+                            ("--prefill-chunk", "8", *extra), micro_batches=micro_batches,
+                            init_timeout=init_timeout)
+               for r in range(len(split))]
     try:
         infos = [w.wait_ready(120) for w in workers]
         channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
@@ -53,10 +51,29 @@ def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout
             w.stop()
 
 
+@contextmanager
+def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
+    """Starts one shard worker per rank of a tensor-parallel stage (its engine with `extra`
+    flags); yields rank 0's ShardWorker stub."""
+    peers = tuple(f"127.0.0.1:{free_port()}" for _ in range(ranks))
+    workers = [stage_worker(model, r, (0, None), peers, ("--prefill-chunk", "8", *extra),
+                            tensor=True) for r in range(ranks)]
+    try:
+        infos = [w.wait_ready(120) for w in workers]
+        channel = grpc.insecure_channel(f"127.0.0.1:{infos[0]['port']}")
+        yield pb_grpc.ShardWorkerStub(channel), infos
+        channel.close()
+        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def generate(stub, ids: list[int], max_tokens: int = 20, rid: str = "") -> tuple[list[int], str]:
-    chunks = list(stub.Generate(pb.GenerateRequest(request_id=rid or str(time.monotonic_ns()),
-                                                   prompt_tokens=ids, max_tokens=max_tokens),
-                                timeout=120))
+    chunks = generate_chunks(stub, pb.GenerateRequest(
+        request_id=rid or str(time.monotonic_ns()), prompt_tokens=ids, max_tokens=max_tokens))
     return [t for c in chunks for t in c.tokens], chunks[-1].finish_reason
 
 

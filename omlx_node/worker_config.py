@@ -1,0 +1,75 @@
+"""What a shard worker is started with: its plan's part (from the coordinator's LoadShardRequest)
+and its node's engine settings, one typed config that crosses to the worker process as a JSON
+line on its stdin. A worker is `python -m omlx_node.worker`; a standby one (started ahead of its
+plan, omlx_node/agent.py) imports MLX while it waits for that line."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omlx_shared.blas import blas_env
+from omlx_shared.child import ChildProcess
+from omlx_shared.engine_config import EngineConfig
+from omlx_shared.typed_json import from_json, to_json
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: Path
+    model_id: str
+    layer_start: int
+    layer_end: int | None
+    streamed_layers: int = 0  # the range's last layers kept on disk (omlx_node/layer_stream.py)
+    rank: int = 0
+    peers: tuple[str, ...] = ()
+    backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
+    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
+    rdma_devices: str = ""
+    plan_hash: str = ""
+    tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)
+    micro_batches: int = 0
+    host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: any free port
+    node_id: str = ""  # the agent's, a label on every metric
+    init_timeout: float = 60.0
+    kind: str = "chat"  # omlx_shared.model_kinds: the other kinds run encoder_worker's
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def world_size(self) -> int:
+        return max(1, len(self.peers))
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """The one line a worker reads on its stdin: its config, and what it adds to its
+    environment (the session its callers present, its TLS credentials: never on a command
+    line, where ps shows them)."""
+
+    config: WorkerConfig
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerJob:
+        """Raises omlx_shared.typed_json.ConfigError naming a field it cannot take."""
+        return from_json(cls, text)
+
+
+def worker_process(what: str, log_level: str = "info") -> ChildProcess:
+    """A shard worker process, up to where it waits for its job: send it
+    `process.send_line(job.to_json())`. Its BLAS is chosen now: a library is preloaded when a
+    process starts."""
+    return ChildProcess([sys.executable, "-m", "omlx_node.worker", "--log-level", log_level],
+                        what, env=blas_env(), stdin_pipe=True)
+
+
+def start_worker(job: WorkerJob, what: str, log_level: str = "info") -> ChildProcess:
+    """A shard worker process given `job` at once (an agent without a standby, tests)."""
+    process = worker_process(what, log_level)
+    process.send_line(job.to_json())
+    return process

@@ -1,0 +1,101 @@
+"""Thousands of HTTP requests at once, each on its own connection, timed by the kernel: what
+an overload's refusals are measured with (tests/test_overload.py, bench/overload.py)."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import struct
+import time
+
+# Linux's receive timestamps (SO_TIMESTAMPNS, socket(7)); Python names neither.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+BURST_DEADLINE_SECONDS = 300.0  # every answer, admitted ones' generation included
+
+
+def burst(url: str, body: dict, n: int, spread: float = 0.0,
+          path: str = "/v1/chat/completions") -> list[dict]:
+    """n requests, started evenly over `spread` seconds (0: at once), each on its own
+    connection, each with `body` as JSON to `path`; per request what `_answer` says: its
+    status, headers, JSON body and the milliseconds from connecting to its answer's arrival.
+
+    One thread on non-blocking sockets and epoll, each request sent as its connection opens;
+    an answer's arrival is the kernel's receive timestamp, not the moment this loop reads it.
+    At 2,000 at once on the server's cores, a client's own turn around its event loop
+    (asyncio streams measured ~0.1 ms a connection; httpx's pool more, growing with its open
+    connections) otherwise delays every reading, and the client would be measured, not the
+    server."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+               "Content-Type: application/json\r\nConnection: close\r\n"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    poller = select.epoll()
+    socks: dict[int, socket.socket] = {}
+    started: dict[int, float] = {}
+    answered: dict[int, float] = {}
+    received: dict[int, bytes] = {}
+    done: set[int] = set()
+    t0 = time.time()
+    deadline = time.monotonic() + spread + BURST_DEADLINE_SECONDS
+    opened = 0
+    try:
+        while len(done) < n and time.monotonic() < deadline:
+            while opened < n and time.time() >= t0 + opened * spread / n:
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                sock.setblocking(False)
+                fd = sock.fileno()
+                socks[fd], started[fd], received[fd] = sock, time.time(), b""
+                sock.connect_ex((host, int(port)))
+                try:  # on loopback the connection is usually open at once
+                    sock.sendall(request)
+                    poller.register(fd, select.EPOLLIN)
+                except OSError:
+                    poller.register(fd, select.EPOLLOUT)  # once connected, send it
+                opened += 1
+            wait = 1.0 if opened == n else max(0.0, t0 + opened * spread / n - time.time())
+            for fd, events in poller.poll(wait):
+                sock = socks[fd]
+                if events & select.EPOLLOUT:
+                    try:
+                        sock.sendall(request)  # small: fits an empty send buffer at once
+                    except OSError:
+                        done.add(fd)  # refused or reset before it could send: status 0
+                        poller.unregister(fd)
+                        continue
+                    poller.modify(fd, select.EPOLLIN)
+                    continue
+                try:
+                    data, ancillary, _, _ = sock.recvmsg(1 << 16, 64)
+                except OSError:
+                    data, ancillary = b"", []
+                for level, kind, stamp in ancillary:
+                    if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and fd not in answered:
+                        seconds, nanoseconds = struct.unpack("qq", stamp[:16])
+                        answered[fd] = seconds + nanoseconds / 1e9
+                received[fd] += data
+                if not data:
+                    done.add(fd)
+                    poller.unregister(fd)
+    finally:
+        poller.close()
+        for sock in socks.values():
+            sock.close()
+    return [_answer(received[fd], started[fd], answered.get(fd)) for fd in socks]
+
+
+def _answer(raw: bytes, started: float, answered: float | None) -> dict:
+    """A request's status (0: no answer), headers (lower-case names), body (its JSON, None if
+    none or not JSON) and milliseconds to its answer (nan: none)."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1]) if lines[0].startswith("HTTP/") else 0
+    headers = {k.lower(): v for k, _, v in (line.partition(": ") for line in lines[1:])}
+    try:
+        body = json.loads(rest)
+    except ValueError:
+        body = None
+    ms = (answered - started) * 1000 if answered is not None else float("nan")
+    return {"status": status, "headers": headers, "body": body, "ms": ms}
