@@ -111,7 +111,8 @@ class ServedModel:
     async def weight_source(self) -> WeightSource:
         """The index of its files that remote nodes receive their layers from."""
         if self._weight_source is None:
-            self._weight_source = await asyncio.to_thread(WeightSource, self.path, self.name)
+            self._weight_source = await asyncio.to_thread(WeightSource, self.path, self.name,
+                                                          self.kind.kind != CHAT)
         return self._weight_source
 
     async def draft_source(self) -> WeightSource | None:

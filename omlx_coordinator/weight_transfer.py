@@ -8,7 +8,11 @@ omlx_node/weight_store.py):
    `model-embed` on the first stage (and on the last when the embedding is the head),
    `model-norm` and `model-head` on the last, each listing its tensors in data order, plus the
    folder's small files (config.json, tokenizer and chat template files) copied as they are;
-   the model is named by its content fingerprint (omlx_shared.model_store);
+   the model is named by its content fingerprint (omlx_shared.model_store). A model that runs
+   whole on one node (an embedding, reranking or Whisper model: `whole`) is one "layer": its
+   safetensors files go as they are (their tensors, named as in the checkpoint), with the small
+   files of the sentence-transformers module folders modules.json lists (`1_Pooling/`: how it
+   pools);
 2. asks the node what it holds (`PrepareWeights`): its own copy of the model, verified files of
    an earlier transfer, or parts of a broken one with the offset to resume from;
 3. streams only the missing bytes (`PushWeights`), read by offset straight from the source
@@ -139,25 +143,30 @@ class WeightSource:
     Reads config.json, the safetensors headers and a fingerprint's samples (a few MB): build it
     off the event loop."""
 
-    def __init__(self, model_path: Path, model_id: str):
+    def __init__(self, model_path: Path, model_id: str, whole: bool = False):
         self.model_path = Path(model_path)
         self.model_id = model_id
         config = json.loads((self.model_path / "config.json").read_text())
         text = config.get("text_config") or {}
-        self.num_layers = int(config.get("num_hidden_layers") or text.get("num_hidden_layers"))
+        self.num_layers = 1 if whole else int(config.get("num_hidden_layers")
+                                              or text.get("num_hidden_layers"))
         groups: dict[str, list[SourceTensor]] = {}
         for path in weight_files(self.model_path):
             header = read_header(path)
             for name, info in header.tensors.items():
-                part = tensor_part(name)
+                part = "whole" if whole else tensor_part(name)
                 if part is None:
                     continue
                 if part == "other":
                     raise ValueError(f"{path}: tensor {name!r} belongs to no layer, embedding, "
                                      "norm or head; no stage would know where to place it")
                 start, end = tensor_range(name, info, path)
-                file = (f"model-layer-{part:05d}.safetensors" if isinstance(part, int)
-                        else f"model-{part}.safetensors")
+                if whole:  # the node's store takes weights only in model*.safetensors
+                    file = path.name if path.name.startswith("model") else f"model-{path.name}"
+                elif isinstance(part, int):
+                    file = f"model-layer-{part:05d}.safetensors"
+                else:
+                    file = f"model-{part}.safetensors"
                 groups.setdefault(file, []).append(SourceTensor(
                     name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), end - start,
                     Segment(path, header.data_start + start, end - start)))
@@ -167,11 +176,10 @@ class WeightSource:
         # (their sanitize then drops any lm_head); without an lm_head tensor the head is tied.
         tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
         self.tied = bool(tie) or "model-head.safetensors" not in self._weights
-        self._raw = [SourceFile(p.name, False, (), (Segment(p, 0, p.stat().st_size),))
-                     for p in sorted(self.model_path.iterdir())
-                     if p.is_file() and not p.name.startswith(".")
-                     and p.suffix not in _SKIPPED_SUFFIXES and p.name not in _SKIPPED_NAMES
-                     and p.stat().st_size <= MAX_RAW_FILE_BYTES]
+        self.whole = whole
+        self._raw = [SourceFile(p.relative_to(self.model_path).as_posix(), False, (),
+                                (Segment(p, 0, p.stat().st_size),))
+                     for p in _small_files(self.model_path)]
         self.fingerprint = content_fingerprint(self.model_path)
 
     def files_for(self, layer_start: int, layer_end: int) -> list[SourceFile]:
@@ -179,6 +187,8 @@ class WeightSource:
         if not 0 <= layer_start < layer_end <= self.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the "
                              f"model's {self.num_layers} layers")
+        if self.whole:
+            return [*self._weights.values(), *self._raw]
         names = [f"model-layer-{i:05d}.safetensors" for i in range(layer_start, layer_end)]
         first, last = layer_start == 0, layer_end == self.num_layers
         if first or (last and self.tied):
@@ -196,6 +206,25 @@ class WeightSource:
         return pb.WeightManifest(model_id=self.model_id, fingerprint=self.fingerprint,
                                  layer_start=layer_start, layer_end=layer_end,
                                  num_layers=self.num_layers, files=[f.message() for f in files])
+
+
+def _small_files(folder: Path) -> list[Path]:
+    """The folder's files a node needs beside the weights: its own small ones, and those of the
+    sentence-transformers module folders its modules.json lists (one level down: the names a
+    node's store takes)."""
+    dirs = [folder]
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):
+        modules = []
+    for m in modules if isinstance(modules, list) else ():
+        sub = str(m.get("path") or "") if isinstance(m, dict) else ""
+        if sub and "/" not in sub and not sub.startswith(".") and (folder / sub).is_dir():
+            dirs.append(folder / sub)
+    return [p for d in dirs for p in sorted(d.iterdir())
+            if p.is_file() and not p.name.startswith(".")
+            and p.suffix not in _SKIPPED_SUFFIXES and p.name not in _SKIPPED_NAMES
+            and p.stat().st_size <= MAX_RAW_FILE_BYTES]
 
 
 def _safetensors_file(name: str, tensors: list[SourceTensor]) -> SourceFile:

@@ -62,6 +62,7 @@ class Encoder:
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_tokens = max_input_tokens(self.config)
         self.max_rows = max_rows
+        self.passes = 0  # forward passes run: calls merged by the worker share them
         self.pad_id = int(self.config.get("pad_token_id") or 0)
         self.head: nn.Module | None = None
         if self.kind.encoder and self.kind.kind == EMBED:
@@ -82,12 +83,16 @@ class Encoder:
         from mlx.utils import tree_flatten
         return str(tree_flatten(self.model.parameters())[0][1].dtype).removeprefix("mlx.core.")
 
-    def run(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
+    def check(self, inputs: list[list[int]]) -> None:
+        """ValueError when `inputs` is empty or an input is longer than the model takes."""
         if not inputs:
             raise ValueError("no inputs")
         if self.max_tokens and (long := max(len(x) for x in inputs)) > self.max_tokens:
             raise ValueError(f"an input has {long} tokens; the model takes at most "
                              f"{self.max_tokens}")
+
+    def run(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
+        self.check(inputs)
         out: list[np.ndarray | None] = [None] * len(inputs)
         for rows, width in _passes([len(x) for x in inputs], self.max_rows):
             result = self._forward([inputs[i] for i in rows],
@@ -112,6 +117,7 @@ class Encoder:
         else:
             result = self._decoder(ids_, mask_, lengths)
         mx.eval(result)
+        self.passes += 1
         return np.array(result.astype(mx.float32))
 
     def _encoder(self, ids: mx.array, mask: mx.array, type_ids: mx.array,

@@ -5,8 +5,9 @@ A node that lacks a model's files gets only the tensors of its layer range from 
 
 1. `PrepareWeights(manifest)`: the model's content fingerprint (omlx_shared.model_store), the
    layer range and every file the range needs: per-layer safetensors files
-   (`model-layer-00012.safetensors`, `model-embed`, `model-norm`, `model-head`) listing their
-   tensors in data order, and small files copied as they are (config.json, tokenizer files).
+   (`model-layer-00012.safetensors`, `model-embed`, `model-norm`, `model-head`; a model run
+   whole: its own model*.safetensors) listing their tensors in data order, and small files
+   copied as they are (config.json, tokenizer files, `1_Pooling/config.json`).
    The node answers with the folder to load from and what it holds of each file:
    - its own copy of the whole model, `models/<model_id>` with the same fingerprint: nothing;
    - else the shard folder `models/<model_id>@<fingerprint[:12]>/`: the files its `shard.json`
@@ -65,7 +66,9 @@ LOCK_WAIT_SECONDS = 30.0  # for a broken transfer's handler to notice and let go
 _READ_BLOCK = 1 << 20
 
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A file of the folder, or of one folder below it (sentence-transformers' `1_Pooling/`); no
+# part of a name starts with a dot, so none climbs out.
+_FILE_NAME_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 _UNSAFE_ID_RE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -186,13 +189,16 @@ class WeightStore:
                       f"{m.num_layers} layers")
         files: dict[str, FileSpec] = {}
         for f in m.files:
+            # (a loader that globs for weights below the folder must find none in a module
+            # folder)
             if not _FILE_NAME_RE.match(f.name) or f.name.endswith(".part") \
-                    or f.name == SHARD_RECORD:
+                    or f.name == SHARD_RECORD or ("/" in f.name and ".safetensors" in f.name):
                 raise bad(f"file name {f.name!r} is not allowed")
             if f.name in files:
                 raise bad(f"file {f.name!r} appears twice")
             # mlx-lm loads model*.safetensors: a weight file must match, a raw file must not.
-            if f.safetensors != (f.name.startswith("model") and f.name.endswith(".safetensors")):
+            if f.safetensors != (f.name.startswith("model") and f.name.endswith(".safetensors")
+                                 and "/" not in f.name):
                 raise bad(f"{f.name!r}: only model*.safetensors files carry tensors")
             if f.safetensors:
                 names = [t.name for t in f.tensors]
@@ -339,6 +345,7 @@ class WeightStore:
             raise WeightError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{name} is complete on this node already")
         part = target.folder / f"{name}.part"
+        part.parent.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = os.fstat(fd).st_size
@@ -412,7 +419,7 @@ class WeightStore:
         os.close(inc.fd)
         inc.fd = -1
         os.replace(inc.part, target.folder / spec.name)
-        _fsync_dir(target.folder)
+        _fsync_dir(inc.part.parent)
         record.files[spec.name] = {"size": spec.size, "sha256": digest.hex()}
         write_shard_record(target.folder, record)
         return pb.WeightAck(file=spec.name, bytes_done=spec.size, complete=True)

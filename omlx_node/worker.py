@@ -34,6 +34,7 @@ from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
+from omlx_node.load_priority import at_low_priority
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
@@ -248,9 +249,12 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     if config.world_size > 1:
         group = join_group(config)
         doorbells = link_doorbells(group, config.peers, config.init_timeout)
-    stage = StageRunner(config.model_path, config.layer_start, config.layer_end,
-                        streamed=config.streamed_layers,
-                        tensor_group=group if config.tensor else None)
+    # A tensor stage's load and warm-up run collectives on its group, which belongs to this
+    # thread: they run here at the worker's priority.
+    stage = at_low_priority(lambda: StageRunner(
+        config.model_path, config.layer_start, config.layer_end,
+        streamed=config.streamed_layers, tensor_group=group if config.tensor else None),
+        elsewhere=not config.tensor)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics, group if config.tensor else None)
     try:
@@ -290,7 +294,8 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
              else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
-    log.info("rank %d: warmed up in %.2fs", config.rank, warm_up(stage))
+    log.info("rank %d: warmed up in %.2fs", config.rank,
+             at_low_priority(lambda: warm_up(stage), elsewhere=not config.tensor))
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,
              "num_layers": info.num_layers, "port": 0}

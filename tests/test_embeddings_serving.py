@@ -15,7 +15,12 @@ from transformers import AutoTokenizer
 
 from omlx_node.encoders import Encoder
 from tests.conftest import start_server
-from tests.tiny_encoders import MAX_POSITIONS, build_decoder, build_encoder
+from tests.tiny_encoders import (
+    MAX_POSITIONS,
+    build_decoder,
+    build_encoder,
+    mlx_embeddings_reference,
+)
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -49,19 +54,6 @@ def server(folders, tmp_path_factory):
         yield s
 
 
-def mlx_embeddings_reference(folder: Path, text: str, pooling: str) -> np.ndarray:
-    """mlx-embeddings' own model and pooling functions, one input at a time, unpadded."""
-    from mlx_embeddings.models.base import normalize_embeddings
-    from mlx_embeddings.utils import load_model
-
-    model = load_model(folder, path_to_repo=str(folder))
-    ids = mx.array([AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]])
-    out = model(ids)
-    if pooling == "mean":
-        return np.array(out.text_embeds[0])  # the library's own mean-pooled, normalised
-    return np.array(normalize_embeddings(out.last_hidden_state[:, 0])[0])
-
-
 def mlx_lm_last_token(folder: Path, text: str) -> np.ndarray:
     from mlx_lm.utils import load_model
 
@@ -93,6 +85,36 @@ def test_openai_sdk_embeddings_equal_the_libraries(server, folders):
         assert reply.usage.prompt_tokens > len(TEXTS)
         floats = client.embeddings.create(model=name, input=TEXTS[0], encoding_format="float")
         np.testing.assert_allclose(floats.data[0].embedding, reply.data[0].embedding, atol=1e-6)
+
+
+def test_concurrent_requests_equal_each_alone(server, folders):
+    """Clients at once (the worker merges what queues into shared passes): each answer is its
+    input's own embedding or score."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = AutoTokenizer.from_pretrained(str(folders["ce"]))
+    words = " ".join(TEXTS).split()
+    texts = [" ".join(words[i % 5: i % 5 + 1 + i]) for i in range(12)]
+
+    def embed(text: str) -> list[float]:
+        r = post(server.base_url + "/embeddings", json={"model": "xlmr", "input": text})
+        assert r.status_code == 200, r.text
+        return r.json()["data"][0]["embedding"]
+
+    def score(text: str) -> float:
+        r = post(server.base_url + "/rerank", json={"model": "ce", "query": "q",
+                                                    "documents": [text]})
+        assert r.status_code == 200, r.text
+        return r.json()["results"][0]["relevance_score"]
+
+    with ThreadPoolExecutor(len(texts) * 2) as pool:
+        embeddings = list(pool.map(embed, texts))
+        scores = list(pool.map(score, texts))
+    ce = Encoder(folders["ce"])
+    for text, e, s in zip(texts, embeddings, scores):
+        np.testing.assert_allclose(e, mlx_embeddings_reference(folders["xlmr"], text, "mean"),
+                                   atol=1e-5)
+        assert s == pytest.approx(float(ce.run([tok("q", text)["input_ids"]])[0, 0]), abs=1e-5)
 
 
 def test_token_ids_and_dimensions(server, folders):

@@ -160,3 +160,63 @@ def test_a_config_names_the_kind_a_folder_does_not_say(root, tmp_path):
     config.write_text(f'[[model]]\npath = "{folder}"\nkind = "vision"\n')
     with pytest.raises(ModelConfigError, match="kind must be one of"):
         from_file(config)
+
+
+def test_concurrent_calls_share_forward_passes(root):
+    """Encode calls queued together run as one batch through real gRPC: each call's rows equal
+    its inputs computed alone, a refused call fails alone, and the model ran fewer passes than
+    there were calls."""
+    import threading
+
+    import grpc
+
+    from omlx_node.encoder_worker import EncoderService, start_server
+    from proto import omlx_pb2 as pb
+    from proto import omlx_pb2_grpc as pb_grpc
+    from tests.helpers.waiting import wait_for
+
+    folder = build_encoder(root / "batched", "xlm-roberta")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = [tok(t)["input_ids"] for t in texts(16)]
+    calls = [ids[i:i + 1 + i % 2] for i in range(0, 16, 2)]  # calls of one or two inputs
+    calls.append([[5] * (MAX_POSITIONS + 1)])  # too long: refused, the others unharmed
+    alone = Encoder(folder)
+    want = [np.stack([alone.run([x])[0] for x in call]) for call in calls[:-1]]
+    encoder = Encoder(folder)
+    service = EncoderService(encoder, "emb")
+    server, port = start_server(service, "127.0.0.1")
+    stub = pb_grpc.ShardWorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    got: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        try:
+            reply = stub.Encode(pb.EncodeRequest(request_id=str(i), inputs=[
+                pb.EncodeInput(tokens=x) for x in calls[i]]), timeout=60)
+            got[i] = np.array(reply.values).reshape(len(calls[i]), reply.dim)
+        except grpc.RpcError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    try:
+        # Every call queued before the worker takes one: they all find it busy (as calls that
+        # arrive during a pass do).
+        wait_for(lambda: service.jobs.qsize() == len(calls), 30, "every call queued", 0.01)
+
+        def stop_when_answered() -> None:
+            for t in threads:
+                t.join(60)
+            service.stop()
+
+        threading.Thread(target=stop_when_answered).start()
+        service.serve()  # on this thread, as the worker's main thread runs it
+    finally:
+        server.stop(0)
+    for i, rows in enumerate(want):
+        np.testing.assert_allclose(got[i], rows, atol=1e-5)
+    refused = got[len(calls) - 1]
+    assert isinstance(refused, grpc.RpcError)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {MAX_POSITIONS}" in refused.details()
+    assert encoder.passes == 1 < len(calls)

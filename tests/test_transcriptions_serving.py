@@ -5,34 +5,16 @@ formats; and the 400s of a file that is no audio, a bad format and a chat reques
 
 from __future__ import annotations
 
-import io
-import wave
-
 import httpx
-import mlx.core as mx
-import numpy as np
 import pytest
 
 from tests.conftest import start_server
-from tests.tiny_encoders import build_whisper
+from tests.tiny_encoders import build_whisper, mlx_audio_transcript, tone_wav
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 180.0
-
-
-def tone_wav(seconds: float = 3.0, rate: int = 16000) -> bytes:
-    """A 440 Hz tone, amplitude-modulated, as 16-bit mono PCM WAV."""
-    t = np.arange(int(seconds * rate)) / rate
-    samples = 0.3 * np.sin(2 * np.pi * 440 * t) * np.sin(2 * np.pi * 3 * t)
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((samples * 32767).astype("<i2").tobytes())
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +30,11 @@ def server(whisper, tmp_path_factory):
         yield s
 
 
-def reference(folder, audio: bytes):
-    """mlx-audio's own transcription of `audio`: its reader, its loader, its generate."""
-    from mlx_audio.audio_io import read
-    from mlx_audio.stt.utils import load_model
-
-    samples, _ = read(io.BytesIO(audio), dtype="float32", sample_rate=16000, nchannels=1)
-    return load_model(str(folder)).generate(mx.array(samples.reshape(-1)), language="en",
-                                            temperature=0.0)
-
-
 def test_openai_sdk_transcription_equals_mlx_audio(server, whisper):
     from openai import OpenAI
 
     audio = tone_wav()
-    want = reference(whisper, audio)
+    want = mlx_audio_transcript(whisper, audio)
     assert want.text  # the tiny model writes something: an empty match would test little
     client = OpenAI(base_url=server.base_url, api_key="none", timeout=TIMEOUT)
     got = client.audio.transcriptions.create(model="whisper", file=("tone.wav", audio),

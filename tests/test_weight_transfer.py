@@ -425,3 +425,22 @@ def test_a_node_without_disk_space_refuses_clearly(big, tmp_path):
     assert "free there" in err.details()
     assert fits.bytes_sent == fits.bytes_total
     assert not any(models.iterdir())  # the tmpfs went with the agent's namespace
+
+
+def test_file_names_one_folder_down_and_no_further(tmp_path):
+    """A module folder's file (`1_Pooling/config.json`) is a name the store takes; names that
+    would climb out of the model's folder, or hide in a dot folder, are refused."""
+    from omlx_node.weight_store import WeightError, WeightStore
+
+    store = WeightStore(tmp_path / "models")
+
+    def manifest(name: str) -> pb.WeightManifest:
+        return pb.WeightManifest(model_id="m", fingerprint="ab" * 32, layer_start=0,
+                                 layer_end=1, num_layers=1,
+                                 files=[pb.WeightFile(name=name, size=2)])
+
+    assert store.prepare(manifest("1_Pooling/config.json")).files[0].have_bytes == 0
+    for bad in ("../config.json", "a/../../b", ".hidden/config.json", "a/b/c.json", "/etc/x",
+                "1_Pooling/", "1_Pooling/model.safetensors"):
+        with pytest.raises(WeightError, match="bad weight manifest"):
+            store.prepare(manifest(bad))

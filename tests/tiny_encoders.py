@@ -6,15 +6,19 @@ out as Hugging Face's ...ForSequenceClassification (prefixed encoder, `classifie
 Decoder embedders and rerankers are tiny_models' Qwen3 folders named as the real ones are.
 Whisper is mlx-audio's model with a Whisper tokenizer (the tiny models' BPE with Whisper's
 special tokens: languages, tasks, timestamps) and feature extractor, as its loader reads them.
-Every one has the tiny models' trained byte-level BPE tokenizer.
+Every one has the tiny models' trained byte-level BPE tokenizer. And the libraries' own
+computations the served answers are held to, and a synthesised WAV to transcribe.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import wave
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_embeddings.utils import _get_classes
 
@@ -118,3 +122,40 @@ def build_whisper(dest: Path, seed: int = 0) -> Path:
     mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (dest / "config.json").write_text(json.dumps(config))
     return dest
+
+
+def tone_wav(seconds: float = 3.0, rate: int = 16000) -> bytes:
+    """A 440 Hz tone, amplitude-modulated, as 16-bit mono PCM WAV."""
+    t = np.arange(int(seconds * rate)) / rate
+    samples = 0.3 * np.sin(2 * np.pi * 440 * t) * np.sin(2 * np.pi * 3 * t)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((samples * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def mlx_audio_transcript(folder: Path, audio: bytes):
+    """mlx-audio's own transcription of `audio`: its reader, its loader, its generate."""
+    from mlx_audio.audio_io import read
+    from mlx_audio.stt.utils import load_model
+
+    samples, _ = read(io.BytesIO(audio), dtype="float32", sample_rate=16000, nchannels=1)
+    return load_model(str(folder)).generate(mx.array(samples.reshape(-1)), language="en",
+                                            temperature=0.0)
+
+
+def mlx_embeddings_reference(folder: Path, text: str, pooling: str) -> np.ndarray:
+    """mlx-embeddings' own model and pooling functions, one input at a time, unpadded."""
+    from mlx_embeddings.models.base import normalize_embeddings
+    from mlx_embeddings.utils import load_model
+    from transformers import AutoTokenizer
+
+    model = load_model(folder, path_to_repo=str(folder))
+    ids = mx.array([AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]])
+    out = model(ids)
+    if pooling == "mean":
+        return np.array(out.text_embeds[0])  # the library's own mean-pooled, normalised
+    return np.array(normalize_embeddings(out.last_hidden_state[:, 0])[0])

@@ -1,0 +1,124 @@
+"""A worker's load at the lowest CPU priority, so that the models a node serves keep their speed
+while another one loads beside them; and an embedding, reranking or Whisper worker's passes
+below a chat model's decode.
+
+A load (reading and copying gigabytes of weights, then the warm-up's passes) competes for the
+cores with the workers that decode: on a 2-core CPU a neighbour's load cost a decoding model 38%
+of its tok/s (bench/results/models-cpu.md). So the load runs on a thread of its own whose nice
+value is raised to LOAD_NICE (env OMLX_LOAD_NICE; 0: the worker's own), and so are the threads
+it starts (MLX's file readers, the stream its warm-up runs on), which inherit it: they take the
+cores only when nothing else wants them, and an idle node loads as fast as before. The serving
+threads never had their priority lowered, so nothing needs restoring once the load is done,
+which an unprivileged process could not do (lowering a nice value needs CAP_SYS_NICE).
+
+An embedding batch or a transcription is work a person does not watch token by token; a chat
+model's decode is. Their workers run at ENCODE_NICE (env OMLX_ENCODE_NICE) from their start,
+every thread of them (BLAS's pool does most of an encoder's work, and it exists before any
+load): beside a decoding model they take about a tenth of the cores it wants, and all of them
+when it is idle. Nothing of theirs is ever raised back.
+
+Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
+whole process's) the work runs as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LOAD_NICE = 19
+ENCODE_NICE = 10
+
+
+def nice_from_env(name: str, default: int) -> int:
+    """The nice value the environment variable `name` sets (0 to 19), else `default`; 0 where
+    a thread cannot have its own."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    raw = os.environ.get(name, "")
+    try:
+        return max(0, min(19, int(raw))) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a number from 0 to 19; using %d", name, raw, default)
+        return default
+
+
+def load_nice() -> int:
+    """The nice value loads run at."""
+    return nice_from_env("OMLX_LOAD_NICE", LOAD_NICE)
+
+
+def encode_nice() -> int:
+    """The nice value an embedding, reranking or Whisper worker's passes run at."""
+    return nice_from_env("OMLX_ENCODE_NICE", ENCODE_NICE)
+
+
+def lower_this_process(nice: int) -> None:
+    """Every thread of this process at `nice` at least (the threads they start inherit it)."""
+    if nice == 0:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid),
+                           max(os.getpriority(os.PRIO_PROCESS, int(tid)), nice))
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+
+
+def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
+                    nice: int | None = None) -> T:
+    """`work()`'s result (or its exception), run on a thread at `nice` (default `load_nice()`)
+    and on an MLX stream that thread made (its compute thread inherits the nice value); on this
+    thread as it is where that is 0 or the work must stay on this thread (not `elsewhere`).
+    Blocks until the work is done."""
+    nice = load_nice() if nice is None else nice
+    if nice == 0 or not elsewhere:
+        return work()
+    import mlx.core as mx
+
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+            if mx.default_device() == mx.cpu:  # a GPU's work is not a CPU thread's
+                with mx.stream(mx.new_stream(mx.cpu)):
+                    out["result"] = _materialized(work())
+            else:
+                out["result"] = _materialized(work())
+        except BaseException as e:  # re-raised on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="load")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _materialized(loaded: T) -> T:
+    """`loaded` with every array of the modules it holds evaluated, private ones too (a RoPE's
+    frequencies, Whisper's positions): an array left lazy names the loading thread's stream,
+    which no other thread may evaluate ("There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    held = [loaded, *vars(loaded).values()] if hasattr(loaded, "__dict__") else [loaded]
+    arrays = [v for v in held if isinstance(v, mx.array)]
+    for m in held:
+        if isinstance(m, nn.Module):
+            arrays += [a for _, a in tree_flatten(m.filter_and_map(lambda *_: True))
+                       if isinstance(a, mx.array)]
+    mx.eval(arrays)
+    return loaded
