@@ -6,8 +6,10 @@ A load (reading and copying gigabytes of weights, then the warm-up's passes) com
 cores with the workers that decode: on a 2-core CPU a neighbour's load cost a decoding model 38%
 of its tok/s (bench/results/models-cpu.md). So the load runs on a thread of its own whose nice
 value is raised to LOAD_NICE (env OMLX_LOAD_NICE; 0: the worker's own), and so are the threads
-it starts (MLX's file readers, the stream its warm-up runs on), which inherit it: they take the
-cores only when nothing else wants them, and an idle node loads as fast as before. The serving
+it starts (MLX's file readers, the stream its warm-up runs on), which inherit it: beside
+decoding workers they take about a tenth of the cores (nice 19 would take a seventieth, and a
+failover's reload on a busy node would wait for everyone else), and an idle node loads as fast
+as before. The serving
 threads never had their priority lowered, so nothing needs restoring once the load is done,
 which an unprivileged process could not do (lowering a nice value needs CAP_SYS_NICE).
 
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LOAD_NICE = 19
+LOAD_NICE = 10
 ENCODE_NICE = 10
 
 

@@ -1,4 +1,4 @@
-"""A worker's load runs at nice 19 on a thread of its own (Linux), and the caller's priority,
+"""A worker's load runs at nice 10 on a thread of its own (Linux), and the caller's priority,
 on which the worker serves, is never lowered."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from omlx_node.load_priority import at_low_priority, encode_nice, load_nice
+from omlx_node.load_priority import LOAD_NICE, at_low_priority, encode_nice, load_nice
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
         return weights
 
     weights = at_low_priority(load)
-    assert seen["nice"] == max(mine, 19) and seen["thread"] != threading.get_native_id()
+    assert seen["nice"] == max(mine, LOAD_NICE) and seen["thread"] != threading.get_native_id()
     assert nice_of_this_thread() == mine
     assert (weights + 1).sum().item() == sum(2 * i + 1 for i in range(1000))  # used here
 
@@ -53,7 +53,7 @@ def test_off_and_bad_settings(monkeypatch, caplog):
     monkeypatch.setenv("OMLX_LOAD_NICE", "7")
     assert load_nice() == 7
     monkeypatch.setenv("OMLX_LOAD_NICE", "low")
-    assert load_nice() == 19 and "OMLX_LOAD_NICE" in caplog.text
+    assert load_nice() == LOAD_NICE and "OMLX_LOAD_NICE" in caplog.text
     monkeypatch.delenv("OMLX_ENCODE_NICE", raising=False)
     assert encode_nice() == 10
     seen = at_low_priority(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
