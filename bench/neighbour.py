@@ -10,7 +10,7 @@ token counter over each window (bench/models.py's `rate_during`).
 
 Twice in one run, so that before and after meet the same machine: with loads and embedding
 passes at the workers' own priority (OMLX_LOAD_NICE=0 OMLX_ENCODE_NICE=0, as before the fix),
-and as shipped (a load runs at nice 19, an embedding worker at nice 10:
+and as shipped (a load runs at nice LOAD_NICE, an embedding worker at ENCODE_NICE:
 omlx_node/load_priority.py).
 
     python -m bench.neighbour [--runs 2] [--out bench/results/neighbour-cpu.md]
@@ -34,12 +34,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.models import rate_during  # noqa: E402
+from omlx_node.load_priority import ENCODE_NICE, LOAD_NICE  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
 from tests.tiny_encoders import build_encoder  # noqa: E402
 from tests.tiny_models import build_model  # noqa: E402
 
 SETTINGS = (("before: OMLX_LOAD_NICE=0 OMLX_ENCODE_NICE=0", "0"),
-            ("as shipped: loads at nice 19, embedding workers at nice 10", ""))
+            (f"as shipped: loads at nice {LOAD_NICE}, embedding workers at nice {ENCODE_NICE}",
+             ""))
 NICE_VARS = ("OMLX_LOAD_NICE", "OMLX_ENCODE_NICE")
 
 
