@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import orjson
 from bench.common import RESULTS, Server, machine_info
-from omlx_coordinator.request_body import MAX_CONTAINERS
+from omlx_coordinator.http.request_body import MAX_CONTAINERS
 from tests.tiny_models import build_model
 
 KEY = "sk-bench-body-parsing"

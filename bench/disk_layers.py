@@ -29,8 +29,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.common import machine_info
-from omlx_coordinator.model_layout import read_layout
-from omlx_coordinator.planner import NodeSpec, make_plan
+from omlx_coordinator.planning.model_layout import read_layout
+from omlx_coordinator.planning.planner import NodeSpec, make_plan
 from omlx_node.calibrate import measure_speed
 from omlx_node.stage import StageRunner
 from tests.tiny_models import build_model

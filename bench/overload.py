@@ -132,7 +132,7 @@ def markdown(r: dict) -> str:
         "tens of milliseconds and the gateway answers them one after another: a refusal's "
         "latency is its place in that line times what the gateway spends per refusal, not a "
         "wait for generation. Refusals are answered by the HTTP protocol from the headers "
-        "(omlx_coordinator/connections.py) once every model's bound is taken, the requests "
+        "(omlx_coordinator/http/connections.py) once every model's bound is taken, the requests "
         "still undecided counted. Spread, requests arrive at a steady rate far past what the "
         "model drains.",
         "",

@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from omlx_coordinator.stop_strings import StopMatcher
+from omlx_coordinator.request.stop_strings import StopMatcher
 
 
 class ScanMatcher:
-    """The matcher before (omlx_coordinator/stop_strings.py at 6de3fce): each token, find()
+    """The matcher before (omlx_coordinator/request/stop_strings.py at 6de3fce): each token, find()
     for every stop string, then each one's prefixes tried against the held text's end."""
 
     def __init__(self, stops: list[str]):

@@ -14,7 +14,7 @@ All three run at once (an idle cluster sleeps on its doorbells); after one warm-
 sees the same drift of a shared machine's load; decode rate from the first to the last streamed
 token), the median reported; then --streams concurrent streams on each (aggregate completion
 tokens a second, prefill included). Beside each, the
-planner's prediction (omlx_coordinator/layout_choice.py) from this machine's own measurements:
+planner's prediction (omlx_coordinator/planning/layout_choice.py) from this machine's own measurements:
 the weight-streaming speed of one core (omlx_node.calibrate.measure_speed, pinned to core 0)
 and the latency of an all_sum of one hidden state between two processes pinned to cores 0 and 1.
 
@@ -41,9 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.idle import JoinedCluster  # noqa: E402
 from bench.common import stream_batch, stream_one, write_random_llama  # noqa: E402
-from omlx_coordinator.layout_choice import candidates  # noqa: E402
-from omlx_coordinator.model_layout import read_layout  # noqa: E402
-from omlx_coordinator.planner import GiB, NodeSpec  # noqa: E402
+from omlx_coordinator.planning.layout_choice import candidates  # noqa: E402
+from omlx_coordinator.planning.model_layout import read_layout  # noqa: E402
+from omlx_coordinator.planning.planner import GiB, NodeSpec  # noqa: E402
 
 # ~252M parameters: 16 layers of 11.6M (GQA attention 3.1M, MLP 8.7M), embedding and head 32.8M.
 LLAMA_250M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,

@@ -27,13 +27,13 @@ from bench.common import (
     machine_info,
     machine_tag,
 )
-from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCallFormat
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tool_calls import ToolCallFormat
 from tests.tiny_models import build_model, qwen_tokenizer
 
 
 class WholeCalls:
-    """The parser before (omlx_coordinator/tool_calls.py at b4918f2): a call's markup held
+    """The parser before (omlx_coordinator/text/tool_calls.py at b4918f2): a call's markup held
     until its end marker, then parsed whole; `feed` says whether a call came out."""
 
     def __init__(self, fmt: ToolCallFormat):

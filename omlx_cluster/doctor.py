@@ -273,8 +273,8 @@ def _browse(interfaces: list[str], seconds: float) -> tuple[list[NodeAnnouncemen
 def _plan(model: Path, memories: dict[str, int]) -> tuple[dict, dict[str, tuple[int, int]]]:
     """Plans `model` over the hosts of `memories` ({host: total memory}): (the plan for people,
     {host: (weight bytes, memory bytes)} of each one's shard)."""
-    from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.planner import NodeSpec, make_plan
+    from omlx_coordinator.planning.model_layout import read_layout
+    from omlx_coordinator.planning.planner import NodeSpec, make_plan
 
     # The planner's node names are words: number the hosts, name them back after.
     hosts = list(memories)

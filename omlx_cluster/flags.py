@@ -255,8 +255,8 @@ def add_rebalance_flags(p: argparse.ArgumentParser) -> None:
 
 
 def rebalance_settings(args: argparse.Namespace):
-    from omlx_coordinator.rebalance_policy import Policy
-    from omlx_coordinator.rebalancer import RebalanceSettings
+    from omlx_coordinator.planning.rebalance_policy import Policy
+    from omlx_coordinator.telemetry.rebalancer import RebalanceSettings
 
     # The memory pressure window follows a short --rebalance-window down, never above 10 s.
     policy = Policy(threshold=args.rebalance_threshold, window=args.rebalance_window,

@@ -9,11 +9,11 @@ import sys
 def plan_command(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from omlx_coordinator.layout_choice import plan_layout
-    from omlx_coordinator.model_layout import read_layout
-    from omlx_coordinator.node_args import parse_node_arg
-    from omlx_coordinator.plan_table import format_plan
-    from omlx_coordinator.planner import PlanError
+    from omlx_coordinator.planning.layout_choice import plan_layout
+    from omlx_coordinator.planning.model_layout import read_layout
+    from omlx_coordinator.planning.node_args import parse_node_arg
+    from omlx_coordinator.planning.plan_table import format_plan
+    from omlx_coordinator.planning.planner import PlanError
     from omlx_shared.model_spec import resolve_model
     from omlx_shared.model_store import ModelError
 

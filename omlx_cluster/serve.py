@@ -19,12 +19,12 @@ from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE
 log = logging.getLogger("omlx_cluster")
 
 if TYPE_CHECKING:
-    from omlx_coordinator.keys import KeyRing
+    from omlx_coordinator.frontdoor.keys import KeyRing
 
 
 def _api_keys(args: argparse.Namespace) -> KeyRing | None:
     """The gateway's API keys; None (after printing why) when the address needs one."""
-    from omlx_coordinator.keys import KeyRing, KeysFileError
+    from omlx_coordinator.frontdoor.keys import KeyRing, KeysFileError
 
     try:
         keys = KeyRing(api_keys(args), args.keys_file)
@@ -47,10 +47,10 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
     start."""
     import uvicorn
 
-    from omlx_coordinator.access_log import redact_access_log
-    from omlx_coordinator.connections import guarded, raise_open_files
-    from omlx_coordinator.gateway import create_app
-    from omlx_coordinator.generation import GatewaySettings
+    from omlx_coordinator.frontdoor.access_log import redact_access_log
+    from omlx_coordinator.http.connections import guarded, raise_open_files
+    from omlx_coordinator.http.gateway import create_app
+    from omlx_coordinator.request.generation import GatewaySettings
 
     settings = GatewaySettings(request_timeout=args.request_timeout,
                                keepalive_seconds=args.keepalive,
@@ -116,7 +116,7 @@ def _run_gateway(args: argparse.Namespace, manager, keys: KeyRing) -> int:
 
 def _gateway_tls(args: argparse.Namespace):
     """The certificate to serve HTTPS with, None for plain HTTP, False after saying why not."""
-    from omlx_coordinator.gateway_tls import GatewayTLSError, checked, self_signed
+    from omlx_coordinator.http.gateway_tls import GatewayTLSError, checked, self_signed
     from omlx_shared.model_store import data_home
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -152,9 +152,9 @@ def _keys_and_models(args: argparse.Namespace):
     (after saying why) to exit with 2."""
     from dataclasses import replace
 
-    from omlx_coordinator import model_config as mc
-    from omlx_coordinator.admission import default_bound
-    from omlx_coordinator.served_model import ServedModel
+    from omlx_coordinator.models import model_config as mc
+    from omlx_coordinator.models.admission import default_bound
+    from omlx_coordinator.models.served_model import ServedModel
     from omlx_shared.model_spec import resolve_model, served_name
     from omlx_shared.model_store import ModelError
 
@@ -198,8 +198,8 @@ def _keys_and_models(args: argparse.Namespace):
 
 
 def _manager(args: argparse.Namespace, models, options):
-    from omlx_coordinator.cluster import Cluster
-    from omlx_coordinator.lifecycle import ModelManager
+    from omlx_coordinator.nodes.cluster import Cluster
+    from omlx_coordinator.models.lifecycle import ModelManager
 
     return ModelManager(Cluster(options), models,
                         block_size=getattr(args, "cache_block_size", None) or DEFAULT_BLOCK_SIZE,
@@ -207,8 +207,8 @@ def _manager(args: argparse.Namespace, models, options):
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from omlx_coordinator.cluster import ClusterOptions
-    from omlx_coordinator.planner import PlanError
+    from omlx_coordinator.nodes.cluster import ClusterOptions
+    from omlx_coordinator.planning.planner import PlanError
     from omlx_shared.auth import new_secret
 
     checked = _keys_and_models(args)
@@ -261,7 +261,7 @@ def _warn_slow_blas() -> None:
 
 
 def coordinator_command(args: argparse.Namespace) -> int:
-    from omlx_coordinator.cluster import ClusterOptions
+    from omlx_coordinator.nodes.cluster import ClusterOptions
     from omlx_shared.auth import new_secret
     from omlx_shared.discovery import default_interfaces
 

@@ -43,7 +43,7 @@ def _finite_seconds(value: str) -> float:
 
 def size(value: str) -> int:
     """A memory size with a unit (64GiB, 512MiB), or 0."""
-    from omlx_coordinator.node_args import parse_size
+    from omlx_coordinator.planning.node_args import parse_size
 
     if value.strip() in ("0", "0B"):
         return 0

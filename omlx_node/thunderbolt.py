@@ -1,7 +1,7 @@
 """This Mac's Thunderbolt ports that carry RDMA, and which port each one is cabled to.
 
 The coordinator chooses MLX's jaccl backend for a plan only when every ring link of it is such a
-cable (omlx_coordinator/backend.py). Three macOS tools describe the ports, read the way MLX's own
+cable (omlx_coordinator/nodes/backend.py). Three macOS tools describe the ports, read the way MLX's own
 `mlx.distributed_config` reads them (mlx/_distributed_utils/config.py):
 
 - `ibv_devices` lists the RDMA devices, named `rdma_<interface>` (RDMA over Thunderbolt 5, macOS

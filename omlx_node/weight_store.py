@@ -1,7 +1,7 @@
 """The receiving end of weight transfers: a node's store of the layers it runs.
 
 A node that lacks a model's files gets only the tensors of its layer range from the coordinator
-(sender: omlx_coordinator/weight_transfer.py; contract: proto/omlx.proto):
+(sender: omlx_coordinator/nodes/weight_transfer.py; contract: proto/omlx.proto):
 
 1. `PrepareWeights(manifest)`: the model's content fingerprint (omlx_shared.model_store), the
    layer range and every file the range needs: per-layer safetensors files

@@ -25,7 +25,7 @@ class WorkerConfig:
     rank: int = 0
     peers: tuple[str, ...] = ()
     backend: str = "ring"  # or "jaccl" (RDMA over Thunderbolt 5)
-    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/backend.py)
+    # jaccl: MLX_IBV_DEVICES as JSON, one row per rank (omlx_coordinator/nodes/backend.py)
     rdma_devices: str = ""
     plan_hash: str = ""
     tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 # Linux PSI "some avg10" grades: a tenth of the time with a task stalled on memory is where the
-# rebalancer starts shedding layers (omlx_coordinator/rebalancer.py); stalled 40% of the time,
+# rebalancer starts shedding layers (omlx_coordinator/telemetry/rebalancer.py); stalled 40% of the time,
 # the machine is thrashing.
 PSI_WARN = 0.10
 PSI_CRITICAL = 0.40

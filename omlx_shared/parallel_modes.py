@@ -1,4 +1,4 @@
-"""The layouts a model can be spread over several nodes with (omlx_coordinator/layout_choice.py
+"""The layouts a model can be spread over several nodes with (omlx_coordinator/planning/layout_choice.py
 plans each): "pipeline" (each node a range of layers), "tensor" (each node a slice of every
 layer) and "auto" (whichever the planner predicts fastest). Here rather than in the coordinator
 so that the CLI's flags, the models config and the planner name the same three."""

@@ -9,7 +9,7 @@ import os
 import grpc
 import pytest
 
-from omlx_coordinator.node_client import AdmissionError, AgentClient
+from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb

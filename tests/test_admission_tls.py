@@ -15,9 +15,9 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import ClusterOptions
-from omlx_coordinator.gateway import create_app
-from omlx_coordinator.node_client import AdmissionError, AgentClient
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_node.agent import NodeAgent
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import ChildProcess, omlx_command

@@ -17,10 +17,10 @@ import pytest
 from omlx_coordinator.api import anthropic as adapter
 from omlx_coordinator.api.anthropic_schema import MessagesRequest
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import Delta, Done, KeepAlive
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import CallEnd, ToolCallStream
+from omlx_coordinator.request.generation import Delta, Done, KeepAlive
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tool_calls import CallEnd, ToolCallStream
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
 

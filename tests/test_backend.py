@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_coordinator.backend import BackendError, choose_backend
-from omlx_coordinator.cluster import ClusterOptions
+from omlx_coordinator.nodes.backend import BackendError, choose_backend
+from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_node import thunderbolt
 from proto import omlx_pb2 as pb
 from tests.cluster_secret import SECRET

@@ -1,4 +1,4 @@
-"""The planner with layers on the SSD (omlx_coordinator/disk_layers.py): a node's
+"""The planner with layers on the SSD (omlx_coordinator/planning/disk_layers.py): a node's
 --weights-memory caps what a stage holds, the rest of its range streams, the cost is counted,
 and RAM elsewhere wins over a disk when it is there."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from dataclasses import replace
 
-from omlx_coordinator.disk_layers import STREAM_BUFFERS, streamed_layers
-from omlx_coordinator.planner import GiB, NodeSpec, PlanError, make_plan
+from omlx_coordinator.planning.disk_layers import STREAM_BUFFERS, streamed_layers
+from omlx_coordinator.planning.planner import GiB, NodeSpec, PlanError, make_plan
 from tests.helpers.layouts import uniform_layout
 
 KW = dict(os_reserve_bytes=0, context_tokens=1024, max_sequences=1)

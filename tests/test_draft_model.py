@@ -182,8 +182,8 @@ def test_a_draft_of_another_tokenizer_or_none_is_refused(models, tmp_path):
 def test_the_plan_counts_the_draft_on_the_first_stage(models):
     """The draft model's weights are held beside the first stage's layers: a plan counts them
     there (and a node too small for both refuses the pair)."""
-    from omlx_coordinator.model_layout import read_layout, with_draft
-    from omlx_coordinator.planner import NodeSpec, PlanError, make_plan
+    from omlx_coordinator.planning.model_layout import read_layout, with_draft
+    from omlx_coordinator.planning.planner import NodeSpec, PlanError, make_plan
 
     plain = read_layout(models["target"])
     layout = with_draft(plain, models["early"])

@@ -208,10 +208,10 @@ def test_a_budget_for_two_evicts_the_least_recently_used_kind(folders, tmp_path)
     """A chat, an embedding and a reranking model under a --node-memory that holds two: each
     request for the one unloaded evicts the least recently used idle one, and every request
     answers."""
-    from omlx_coordinator import placement
-    from omlx_coordinator.model_config import ModelConfig
-    from omlx_coordinator.planner import NodeSpec, make_plan
-    from omlx_coordinator.served_model import ServedModel
+    from omlx_coordinator.models import placement
+    from omlx_coordinator.models.model_config import ModelConfig
+    from omlx_coordinator.planning.planner import NodeSpec, make_plan
+    from omlx_coordinator.models.served_model import ServedModel
     from tests.helpers.serving import CACHE_FLAGS
 
     names = {"chat": folders["chat"], "xlmr": folders["xlmr"], "ce": folders["ce"]}

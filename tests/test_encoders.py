@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator.cluster import ClusterOptions
-from omlx_coordinator.gateway import create_app
-from omlx_coordinator.generation import GatewaySettings
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.request.generation import GatewaySettings
 from omlx_node import encoders
 from omlx_node.encoders import Encoder, _passes
 from omlx_shared.model_kinds import CHAT, EMBED, RERANK, ModelKind, detect_kind
@@ -144,8 +144,8 @@ def test_transcription_refusals_without_a_node(root):
 
 
 def test_a_config_names_the_kind_a_folder_does_not_say(root, tmp_path):
-    from omlx_coordinator.model_config import ModelConfigError, from_file
-    from omlx_coordinator.served_model import ServedModel
+    from omlx_coordinator.models.model_config import ModelConfigError, from_file
+    from omlx_coordinator.models.served_model import ServedModel
     from omlx_shared.model_kinds import kind_of
 
     folder = build_decoder(root, "rerank").rename(root / "renamed")  # its name no longer says

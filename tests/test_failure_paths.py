@@ -16,20 +16,20 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import ClusterOptions
-from omlx_coordinator.lifecycle import ModelManager
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import (
+from omlx_coordinator.request.generation import (
     Delta,
     Done,
     GatewaySettings,
     GenerationRequest,
     generate,
 )
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.retry import MAX_ATTEMPTS
-from omlx_coordinator.weight_transfer import WeightSource, ensure_weights
-from omlx_coordinator.worker_session import WorkerSession
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.request.retry import MAX_ATTEMPTS
+from omlx_coordinator.nodes.weight_transfer import WeightSource, ensure_weights
+from omlx_coordinator.nodes.worker_session import WorkerSession
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.weight_store import FREE_SPACE_MARGIN_BYTES, WeightError, WeightStore
 from omlx_shared import auth

@@ -25,8 +25,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from safetensors.numpy import save_file
 
-from omlx_coordinator.model_layout import read_layout
-from omlx_coordinator.planner import GiB, NodeSpec, make_plan
+from omlx_coordinator.planning.model_layout import read_layout
+from omlx_coordinator.planning.planner import GiB, NodeSpec, make_plan
 from omlx_node.batcher import Batcher, Finish, SeqRequest, StageState
 from omlx_node.families import FamilyError, check_shape, find_anatomy
 from omlx_node.kv_cache import PrefixCache

@@ -15,7 +15,7 @@ import pytest
 
 from omlx_cluster.client import layers_on
 from omlx_cluster.node_commands import register_periodically
-from omlx_coordinator.access_log import RedactedQuery
+from omlx_coordinator.frontdoor.access_log import RedactedQuery
 from tests.conftest import start_server
 from tests.in_process_gateway import app_for, ask
 from tests.stub_http import QuietHandler, stub_server

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from omlx_coordinator.cluster import (
+from omlx_coordinator.nodes.cluster import (
     HEARTBEAT_SECONDS,
     NODE_LOST_SECONDS,
     STALL_BUDGET_SECONDS,

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from omlx_coordinator import keys as keys_module
-from omlx_coordinator.keys import KeyRing, KeysFileError, parse_keys
-from omlx_coordinator.usage import Usage, parse_since, today
+from omlx_coordinator.frontdoor import keys as keys_module
+from omlx_coordinator.frontdoor.keys import KeyRing, KeysFileError, parse_keys
+from omlx_coordinator.frontdoor.usage import Usage, parse_since, today
 from tests.in_process_gateway import app_for, ask
 
 ALICE, BOB, ROOT = "alice-secret-key", "bob-secret-key", "root-secret-key"

@@ -20,7 +20,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 from transformers import AutoTokenizer
 
-from omlx_coordinator.model_layout import read_layout
+from omlx_coordinator.planning.model_layout import read_layout
 from omlx_node.batcher import Batcher, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageError, StageRunner

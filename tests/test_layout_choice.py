@@ -1,4 +1,4 @@
-"""The layout a model gets (omlx_coordinator/layout_choice.py, tensor_plan.py) as pure functions
+"""The layout a model gets (omlx_coordinator/planning/layout_choice.py, tensor_plan.py) as pure functions
 on synthetic clusters: `--parallel tensor` refused where it cannot be, and `auto` choosing
 tensor over a fast link, a pipeline over a slow one, one node when the model fits one."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from omlx_coordinator.layout_choice import candidates, plan_layout
-from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.planner import GiB, NodeSpec, Plan, PlanError
-from omlx_coordinator.tensor_plan import make_tensor_plan
+from omlx_coordinator.planning.layout_choice import candidates, plan_layout
+from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_coordinator.planning.planner import GiB, NodeSpec, Plan, PlanError
+from omlx_coordinator.planning.tensor_plan import make_tensor_plan
 
 LLAMA_8B = (("model_type", "llama"), ("hidden_size", 4096), ("num_attention_heads", 32),
             ("num_key_value_heads", 8), ("intermediate_size", 14336))

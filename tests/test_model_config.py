@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from omlx_coordinator import model_config as mc
-from omlx_coordinator.placement import LoadedModel, pressure_victim
+from omlx_coordinator.models import model_config as mc
+from omlx_coordinator.models.placement import LoadedModel, pressure_victim
 
 
 def test_flags_name_alias_pin_ttl_and_replicas():

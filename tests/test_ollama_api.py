@@ -22,10 +22,10 @@ from omlx_coordinator.api import ollama_schema as schema
 from omlx_coordinator.api.ollama_models import _details
 from omlx_coordinator.api.tool_setup import ToolSetup
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import Delta, Done, KeepAlive
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.model_config import ModelConfig
-from omlx_coordinator.served_model import ServedModel
+from omlx_coordinator.request.generation import Delta, Done, KeepAlive
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.models.model_config import ModelConfig
+from omlx_coordinator.models.served_model import ServedModel
 from tests.conftest import Server, start_server
 from tests.in_process_gateway import app_for, ask
 from tests.helpers.reference import mlx_lm_greedy

@@ -27,13 +27,13 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator import constraints
+from omlx_coordinator.text import constraints
 from omlx_coordinator.api.openai import _Choice, _Output
 from omlx_coordinator.api.openai_schema import ChatCompletionRequest
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import Delta, Done
-from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import CallEnd, CallStart, Item, ToolCallFormat, ToolCallStream
+from omlx_coordinator.request.generation import Delta, Done
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tool_calls import CallEnd, CallStart, Item, ToolCallFormat, ToolCallStream
 from proto import omlx_pb2 as pb
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
@@ -175,9 +175,9 @@ def test_family_from_tokenizer_config_and_calls_without_end_marker() -> None:
 def test_coordinator_imports_no_mlx(tok: ChatTokenizer) -> None:
     code = textwrap.dedent(f"""
         import sys
-        import omlx_coordinator.constraints, omlx_coordinator.api.openai
-        from omlx_coordinator.tokenizer import ChatTokenizer
-        from omlx_coordinator.tool_calls import ToolCallStream, _parser_module
+        import omlx_coordinator.text.constraints, omlx_coordinator.api.openai
+        from omlx_coordinator.text.tokenizer import ChatTokenizer
+        from omlx_coordinator.text.tool_calls import ToolCallStream, _parser_module
         fmt = ChatTokenizer({str(tok.tokenizer.name_or_path)!r}).tool_call_format
         s = ToolCallStream(fmt, None)
         assert len(s.feed({CALL_TEXT!r}) + s.flush()) == 3  # start, arguments, end
@@ -748,7 +748,7 @@ def test_the_parsers_load_once_under_concurrent_first_use() -> None:
     never see mlx-lm's tokenizer_utils half-loaded (seen on a GPU: AttributeError)."""
     code = textwrap.dedent("""
         import threading
-        from omlx_coordinator import tool_calls
+        from omlx_coordinator.text import tool_calls
         errors = []
         def use():
             try:

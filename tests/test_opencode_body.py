@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from omlx_coordinator.api import openai
-from omlx_coordinator.generation import Delta, Done, GenerationRequest
+from omlx_coordinator.request.generation import Delta, Done, GenerationRequest
 from tests.security.inproc import MODEL, app_for, client
 from tests.tiny_models import build_model, qwen_tokenizer
 

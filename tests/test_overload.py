@@ -14,7 +14,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from omlx_coordinator.worker_session import MAX_UNREAD_CHUNKS
+from omlx_coordinator.nodes.worker_session import MAX_UNREAD_CHUNKS
 from tests.conftest import start_server
 from tests.helpers.burst import burst
 

@@ -21,7 +21,7 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS, Cluster, ClusterOptions
+from omlx_coordinator.nodes.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS, Cluster, ClusterOptions
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.conftest import descendants

@@ -1,4 +1,4 @@
-"""Placement of several models over one cluster (omlx_coordinator/placement.py), on synthetic
+"""Placement of several models over one cluster (omlx_coordinator/models/placement.py), on synthetic
 topologies: shared budgets, replicas on disjoint nodes, the auto-replica rule, and LRU eviction.
 Pure: no MLX, no I/O."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.placement import (
+from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_coordinator.models.placement import (
     EvictionError,
     LoadedModel,
     PlanSettings,
@@ -21,7 +21,7 @@ from omlx_coordinator.placement import (
     place_model,
     plan_bytes,
 )
-from omlx_coordinator.planner import GiB, NodeSpec, PlanError, compute_plan_hash, make_plan
+from omlx_coordinator.planning.planner import GiB, NodeSpec, PlanError, compute_plan_hash, make_plan
 
 # No OS reserve and no KV: a model's size is its weights, which keeps the arithmetic readable.
 BARE = PlanSettings(os_reserve_bytes=0, context_tokens=0, max_sequences=8)

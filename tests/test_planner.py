@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from omlx_coordinator.model_layout import LayerKV, ModelLayout, read_layout
-from omlx_coordinator.node_args import parse_node_arg, parse_size
-from omlx_coordinator.plan_table import format_plan
-from omlx_coordinator.planner import (
+from omlx_coordinator.planning.model_layout import LayerKV, ModelLayout, read_layout
+from omlx_coordinator.planning.node_args import parse_node_arg, parse_size
+from omlx_coordinator.planning.plan_table import format_plan
+from omlx_coordinator.planning.planner import (
     GiB,
     NodeSpec,
     Plan,
@@ -350,7 +350,7 @@ def test_format_plan_shows_the_stages_and_the_reasoning():
 
 def test_planner_modules_do_not_import_mlx():
     code = (
-        "import sys, omlx_coordinator.planner, omlx_coordinator.model_layout, omlx_node.calibrate;"
+        "import sys, omlx_coordinator.planning.planner, omlx_coordinator.planning.model_layout, omlx_node.calibrate;"
         "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules), 'mlx imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

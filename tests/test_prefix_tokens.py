@@ -1,4 +1,4 @@
-"""A chat prompt tokenized reusing an earlier prompt's start (omlx_coordinator/prefix_tokens.py)
+"""A chat prompt tokenized reusing an earlier prompt's start (omlx_coordinator/text/prefix_tokens.py)
 gives exactly the token ids of tokenizing it whole, on real tokenizers of the kinds models ship:
 byte-level BPE (Qwen's markup and tool template, the default SmolLM2), and SentencePiece-style
 ones whose first piece of text is treated apart (Metaspace `first`, Llama 2's Prepend normalizer).
@@ -13,9 +13,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from omlx_coordinator import prefix_tokens
-from omlx_coordinator.prefix_tokens import PrefixTokenizer
-from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.text import prefix_tokens
+from omlx_coordinator.text.prefix_tokens import PrefixTokenizer
+from omlx_coordinator.text.tokenizer import ChatTokenizer
 from tests.tiny_models import CHATML, CORPUS, SPECIAL_TOKENS, qwen_tokenizer
 
 TOOLS = [{"type": "function", "function": {
@@ -129,7 +129,7 @@ def test_a_tokenizer_that_treats_its_first_text_apart_turns_reuse_off(caplog):
     first = "\x01system prompt\x01user: hi"
     assert pt.encode(first) == tokenize(first)
     second = first + "\x01assistant: hello\x01user: more"
-    with caplog.at_level(logging.WARNING, logger="omlx_coordinator.prefix_tokens"):
+    with caplog.at_level(logging.WARNING, logger="omlx_coordinator.text.prefix_tokens"):
         assert pt.encode(second) == tokenize(second)
     assert "tokenized whole from now on" in caplog.text
     assert not pt.enabled and pt.encode(second + "\x01x") == tokenize(second + "\x01x")

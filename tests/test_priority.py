@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from omlx_coordinator import priority as prio
-from omlx_coordinator.priority import BATCH, INTERACTIVE, PriorityGate
+from omlx_coordinator.models import priority as prio
+from omlx_coordinator.models.priority import BATCH, INTERACTIVE, PriorityGate
 from tests.conftest import start_server
 
 

@@ -1,4 +1,4 @@
-"""The queue bound and its Retry-After (omlx_coordinator/admission.py) on an injected clock, and
+"""The queue bound and its Retry-After (omlx_coordinator/models/admission.py) on an injected clock, and
 the per-request buffers a client that reads nothing can fill: each bounded, without processes.
 (The live server under overload: tests/test_overload.py.)"""
 
@@ -12,12 +12,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from omlx_coordinator import admission as adm
-from omlx_coordinator.admission import Admission, ReleaseWhenDone, hold, refuse_all_full
+from omlx_coordinator.models import admission as adm
+from omlx_coordinator.models.admission import Admission, ReleaseWhenDone, hold, refuse_all_full
 from omlx_coordinator.api.openai import _MERGED_EVENTS, _Choices
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.model_config import ModelConfigError, from_file
-from omlx_coordinator.worker_session import MAX_UNREAD_CHUNKS, SessionCall
+from omlx_coordinator.models.model_config import ModelConfigError, from_file
+from omlx_coordinator.nodes.worker_session import MAX_UNREAD_CHUNKS, SessionCall
 from proto import omlx_pb2 as pb
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_coordinator.cluster import NODE_BACK_SECONDS
-from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.planner import NodeSpec, Plan, make_plan
-from omlx_coordinator.rebalance_policy import (
+from omlx_coordinator.nodes.cluster import NODE_BACK_SECONDS
+from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_coordinator.planning.planner import NodeSpec, Plan, make_plan
+from omlx_coordinator.planning.rebalance_policy import (
     NodeState,
     Policy,
     Reading,

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.cluster import NODE_BACK_SECONDS, ClusterOptions
+from omlx_coordinator.nodes.cluster import NODE_BACK_SECONDS, ClusterOptions
 from tests.cluster_secret import SECRET
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, serving

@@ -1,4 +1,4 @@
-"""Cache-aware routing between replicas (omlx_coordinator/routing.py) over the block names of
+"""Cache-aware routing between replicas (omlx_coordinator/models/routing.py) over the block names of
 omlx_shared/block_hashes.py, which the node's KV cache names its blocks by. Pure: no MLX."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from omlx_coordinator.routing import NoReadyReplica, PrefixIndex, Replica, choose_replica
+from omlx_coordinator.models.routing import NoReadyReplica, PrefixIndex, Replica, choose_replica
 from omlx_shared.block_hashes import block_hashes
 
 MODEL = "org/model"

@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from omlx_coordinator.model_layout import read_layout
+from omlx_coordinator.planning.model_layout import read_layout
 from tests.conftest import free_port
 from tests.helpers.processes import launch, status, stop_all
 from tests.helpers.serving import expected, prompts_for

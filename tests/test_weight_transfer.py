@@ -18,9 +18,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from prometheus_client import generate_latest
 
-from omlx_coordinator.cluster import ClusterOptions
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.weight_transfer import WeightSource, ensure_weights
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.nodes.weight_transfer import WeightSource, ensure_weights
 from omlx_node.stage import StageError, StageRunner
 from omlx_node.weight_store import ACK_EVERY_BYTES, CHUNK_MAX_BYTES
 from omlx_shared.child import omlx_command

@@ -1,5 +1,5 @@
 """Many sequences over one Session call to a live shard worker (proto ShardWorker.Session): the
-gateway's client (omlx_coordinator/worker_session.py) against the worker's side
+gateway's client (omlx_coordinator/nodes/worker_session.py) against the worker's side
 (omlx_node/session.py), in separate processes."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.retry import RETRIABLE
-from omlx_coordinator.worker_session import WorkerSession
+from omlx_coordinator.request.retry import RETRIABLE
+from omlx_coordinator.nodes.worker_session import WorkerSession
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node

@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.tokenizer import ChatTokenizer
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

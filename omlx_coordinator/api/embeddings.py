@@ -1,5 +1,5 @@
 """OpenAI's /v1/embeddings and the rerank API (/v1/rerank, as llama.cpp, vllm-mlx, Jina and
-Cohere's clients send it) over the encoding core (omlx_coordinator/encoding.py).
+Cohere's clients send it) over the encoding core (omlx_coordinator/request/encoding.py).
 
 Embeddings: `input` a string, a list of strings, a list of token ids or a list of lists of
 them; `encoding_format` float or base64 (little-endian float32, what the `openai` SDK asks
@@ -23,14 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from pydantic import Field
 
-from omlx_coordinator.access import account_of, admit
+from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.api.openai_schema import _Strict
-from omlx_coordinator.encoding import check_inputs, encode
+from omlx_coordinator.request.encoding import check_inputs, encode
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import GatewaySettings, check_servable
-from omlx_coordinator.lifecycle import ModelManager
-from omlx_coordinator.served_model import ServedModel
-from omlx_coordinator.tokenizer import MAX_CHARS_PER_TOKEN
+from omlx_coordinator.request.generation import GatewaySettings, check_servable
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.models.served_model import ServedModel
+from omlx_coordinator.text.tokenizer import MAX_CHARS_PER_TOKEN
 from omlx_shared.model_kinds import EMBED, RERANK
 
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs

@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.access import account_of, admit
+from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -65,7 +65,7 @@ from omlx_coordinator.api.responses_schema import (
 )
 from omlx_coordinator.api.tool_setup import ToolSetup, setup_tools
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.generation import (
+from omlx_coordinator.request.generation import (
     Delta,
     Done,
     GatewaySettings,
@@ -75,11 +75,11 @@ from omlx_coordinator.generation import (
     generate,
     token_budget,
 )
-from omlx_coordinator.internal_error import internal_error
-from omlx_coordinator.lifecycle import ModelManager
-from omlx_coordinator.metrics import GatewayMetrics
-from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import (
+from omlx_coordinator.request.internal_error import internal_error
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tool_calls import (
     CallArguments,
     CallStart,
     Item,

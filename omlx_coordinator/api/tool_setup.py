@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omlx_coordinator import constraints
+from omlx_coordinator.text import constraints
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.tokenizer import ChatTokenizer
-from omlx_coordinator.tool_calls import ToolCallFormat
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tool_calls import ToolCallFormat
 
 Schema = dict | bool
 

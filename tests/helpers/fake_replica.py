@@ -1,6 +1,6 @@
 """A replica's head worker played by a script, for the request path's tests without processes:
 each sequence sent to it gets the next scripted attempt, whose steps are TokenChunks, gRPC errors
-(what a real session call delivers, omlx_coordinator/worker_session.py), pauses (seconds) and
+(what a real session call delivers, omlx_coordinator/nodes/worker_session.py), pauses (seconds) and
 hooks (callables: a re-plan, a drain) run at that point of the stream."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import grpc
 
-from omlx_coordinator.cluster import Cluster, ClusterOptions
-from omlx_coordinator.deployment import Deployment
-from omlx_coordinator.lifecycle import ModelManager
-from omlx_coordinator.model_config import ModelConfig
-from omlx_coordinator.served_model import LOADED, ServedModel
-from omlx_coordinator.worker_session import rpc_error
+from omlx_coordinator.nodes.cluster import Cluster, ClusterOptions
+from omlx_coordinator.models.deployment import Deployment
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.models.model_config import ModelConfig
+from omlx_coordinator.models.served_model import LOADED, ServedModel
+from omlx_coordinator.nodes.worker_session import rpc_error
 from proto import omlx_pb2 as pb
 
 Step = pb.TokenChunk | grpc.aio.AioRpcError | float | Callable[[], object]

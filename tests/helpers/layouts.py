@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from omlx_coordinator.model_layout import ModelLayout
-from omlx_coordinator.planner import GiB
+from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_coordinator.planning.planner import GiB
 
 MiB = 1 << 20
 

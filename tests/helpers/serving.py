@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from omlx_coordinator import placement
-from omlx_coordinator.model_layout import read_layout
-from omlx_coordinator.planner import NodeSpec, make_plan
+from omlx_coordinator.models import placement
+from omlx_coordinator.planning.model_layout import read_layout
+from omlx_coordinator.planning.planner import NodeSpec, make_plan
 from tests.helpers.reference import _decode_after, mlx_lm_greedy
 from tests.tiny_models import build_model
 

@@ -1,6 +1,6 @@
 """A head worker's Session call for tests that drive a worker without a gateway, synchronous:
 sequences started and cancelled by id over one call, as the gateway runs them
-(omlx_coordinator/worker_session.py), each read as an iterator of its TokenChunks that raises
+(omlx_coordinator/nodes/worker_session.py), each read as an iterator of its TokenChunks that raises
 grpc.RpcError with the status the worker ended it with."""
 
 from __future__ import annotations

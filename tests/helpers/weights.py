@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from omlx_coordinator.node_client import AgentClient
-from omlx_coordinator.weight_transfer import SourceFile
+from omlx_coordinator.nodes.node_client import AgentClient
+from omlx_coordinator.nodes.weight_transfer import SourceFile
 from omlx_node.weight_store import CHUNK_MAX_BYTES
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from omlx_cluster.api_keys import ApiKeyError, add_api_key_flags, api_keys
-from omlx_coordinator.access_log import RedactedQuery, redact_query
+from omlx_coordinator.frontdoor.access_log import RedactedQuery, redact_query
 from omlx_shared.child import omlx_command
 from tests.conftest import free_port, start_server
 

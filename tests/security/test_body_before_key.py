@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request_body import (
+from omlx_coordinator.http.request_body import (
     LIGHT_ITEMS,
     MAX_CONTAINERS,
     _light,

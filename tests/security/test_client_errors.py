@@ -124,7 +124,7 @@ def test_an_internal_error_tells_the_client_an_id_and_the_log_the_rest(model, pa
 def test_a_node_errors_grammar_failure_is_a_400_and_any_other_keeps_its_text_in_the_log(caplog):
     """A schema can compile and still outgrow the node's parser mid-generation (a `$ref` that
     must recur forever): the client's to simplify. A sampler's exception is ours."""
-    from omlx_coordinator.generation import _node_error
+    from omlx_coordinator.request.generation import _node_error
 
     grammar = _node_error("grammar: parser error: Too many items (limit 50000; ff_tokens)")
     assert grammar.status == 400 and "Too many items" in grammar.message

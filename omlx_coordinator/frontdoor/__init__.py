@@ -1,0 +1,1 @@
+"""Who may ask for what: keys, roles, quotas, usage, the access log."""

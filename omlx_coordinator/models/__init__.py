@@ -1,0 +1,1 @@
+"""The models a cluster serves: their config, lifecycle, deployments, replicas, admission."""

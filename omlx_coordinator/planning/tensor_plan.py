@@ -1,0 +1,104 @@
+"""A tensor-parallel plan: every node a rank of one stage that holds a slice of every layer.
+
+Pure, like the planner (omlx_coordinator/planning/planner.py), and with its cost model: a decode step
+streams weights at each node's `speed`. At batch 1, every rank streams its share of each layer's
+weights plus the whole final norm and head (attention split by heads and the MLP by its width,
+the embedding and head whole on every rank: omlx_shared/tensor_split.py), all ranks at once: the
+step takes the slowest rank's time. A share is 1/N, or a little more on the ranks that get one
+head more where the heads do not divide (and KV heads held twice); the largest one counts.
+Then come the collectives: one all-reduce after each layer's attention and one after its MLP,
+and two broadcasts of the step from rank 0 (its header and its input tokens,
+omlx_node/tensor.py), each a ring all_sum: 2(N-1) messages one after the other, each the link's
+latency plus its 1/N share of the hidden state over the link's bandwidth.
+
+Memory per rank: its share of the layers' weights and of their KV (each rank keeps its own
+heads'), the whole embedding, norm and head, and its worker's prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_coordinator.planning.planner import GB, NodeSpec, Plan, PlanError, Stage, compute_plan_hash
+
+# Bytes of one element of the hidden state an all-reduce carries (fp32: a CPU computes in it;
+# a GPU's bf16 halves it, which only a slow link notices).
+ACTIVATION_BYTES = 4
+
+
+def collectives_per_token(layout: ModelLayout) -> int:
+    """All_sums a decode step runs: two a layer, and rank 0's header and input tokens."""
+    return 2 * layout.num_layers + 2
+
+
+def allreduce_ms(nodes: Sequence[NodeSpec], nbytes: int) -> float:
+    """One ring all_sum of `nbytes` over `nodes`, at the slowest link's latency and bandwidth."""
+    n = len(nodes)
+    latency = max(nd.link_ms for nd in nodes)
+    known = [nd.link_gbps for nd in nodes if nd.link_gbps > 0]
+    transfer = (nbytes / n) / (min(known) * GB) * 1e3 if known else 0.0
+    return 2 * (n - 1) * (latency + transfer)
+
+
+def rank_stream_bytes(layout: ModelLayout, ranks: int) -> int:
+    """What the busiest rank streams a decode step: its share of every layer, the norm and the
+    head."""
+    layers = sum(layout.stream_bytes(i) for i in range(layout.num_layers))
+    head = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
+    return math.ceil(layers * layout.tensor_share(ranks)[0]) + layout.norm_bytes + head
+
+
+def _share(share: float, ranks: int) -> str:
+    return f"1/{ranks}" if share * ranks <= 1 + 1e-9 else f"up to {share:.0%} (an uneven split)"
+
+
+def make_tensor_plan(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_bytes: int = 8 << 30,
+                     context_tokens: int = 4096, max_sequences: int = 8) -> Plan:
+    """Every node of `nodes` a rank of one tensor-parallel stage, in the given (ring) order.
+    Raises PlanError when the model cannot be split over that many ranks (saying why) or a
+    rank's share does not fit its node."""
+    n = len(nodes)
+    if n < 2:
+        raise PlanError(f"tensor parallelism splits {layout.model_id} over at least 2 nodes; "
+                        f"{n} can serve it. Use --parallel pipeline (or auto) on one node")
+    if why := layout.tensor_refusal(n):
+        raise PlanError(f"{layout.model_id} cannot run tensor-parallel over {n} nodes: {why}")
+    L = layout.num_layers
+    # The largest rank's share, which an uneven split of heads or width makes more than 1/n.
+    share, kv_share = layout.tensor_share(n)
+    weights = (math.ceil(sum(layout.layer_bytes) * share) + layout.embed_bytes
+               + layout.norm_bytes + layout.head_bytes)
+    kv = math.ceil(sum(layout.kv_bytes(i, context_tokens) for i in range(L)) * max_sequences
+                   * kv_share)
+    comm = collectives_per_token(layout) * allreduce_ms(
+        nodes, layout.hidden_size * ACTIVATION_BYTES)
+    stream = rank_stream_bytes(layout, n)
+    stages, short = [], {}
+    for nd in nodes:
+        budget = nd.memory_bytes - os_reserve_bytes - nd.cache_bytes
+        if weights + kv > budget:
+            short[nd.name] = weights + kv - budget
+        stages.append(Stage(node=nd.name, layer_start=0, layer_end=L, weight_bytes=weights,
+                            kv_bytes=kv, memory_budget=budget + nd.cache_bytes,
+                            est_ms=stream / (nd.speed * GB) * 1e3 + comm,
+                            cache_bytes=nd.cache_bytes))
+    if short:
+        raise PlanError(
+            f"{layout.model_id} does not fit tensor-parallel over {n} nodes: each rank holds "
+            f"{(weights + kv) / GB:.2f} GB ({_share(share, n)} of the layers and KV, the whole "
+            f"embedding and "
+            f"head); short: " + ", ".join(f"{k} by {v / GB:.2f} GB" for k, v in short.items()),
+            missing_bytes=sum(short.values()), missing_by_node=short)
+    bottleneck = max(s.est_ms for s in stages)
+    plan_hash = compute_plan_hash(layout.model_id, [(nd.name, 0, L) for nd in nodes], "tensor")
+    explanation = [
+        f"Tensor parallel over {n} nodes ({', '.join(nd.name for nd in nodes)}): each rank "
+        f"holds {_share(share, n)} of every layer (attention by heads, MLP by width) and the whole "
+        f"embedding and head, {(weights + kv) / GB:.2f} GB with its KV.",
+        f"A token: each rank streams {stream / GB:.3f} GB, then "
+        f"{collectives_per_token(layout)} all-reduces of {comm / collectives_per_token(layout):.3f}"
+        f" ms each ({comm:.2f} ms); the slowest rank takes {bottleneck:.3f} ms.",
+    ]
+    return Plan(layout.model_id, tuple(stages), bottleneck, plan_hash, explanation, "tensor")

@@ -1,0 +1,1 @@
+"""One request's path from an API adapter to the nodes and back."""

@@ -1,0 +1,1 @@
+"""What the gateway measures (/metrics) and the rebalancer that acts on the measurements."""

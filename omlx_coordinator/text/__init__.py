@@ -1,0 +1,1 @@
+"""Text in and out of a model: tokenizers and chat templates, tool calls, constraints."""
