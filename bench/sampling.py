@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from omlx_node.batcher import Batcher, Finish, SeqRequest
+from omlx_node.batcher import Batcher
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner

@@ -50,7 +50,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from omlx_node.batcher import Batcher, Finish, SeqRequest  # noqa: E402
+from omlx_node.batcher import Batcher, SeqRequest  # noqa: E402
+
+from omlx_node.sequence import Finish
 from omlx_node.kv_cache import PrefixCache  # noqa: E402
 from omlx_node.metrics import NodeMetrics  # noqa: E402
 from omlx_node.speculation import verify_cost  # noqa: E402

@@ -140,7 +140,7 @@ class Ours:
             make_serial(self.engine)
 
     def ttft(self, prompt: list[int]) -> float:
-        from omlx_node.batcher import Finish, SeqRequest
+        from omlx_node.sequence import Finish, SeqRequest
 
         t0 = time.perf_counter()
         seq = self.engine.submit(SeqRequest(request_id=f"r{t0}", prompt=prompt, max_tokens=2))

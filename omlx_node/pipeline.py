@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from omlx_node import wire
-from omlx_node.batcher import Engine, Finish, Sequence, advance_each
+from omlx_node.batcher import Engine, advance_each
+from omlx_node.sequence import Finish, Sequence
 from omlx_node.stage_state import StageState
 from omlx_node.calibrate import step_cost
 from omlx_node.constraints import Grammars, Verdict

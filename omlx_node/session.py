@@ -1,7 +1,7 @@
 """The worker's side of a Session call (proto ShardWorker.Session): many sequences over one call.
 
 The gateway runs every sequence it sends a worker through one Session. The engine hands each
-step's events of all of them to the session's outbox as one list (`batcher.Outbox`), and the
+step's events of all of them to the session's outbox as one list (`sequence.Outbox`), and the
 call's handler thread sends them as one SessionEvents message. A call per sequence costs
 a message, a handler thread's wake-up and the gRPC server's completion work per token, each under
 the GIL that the engine thread builds its steps with; where a device computes a step faster than
@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from omlx_node.batcher import Engine, Finish, Outbox, SeqRequest, Sequence
+from omlx_node.batcher import Engine
+
+from omlx_node.sequence import Finish, Outbox, SeqRequest, Sequence
 from omlx_node.sampling import SamplingParams
 from proto import omlx_pb2 as pb
 

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from omlx_node import wire
-from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.batcher import Batcher
+from omlx_node.sequence import SeqRequest
 from omlx_node.constraints import Grammars, Verdict, fill_masks
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams

@@ -13,7 +13,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.batcher import Batcher
+
+from omlx_node.sequence import SeqRequest
 from omlx_node import speculation
 from omlx_node.draft_model import DraftError, DraftModel
 from omlx_node.metrics import NodeMetrics

@@ -8,7 +8,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from omlx_node.batcher import Batcher, Finish, SeqRequest
+from omlx_node.batcher import Batcher
+
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams

@@ -1096,7 +1096,9 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from omlx_node.batcher import Batcher, SeqRequest
+    from omlx_node.batcher import Batcher
+
+    from omlx_node.sequence import SeqRequest
     from omlx_node.metrics import NodeMetrics
     from omlx_node.worker import make_prefix_cache, weights_fingerprint
     from omlx_node.worker_config import WorkerConfig

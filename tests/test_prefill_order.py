@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
-from omlx_node.batcher import SeqRequest
+from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.prefill_order import priority, shared_start, waits_for_ahead
 from tests.helpers.engine import drain, engine, reference

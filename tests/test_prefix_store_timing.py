@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from mlx_lm import load
 
-from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.batcher import Batcher
+
+from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.stage import StageRunner
@@ -150,7 +152,7 @@ def test_a_later_stage_keeps_a_prompt_once_a_decode_step_has_run_it(tmp_path):
     to a micro-batch (the decode step that runs it), then go to the cache."""
     import mlx.core as mx
 
-    from omlx_node.batcher import StageState
+    from omlx_node.stage_state import StageState
 
     path = build_model(tmp_path / "m", "llama", num_layers=3)
     prompt = list(range(10, 23))

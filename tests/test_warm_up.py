@@ -11,7 +11,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.batcher import Batcher
+
+from omlx_node.sequence import SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import random_key
 from omlx_node.stage import StageRunner

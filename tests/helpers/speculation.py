@@ -3,7 +3,9 @@ request run through a batcher to its end."""
 
 from __future__ import annotations
 
-from omlx_node.batcher import Batcher, SeqRequest
+from omlx_node.batcher import Batcher
+
+from omlx_node.sequence import SeqRequest
 from omlx_node.sampling import SamplingParams
 from tests.helpers.engine import drain, reference_logprobs
 
