@@ -37,9 +37,9 @@ from pathlib import Path
 
 from bench.common import RANDOM_LLAMAS, machine_info, write_random_llama
 from omlx_node.batcher import Batcher
-from omlx_node.sequence import Finish, SeqRequest, Sequence
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import Finish, SeqRequest, Sequence
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
 from omlx_node.wait_parts import PARTS

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+
 from bench.common import RESULTS, Server, machine_info
 from omlx_coordinator.http.request_body import MAX_CONTAINERS
 from tests.tiny_models import build_model

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from bench.common import Server, machine_info, machine_tag
 from tests.helpers.burst import burst
 from tests.tiny_models import build_model

@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
 from omlx_node.batcher import Batcher
-from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.stage import StageRunner
 from omlx_shared.blas import blas_env
 from tests.tiny_models import build_model

@@ -51,10 +51,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from omlx_node.batcher import Batcher, SeqRequest  # noqa: E402
-
-from omlx_node.sequence import Finish
 from omlx_node.kv_cache import PrefixCache  # noqa: E402
 from omlx_node.metrics import NodeMetrics  # noqa: E402
+from omlx_node.sequence import Finish
 from omlx_node.speculation import verify_cost  # noqa: E402
 from omlx_node.stage import StageRunner  # noqa: E402
 from tests.tiny_models import truncated_model  # noqa: E402

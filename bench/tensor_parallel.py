@@ -39,8 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.idle import JoinedCluster  # noqa: E402
 from bench.common import stream_batch, stream_one, write_random_llama  # noqa: E402
+from bench.idle import JoinedCluster  # noqa: E402
 from omlx_coordinator.planning.layout_choice import candidates  # noqa: E402
 from omlx_coordinator.planning.model_layout import read_layout  # noqa: E402
 from omlx_coordinator.planning.planner import GiB, NodeSpec  # noqa: E402

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from bench.common import (
     RESULTS,
     Server,

@@ -198,8 +198,8 @@ def _keys_and_models(args: argparse.Namespace):
 
 
 def _manager(args: argparse.Namespace, models, options):
-    from omlx_coordinator.nodes.cluster import Cluster
     from omlx_coordinator.models.lifecycle import ModelManager
+    from omlx_coordinator.nodes.cluster import Cluster
 
     return ModelManager(Cluster(options), models,
                         block_size=getattr(args, "cache_block_size", None) or DEFAULT_BLOCK_SIZE,

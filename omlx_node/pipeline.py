@@ -48,8 +48,6 @@ import mlx.core as mx
 
 from omlx_node import wire
 from omlx_node.batcher import Engine, advance_each
-from omlx_node.sequence import Finish, Sequence
-from omlx_node.stage_state import StageState
 from omlx_node.calibrate import step_cost
 from omlx_node.constraints import Grammars, Verdict
 from omlx_node.kv_cache import PrefixCache
@@ -62,8 +60,10 @@ from omlx_node.sampling import (
     sample_rows,
     unpack_logprobs,
 )
+from omlx_node.sequence import Finish, Sequence
 from omlx_node.speculation import verify_rows
 from omlx_node.stage import StageRunner
+from omlx_node.stage_state import StageState
 
 log = logging.getLogger(__name__)
 

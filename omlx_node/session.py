@@ -39,9 +39,8 @@ from dataclasses import dataclass
 import grpc
 
 from omlx_node.batcher import Engine
-
-from omlx_node.sequence import Finish, Outbox, SeqRequest, Sequence
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import Finish, Outbox, SeqRequest, Sequence
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 
-from omlx_coordinator.nodes.cluster import ClusterOptions
-from omlx_coordinator.http.gateway import create_app
-from omlx_coordinator.request.generation import GatewaySettings
 from omlx_coordinator.frontdoor.keys import KeyRing
+from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.request.generation import GatewaySettings
 from tests.tiny_models import serving
 
 

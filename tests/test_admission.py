@@ -18,7 +18,6 @@ from tests.cluster_secret import SECRET
 from tests.tiny_models import build_model
 
 
-
 @pytest.fixture(scope="module")
 def node():
     env = dict(os.environ, **{auth.SECRET_ENV: SECRET})

@@ -15,8 +15,8 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_node.agent import NodeAgent
 from omlx_shared import __version__, auth, cluster_tls

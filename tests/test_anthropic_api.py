@@ -17,7 +17,7 @@ import pytest
 from omlx_coordinator.api import anthropic as adapter
 from omlx_coordinator.api.anthropic_schema import MessagesRequest
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import Delta, Done, KeepAlive
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
 from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import CallEnd, ToolCallStream

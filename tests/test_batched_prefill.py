@@ -6,10 +6,9 @@ import pytest
 from mlx_lm import load
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from tests.helpers.engine import drain, reference
 from tests.tiny_models import build_model

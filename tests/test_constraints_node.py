@@ -21,17 +21,17 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from omlx_node import wire
 from omlx_node.batcher import Batcher
-from omlx_node.sequence import SeqRequest
 from omlx_node.constraints import Grammars, Verdict, fill_masks
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import SeqRequest
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
 from proto import omlx_pb2 as pb
+from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
 from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
 from tests.helpers.pipeline import run_concurrently
 from tests.tiny_models import build_model
-from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
 
 BAD_GRAMMAR = llguidance.LLMatcher.grammar_from_lark("start: undefined_rule")
 PENALTIES = [

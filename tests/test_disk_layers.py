@@ -4,9 +4,9 @@ and RAM elsewhere wins over a disk when it is there."""
 
 from __future__ import annotations
 
-import pytest
-
 from dataclasses import replace
+
+import pytest
 
 from omlx_coordinator.planning.disk_layers import STREAM_BUFFERS, streamed_layers
 from omlx_coordinator.planning.planner import GiB, NodeSpec, PlanError, make_plan

@@ -13,13 +13,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node import speculation
+from omlx_node.batcher import Batcher
 from omlx_node.draft_model import DraftError, DraftModel
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from omlx_shared.speculative_modes import check_mode
 from tests.helpers.engine import assert_logprobs_match, drain, reference

@@ -149,12 +149,13 @@ def test_rerank_scores_equal_the_reference(server, folders):
                 ids = tok(query, doc)["input_ids"]
                 want = float(enc.run([ids])[0, 0])
             else:
+                from mlx_lm.utils import load_model
+
                 from omlx_coordinator.api.embeddings import (
                     RERANK_INSTRUCTION,
                     RERANK_SUFFIX,
                     RERANK_SYSTEM,
                 )
-                from mlx_lm.utils import load_model
                 text = (f"{RERANK_SYSTEM}<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n"
                         f"<Document>: {doc}{RERANK_SUFFIX}")
                 model, _ = load_model(folders[name])
@@ -210,8 +211,8 @@ def test_a_budget_for_two_evicts_the_least_recently_used_kind(folders, tmp_path)
     answers."""
     from omlx_coordinator.models import placement
     from omlx_coordinator.models.model_config import ModelConfig
-    from omlx_coordinator.planning.planner import NodeSpec, make_plan
     from omlx_coordinator.models.served_model import ServedModel
+    from omlx_coordinator.planning.planner import NodeSpec, make_plan
     from tests.helpers.serving import CACHE_FLAGS
 
     names = {"chat": folders["chat"], "xlmr": folders["xlmr"], "ce": folders["ce"]}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.request.generation import GatewaySettings
 from omlx_node import encoders
 from omlx_node.encoders import Encoder, _passes

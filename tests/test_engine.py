@@ -9,14 +9,13 @@ import pytest
 from mlx_lm import load
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.stage import StageError, StageRunner
-from tests.tiny_models import build_model
 from tests.helpers.engine import drain, reference
+from tests.tiny_models import build_model
 
 PROMPTS = [
     "The capital of France is",

@@ -16,27 +16,22 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.nodes.cluster import ClusterOptions
-from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import (
-    Delta,
-    Done,
-    GatewaySettings,
-    GenerationRequest,
-    generate,
-)
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
-from omlx_coordinator.request.retry import MAX_ATTEMPTS
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.nodes.weight_transfer import WeightSource, ensure_weights
 from omlx_coordinator.nodes.worker_session import WorkerSession
+from omlx_coordinator.request.events import Delta, Done
+from omlx_coordinator.request.generation import GatewaySettings, GenerationRequest, generate
+from omlx_coordinator.request.retry import MAX_ATTEMPTS
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.weight_store import FREE_SPACE_MARGIN_BYTES, WeightError, WeightStore
 from omlx_shared import auth
 from proto import omlx_pb2 as pb
+from tests.cluster_secret import SECRET
 from tests.conftest import start_server
 from tests.helpers.kv import BS, files, make_pc, metric, synthetic_cache
-from tests.cluster_secret import SECRET
 from tests.helpers.weights import (
     _can_mount,
     admitted,

@@ -28,12 +28,12 @@ from safetensors.numpy import save_file
 from omlx_coordinator.planning.model_layout import read_layout
 from omlx_coordinator.planning.planner import GiB, NodeSpec, make_plan
 from omlx_node.batcher import Batcher
-from omlx_node.sequence import Finish, SeqRequest
-from omlx_node.stage_state import StageState
 from omlx_node.families import FamilyError, check_shape, find_anatomy
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.stage import StageError, StageRunner
+from omlx_node.stage_state import StageState
 from omlx_node.worker import block_layout
 from proto import omlx_pb2 as pb
 from tests.conftest import parse_metrics

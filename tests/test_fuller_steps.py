@@ -13,10 +13,9 @@ import pytest
 from mlx_lm.utils import load
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.fuller_steps import MAX_WINDOW_S, gather_window, wait_left
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import Finish, SeqRequest
 from omlx_node.stage import StageRunner
 from tests.helpers.engine import reference
 from tests.tiny_models import build_model

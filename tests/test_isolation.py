@@ -19,10 +19,9 @@ from mlx_lm import load
 from mlx_lm.sample_utils import apply_top_k
 
 from omlx_node.batcher import Batcher, Engine
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server

@@ -29,7 +29,6 @@ from omlx_node.kv_cache import PrefixCache, block_hashes, model_dir_name
 from omlx_node.stage import StageRunner
 from tests.helpers import disks
 from tests.helpers.disks import tmpfs_unavailable
-from tests.tiny_models import build_model
 from tests.helpers.kv import (
     BIG,
     BS,
@@ -42,6 +41,7 @@ from tests.helpers.kv import (
     rand_tokens,
     synthetic_cache,
 )
+from tests.tiny_models import build_model
 
 WARN_DEGRADED = "continuing with the RAM tier only"
 
@@ -1097,9 +1097,8 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
     from mlx_lm.generate import generate_step
 
     from omlx_node.batcher import Batcher
-
-    from omlx_node.sequence import SeqRequest
     from omlx_node.metrics import NodeMetrics
+    from omlx_node.sequence import SeqRequest
     from omlx_node.worker import make_prefix_cache, weights_fingerprint
     from omlx_node.worker_config import WorkerConfig
     from omlx_shared.engine_config import EngineConfig

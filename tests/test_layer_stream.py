@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 
 from omlx_coordinator.planning.model_layout import read_layout
 from omlx_node.batcher import Batcher
-from omlx_node.sequence import SeqRequest
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageError, StageRunner
 from tests.helpers.engine import drain
 from tests.tiny_models import build_model

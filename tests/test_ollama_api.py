@@ -22,13 +22,13 @@ from omlx_coordinator.api import ollama_schema as schema
 from omlx_coordinator.api.ollama_models import _details
 from omlx_coordinator.api.tool_setup import ToolSetup
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import Delta, Done, KeepAlive
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.models.model_config import ModelConfig
 from omlx_coordinator.models.served_model import ServedModel
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from tests.conftest import Server, start_server
-from tests.in_process_gateway import app_for, ask
 from tests.helpers.reference import mlx_lm_greedy
+from tests.in_process_gateway import app_for, ask
 from tests.tiny_models import build_model, qwen_tokenizer
 
 KEY = "sk-ollama-test"

@@ -27,13 +27,19 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from omlx_coordinator.text import constraints
 from omlx_coordinator.api.openai import _Choice, _Output
 from omlx_coordinator.api.openai_schema import ChatCompletionRequest
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import Delta, Done
+from omlx_coordinator.request.events import Delta, Done
+from omlx_coordinator.text import constraints
 from omlx_coordinator.text.tokenizer import ChatTokenizer
-from omlx_coordinator.text.tool_calls import CallEnd, CallStart, Item, ToolCallFormat, ToolCallStream
+from omlx_coordinator.text.tool_calls import (
+    CallEnd,
+    CallStart,
+    Item,
+    ToolCallFormat,
+    ToolCallStream,
+)
 from proto import omlx_pb2 as pb
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer

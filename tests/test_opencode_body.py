@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from omlx_coordinator.api import openai
-from omlx_coordinator.request.generation import Delta, Done, GenerationRequest
+from omlx_coordinator.request.events import Delta, Done
+from omlx_coordinator.request.generation import GenerationRequest
 from tests.security.inproc import MODEL, app_for, client
 from tests.tiny_models import build_model, qwen_tokenizer
 

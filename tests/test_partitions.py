@@ -21,10 +21,18 @@ import grpc
 import httpx
 import pytest
 
-from omlx_coordinator.nodes.cluster import HEARTBEAT_SECONDS, NODE_LOST_SECONDS, Cluster, ClusterOptions
+from omlx_coordinator.nodes.cluster import (
+    HEARTBEAT_SECONDS,
+    NODE_LOST_SECONDS,
+    Cluster,
+    ClusterOptions,
+)
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.conftest import descendants
+from tests.helpers.processes import settled_count
+from tests.helpers.waiting import wait_for
+from tests.helpers.weights import agent_process
 from tests.netns import (
     CUT,
     forward,
@@ -37,9 +45,6 @@ from tests.netns import (
     skip_unless_netns,
 )
 from tests.netns import slow as slow_link
-from tests.helpers.processes import settled_count
-from tests.helpers.waiting import wait_for
-from tests.helpers.weights import agent_process
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from omlx_coordinator.planning.model_layout import ModelLayout
 from omlx_coordinator.models.placement import (
     EvictionError,
     LoadedModel,
@@ -21,6 +20,7 @@ from omlx_coordinator.models.placement import (
     place_model,
     plan_bytes,
 )
+from omlx_coordinator.planning.model_layout import ModelLayout
 from omlx_coordinator.planning.planner import GiB, NodeSpec, PlanError, compute_plan_hash, make_plan
 
 # No OS reserve and no KV: a model's size is its weights, which keeps the arithmetic readable.

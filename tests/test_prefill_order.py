@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
-from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.prefill_order import priority, shared_start, waits_for_ahead
+from omlx_node.sequence import SeqRequest
 from tests.helpers.engine import drain, engine, reference
 from tests.tiny_models import build_model
 

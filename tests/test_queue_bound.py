@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from omlx_coordinator.models import admission as adm
-from omlx_coordinator.models.admission import Admission, ReleaseWhenDone, hold, refuse_all_full
 from omlx_coordinator.api.openai import _MERGED_EVENTS, _Choices
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.models import admission as adm
+from omlx_coordinator.models.admission import Admission, ReleaseWhenDone, hold, refuse_all_full
 from omlx_coordinator.models.model_config import ModelConfigError, from_file
 from omlx_coordinator.nodes.worker_session import MAX_UNREAD_CHUNKS, SessionCall
 from proto import omlx_pb2 as pb

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import replace
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -32,16 +32,16 @@ from omlx_coordinator.planning.rebalance_policy import (
 from omlx_shared.child import omlx_command
 from tests.conftest import free_port, parse_metrics, start_server
 from tests.helpers.prometheus import NEEDS_PROMETHEUS, prometheus_config, run_prometheus
-from tests.tiny_models import build_model
 from tests.helpers.rebalance import (
     LIVE_FLAGS,
+    Streams,
     cgroup_unavailable,
     cpu_quota,
     references,
     status,
-    Streams,
 )
 from tests.helpers.waiting import wait_for
+from tests.tiny_models import build_model
 
 MB = 10**6
 GiB = 1 << 30

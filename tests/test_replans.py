@@ -20,8 +20,8 @@ from mlx_lm.generate import generate_step
 from omlx_coordinator.nodes.cluster import NODE_BACK_SECONDS, ClusterOptions
 from tests.cluster_secret import SECRET
 from tests.conftest import Server, start_server
-from tests.tiny_models import build_model, serving
 from tests.helpers.waiting import wait_for
+from tests.tiny_models import build_model, serving
 
 PROMPT = [5, 9, 13, 17, 21]
 N = 8

@@ -13,20 +13,22 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from omlx_coordinator.request import request_lease
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import (
-    Delta,
-    Done,
-    GatewaySettings,
-    GenerationRequest,
-    KeepAlive,
-    generate,
-)
 from omlx_coordinator.models.lifecycle import ModelManager
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
-from omlx_coordinator.request.retry import MAX_ATTEMPTS, RETRIABLE, Fail, Lost, Resume, RetryState, lost_by
 from omlx_coordinator.nodes.worker_session import rpc_error
+from omlx_coordinator.request import request_lease
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
+from omlx_coordinator.request.generation import GatewaySettings, GenerationRequest, generate
+from omlx_coordinator.request.retry import (
+    MAX_ATTEMPTS,
+    RETRIABLE,
+    Fail,
+    Lost,
+    Resume,
+    RetryState,
+    lost_by,
+)
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_shared.block_hashes import block_hashes
 from tests.helpers.fake_replica import (
     FakeWorker,

@@ -18,9 +18,10 @@ from openai.types.responses import response_create_params
 from omlx_coordinator.api import responses as adapter
 from omlx_coordinator.api.response_store import ResponseStore, StoredResponse
 from omlx_coordinator.api.responses_schema import ResponsesRequest
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
-from omlx_coordinator.request.generation import Delta, Done, GenerationRequest, KeepAlive
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
+from omlx_coordinator.request.generation import GenerationRequest
 from tests.conftest import Server, start_server
 from tests.tiny_models import build_model, qwen_tokenizer, serving
 

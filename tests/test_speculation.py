@@ -11,18 +11,17 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
+from omlx_node import speculation
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import SamplingParams
-from omlx_node import speculation
+from omlx_node.sequence import SeqRequest
 from omlx_node.speculation import (
     NgramProposer,
     PredictionProposer,
-    Speculator,
     SpecStats,
+    Speculator,
     best_k,
     crossover,
     expected_tokens,
@@ -30,12 +29,11 @@ from omlx_node.speculation import (
     verify_cost,
     verify_sampled,
 )
-from omlx_shared.speculative_modes import check_mode
 from omlx_node.stage import StageRunner
+from omlx_shared.speculative_modes import check_mode
 from tests.helpers.engine import assert_logprobs_match, drain, reference
 from tests.helpers.speculation import FLAT, TEXT, mixed_requests, run_one
 from tests.tiny_models import build_model
-
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,9 @@ import itertools
 from mlx_lm import load
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from omlx_node.step_pace import StepPace
 from tests.helpers.engine import drain, reference

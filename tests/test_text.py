@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from omlx_coordinator.request.stop_strings import StopMatcher
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.request.stop_strings import StopMatcher
 from omlx_coordinator.text.tokenizer import MAX_CHARS_PER_TOKEN, ChatTokenizer
 from tests.tiny_models import build_tokenizer
 

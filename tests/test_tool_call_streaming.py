@@ -24,9 +24,9 @@ import pytest
 from omlx_coordinator.api import anthropic as anthropic_api
 from omlx_coordinator.api import openai as openai_api
 from omlx_coordinator.api import responses as responses_api
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
-from omlx_coordinator.request.generation import Delta, Done, KeepAlive
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
 from omlx_coordinator.text.streamed_json import JsonStream
 from omlx_coordinator.text.tool_calls import (
     STREAMED_FAMILIES,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from omlx_node.wait_parts import Wait, charge, split
 from tests.helpers.engine import drain

@@ -12,10 +12,9 @@ import pytest
 from mlx_lm import load
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.metrics import NodeMetrics
 from omlx_node.sampling import random_key
+from omlx_node.sequence import SeqRequest
 from omlx_node.stage import StageRunner
 from omlx_node.warm_up import warm_up
 from tests.helpers.engine import drain, reference

@@ -19,8 +19,8 @@ from mlx_lm.generate import generate_step
 from prometheus_client import generate_latest
 
 from omlx_coordinator.nodes.cluster import ClusterOptions
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.nodes.weight_transfer import WeightSource, ensure_weights
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_node.stage import StageError, StageRunner
 from omlx_node.weight_store import ACK_EVERY_BYTES, CHUNK_MAX_BYTES
 from omlx_shared.child import omlx_command
@@ -30,7 +30,6 @@ from omlx_shared.safetensors_header import read_header
 from proto import omlx_pb2 as pb
 from tests.cluster_secret import SECRET
 from tests.conftest import parse_metrics
-from tests.tiny_models import build_model, serving, truncated_model
 from tests.helpers.weights import (
     _can_mount,
     admitted,
@@ -39,6 +38,7 @@ from tests.helpers.weights import (
     chunk,
     push,
 )
+from tests.tiny_models import build_model, serving, truncated_model
 
 pytestmark = pytest.mark.slow  # real node agents receiving weights
 

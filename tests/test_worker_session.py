@@ -18,8 +18,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from omlx_coordinator.request.retry import RETRIABLE
 from omlx_coordinator.nodes.worker_session import WorkerSession
+from omlx_coordinator.request.retry import RETRIABLE
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.helpers.node import running_node

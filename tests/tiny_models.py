@@ -254,10 +254,10 @@ def qwen_tokenizer(dest: Path) -> Path:
 def serving(model: Path, name: str, options, **config):
     """A model manager serving `model` alone as `name` over a cluster with `options` (a
     ClusterOptions): what `serve --model` builds, for tests that drive it in-process."""
-    from omlx_coordinator.nodes.cluster import Cluster
     from omlx_coordinator.models.lifecycle import ModelManager
     from omlx_coordinator.models.model_config import ModelConfig
     from omlx_coordinator.models.served_model import ServedModel
+    from omlx_coordinator.nodes.cluster import Cluster
 
     return ModelManager(Cluster(options), [ServedModel(ModelConfig(name, str(model), **config),
                                                        model)])

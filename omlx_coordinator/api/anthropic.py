@@ -48,8 +48,6 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.frontdoor.access import account_of, admit
-from omlx_coordinator.models.admission import Overloaded
 from omlx_coordinator.api.anthropic_schema import (
     Block,
     MessagesRequest,
@@ -71,26 +69,26 @@ from omlx_coordinator.api.common import (
     leaves_out,
     sse,
 )
+from omlx_coordinator.errors import APIError
+from omlx_coordinator.frontdoor.access import account_of, admit
+from omlx_coordinator.models.admission import Overloaded
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
+from omlx_coordinator.request.generation import (
+    GatewaySettings,
+    GenerationRequest,
+    check_servable,
+    generate,
+    token_budget,
+)
+from omlx_coordinator.request.internal_error import internal_error
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.constraints import (
     grammar_for_json_schema,
     grammar_for_tool_call,
     grammar_for_tools_or_reply,
     validate,
 )
-from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import (
-    Delta,
-    Done,
-    GatewaySettings,
-    GenerationRequest,
-    KeepAlive,
-    check_servable,
-    generate,
-    token_budget,
-)
-from omlx_coordinator.request.internal_error import internal_error
-from omlx_coordinator.models.lifecycle import ModelManager
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import (
     CallArguments,

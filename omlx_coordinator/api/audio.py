@@ -18,11 +18,11 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from omlx_coordinator.frontdoor.access import account_of, admit
-from omlx_coordinator.request.encoding import transcribe
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import GatewaySettings, check_servable
+from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.request.encoding import transcribe
+from omlx_coordinator.request.generation import GatewaySettings, check_servable
 from omlx_shared.model_kinds import TRANSCRIBE
 from proto import omlx_pb2 as pb
 

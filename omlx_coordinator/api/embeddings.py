@@ -23,13 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from pydantic import Field
 
-from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.api.openai_schema import _Strict
-from omlx_coordinator.request.encoding import check_inputs, encode
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import GatewaySettings, check_servable
+from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.models.served_model import ServedModel
+from omlx_coordinator.request.encoding import check_inputs, encode
+from omlx_coordinator.request.generation import GatewaySettings, check_servable
 from omlx_coordinator.text.tokenizer import MAX_CHARS_PER_TOKEN
 from omlx_shared.model_kinds import EMBED, RERANK
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import grpc
 from fastapi import Depends, FastAPI, Query
 
-from omlx_coordinator.nodes.cluster import NoCapacity
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.models.lifecycle import ModelBusy, ModelManager
 from omlx_coordinator.models.served_model import ServedModel
+from omlx_coordinator.nodes.cluster import NoCapacity
 
 
 def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> None:

@@ -40,9 +40,13 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.frontdoor.access import Account, account_of, admit
-from omlx_coordinator.api.common import ClosingStream, Primed, Silence, collect_unless_gone, \
-    encode_chat
+from omlx_coordinator.api.common import (
+    ClosingStream,
+    Primed,
+    Silence,
+    collect_unless_gone,
+    encode_chat,
+)
 from omlx_coordinator.api.ollama_models import find, rfc3339
 from omlx_coordinator.api.ollama_schema import (
     DEFAULT_TEMPERATURE,
@@ -55,22 +59,21 @@ from omlx_coordinator.api.ollama_schema import (
     validated,
 )
 from omlx_coordinator.api.tool_setup import ToolSetup, setup_tools
-from omlx_coordinator.nodes.cluster import NoCapacity
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.frontdoor.access import Account, account_of, admit
+from omlx_coordinator.models.lifecycle import ModelBusy, ModelManager
+from omlx_coordinator.models.served_model import LOADED, ServedModel
+from omlx_coordinator.nodes.cluster import NoCapacity
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
 from omlx_coordinator.request.generation import (
-    Delta,
-    Done,
     GatewaySettings,
     GenerationRequest,
-    KeepAlive,
     check_servable,
     generate,
     token_budget,
 )
 from omlx_coordinator.request.internal_error import internal_error
-from omlx_coordinator.models.lifecycle import ModelBusy, ModelManager
 from omlx_coordinator.telemetry.metrics import GatewayMetrics
-from omlx_coordinator.models.served_model import LOADED, ServedModel
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import CallEnd, Item, ToolCallStream, call_input
 from omlx_shared.token_ids import outside_vocabulary

@@ -13,14 +13,14 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from pydantic import Field, field_validator
 
-from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.api.embeddings import embed, embedding_inputs
 from omlx_coordinator.api.ollama import _keep_alive, apply_keep_alive
 from omlx_coordinator.api.ollama_models import find
 from omlx_coordinator.api.ollama_schema import Options, _Strict, keep_alive_seconds, validated
-from omlx_coordinator.request.generation import GatewaySettings, check_servable
+from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.models.served_model import LOADED
+from omlx_coordinator.request.generation import GatewaySettings, check_servable
 from omlx_shared.model_kinds import EMBED
 
 

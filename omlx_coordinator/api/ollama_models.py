@@ -16,9 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.frontdoor.access import usable
 from omlx_coordinator.api.ollama_schema import ShowRequest, validated
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.frontdoor.access import usable
 from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.models.served_model import LOADED, ServedModel
 from omlx_shared.model_kinds import CHAT, EMBED

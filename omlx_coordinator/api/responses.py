@@ -37,7 +37,6 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from omlx_coordinator.frontdoor.access import account_of, admit
 from omlx_coordinator.api.common import (
     ClosingStream,
     Primed,
@@ -65,18 +64,17 @@ from omlx_coordinator.api.responses_schema import (
 )
 from omlx_coordinator.api.tool_setup import ToolSetup, setup_tools
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.frontdoor.access import account_of, admit
+from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
 from omlx_coordinator.request.generation import (
-    Delta,
-    Done,
     GatewaySettings,
     GenerationRequest,
-    KeepAlive,
     check_servable,
     generate,
     token_budget,
 )
 from omlx_coordinator.request.internal_error import internal_error
-from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omlx_coordinator.text import constraints
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.text import constraints
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import ToolCallFormat
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from omlx_coordinator.models.admission import hold
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.frontdoor.keys import Key, KeyRing
+from omlx_coordinator.frontdoor.usage import ANONYMOUS, Usage
+from omlx_coordinator.models.admission import hold
 from omlx_coordinator.models.priority import INTERACTIVE
 from omlx_coordinator.models.served_model import ServedModel
-from omlx_coordinator.frontdoor.usage import ANONYMOUS, Usage
 
 _SCOPE_KEY = "omlx.account"
 RATE_LIMITED = "rate_limit_exceeded"

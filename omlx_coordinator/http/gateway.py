@@ -17,16 +17,6 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx_coordinator.frontdoor.access import account_of, identify, require_admin
-from omlx_coordinator.models.admission import (
-    Arrivals,
-    Overloaded,
-    Refusal,
-    ReleaseWhenDone,
-    all_full,
-    overloaded,
-    refuse_all_full,
-)
 from omlx_coordinator.api import (
     anthropic,
     audio,
@@ -40,11 +30,24 @@ from omlx_coordinator.api import (
 )
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.console import add_routes as add_console_routes
-from omlx_coordinator.http.docs import add_docs_routes
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.frontdoor.access import account_of, identify, require_admin
+from omlx_coordinator.frontdoor.usage import FILE_NAME as USAGE_FILE
+from omlx_coordinator.frontdoor.usage import Usage, parse_since
+from omlx_coordinator.http.docs import add_docs_routes
+from omlx_coordinator.http.request_body import BodyRefused, JSONBodyRequest
+from omlx_coordinator.models.admission import (
+    Arrivals,
+    Overloaded,
+    Refusal,
+    ReleaseWhenDone,
+    all_full,
+    overloaded,
+    refuse_all_full,
+)
+from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.request.generation import GatewaySettings
 from omlx_coordinator.request.internal_error import internal_error
-from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.telemetry.metrics import (
     GatewayMetrics,
     ModelsCollector,
@@ -53,9 +56,6 @@ from omlx_coordinator.telemetry.metrics import (
     prometheus_targets,
 )
 from omlx_coordinator.telemetry.rebalancer import Rebalancer, RebalanceSettings
-from omlx_coordinator.http.request_body import BodyRefused, JSONBodyRequest
-from omlx_coordinator.frontdoor.usage import FILE_NAME as USAGE_FILE
-from omlx_coordinator.frontdoor.usage import Usage, parse_since
 from omlx_shared import auth
 from omlx_shared.model_store import data_home
 from omlx_shared.outsider_logs import Refusals, cut

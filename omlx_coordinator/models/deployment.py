@@ -17,16 +17,16 @@ from dataclasses import dataclass
 
 import grpc
 
+from omlx_coordinator.models.placement import plan_bytes
+from omlx_coordinator.models.routing import PrefixIndex
+from omlx_coordinator.models.served_model import ServedModel
 from omlx_coordinator.nodes.backend import BackendChoice, BackendError, choose_backend
 from omlx_coordinator.nodes.cluster import HEARTBEAT_SECONDS, Cluster, Member, NoCapacity
 from omlx_coordinator.nodes.node_client import WorkerClient
-from omlx_coordinator.models.placement import plan_bytes
-from omlx_coordinator.planning.layout_choice import plan_layout
-from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
-from omlx_coordinator.models.routing import PrefixIndex
-from omlx_coordinator.models.served_model import ServedModel
 from omlx_coordinator.nodes.status_log import LoggedStatus
 from omlx_coordinator.nodes.weight_transfer import TransferProgress, WeightSource, ensure_weights
+from omlx_coordinator.planning.layout_choice import plan_layout
+from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -21,13 +21,11 @@ from dataclasses import replace
 
 import grpc
 
-from omlx_coordinator.models import placement
-
-from omlx_coordinator.models import routing
-from omlx_coordinator.nodes.cluster import Cluster, Member, NoCapacity
+from omlx_coordinator.models import placement, routing
 from omlx_coordinator.models.deployment import Deployment
-from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError
 from omlx_coordinator.models.served_model import LOADED, LOADING, UNLOADED, ServedModel
+from omlx_coordinator.nodes.cluster import Cluster, Member, NoCapacity
+from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.model_kinds import ENDPOINTS

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from omlx_coordinator.models.admission import DEFAULT_MAX_QUEUE, NODE_DEFAULT_BATCH, Admission
-from omlx_coordinator.models.priority import PriorityGate
 from omlx_coordinator.models.model_config import ModelConfig
+from omlx_coordinator.models.priority import PriorityGate
+from omlx_coordinator.nodes.weight_transfer import WeightSource
 from omlx_coordinator.planning.model_layout import (
     ModelLayout,
     read_layout,
@@ -24,7 +25,6 @@ from omlx_coordinator.planning.model_layout import (
     with_draft,
 )
 from omlx_coordinator.text.tokenizer import ChatTokenizer
-from omlx_coordinator.nodes.weight_transfer import WeightSource
 from omlx_shared.model_kinds import CHAT, kind_of, max_input_tokens
 from omlx_shared.speculative_modes import draft_path
 

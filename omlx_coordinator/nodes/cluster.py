@@ -21,12 +21,12 @@ from typing import Protocol
 
 import grpc
 
-from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
 from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
 from omlx_coordinator.nodes.weight_transfer import WeightCounters
+from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
 from omlx_shared.hardware import machine_memory

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import grpc
 
-from omlx_coordinator.planning.model_layout import tensor_part
 from omlx_coordinator.nodes.node_client import AgentClient
+from omlx_coordinator.planning.model_layout import tensor_part
 from omlx_shared.model_store import content_fingerprint
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 from proto import omlx_pb2 as pb

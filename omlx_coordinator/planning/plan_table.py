@@ -6,6 +6,7 @@ import io
 
 from omlx_coordinator.planning.planner import Plan, human_bytes
 
+
 def format_plan(plan: Plan) -> str:
     """The plan as text for `omlx-cluster plan`: a table of stages, then the explanation."""
     from rich.console import Console

@@ -21,7 +21,14 @@ import math
 from collections.abc import Sequence
 
 from omlx_coordinator.planning.model_layout import ModelLayout
-from omlx_coordinator.planning.planner import GB, NodeSpec, Plan, PlanError, Stage, compute_plan_hash
+from omlx_coordinator.planning.planner import (
+    GB,
+    NodeSpec,
+    Plan,
+    PlanError,
+    Stage,
+    compute_plan_hash,
+)
 
 # Bytes of one element of the hidden state an all-reduce carries (fp32: a CPU computes in it;
 # a GPU's bf16 halves it, which only a slow link notices).

@@ -18,14 +18,14 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from omlx_coordinator.frontdoor.access import Account
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.generation import GatewaySettings, _rpc_error
+from omlx_coordinator.frontdoor.access import Account
 from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.models.served_model import ServedModel
 from omlx_coordinator.nodes.node_client import WorkerClient
+from omlx_coordinator.request.generation import GatewaySettings, _rpc_error
 from omlx_coordinator.request.request_lease import RequestLease
 from omlx_coordinator.request.retry import Fail, RetryState, lost_by
-from omlx_coordinator.models.served_model import ServedModel
 from omlx_shared.token_ids import outside_vocabulary
 from proto import omlx_pb2 as pb
 

@@ -24,19 +24,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from omlx_coordinator.frontdoor.access import Account, check
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.events import Delta, Done, KeepAlive
-from omlx_coordinator.request.internal_error import internal_error
+from omlx_coordinator.frontdoor.access import Account, check
 from omlx_coordinator.frontdoor.keys import KeyRing
 from omlx_coordinator.models.lifecycle import ModelManager
-from omlx_coordinator.telemetry.metrics import GatewayMetrics
-from omlx_coordinator.nodes.node_client import WorkerClient
 from omlx_coordinator.models.priority import INTERACTIVE, PriorityGate
+from omlx_coordinator.models.served_model import LOADED, UNLOADED, ServedModel
+from omlx_coordinator.nodes.node_client import WorkerClient
+from omlx_coordinator.request.events import Delta, Done, KeepAlive
+from omlx_coordinator.request.internal_error import internal_error
 from omlx_coordinator.request.request_lease import RequestLease
 from omlx_coordinator.request.retry import Fail, RetryState, lost_by
-from omlx_coordinator.models.served_model import LOADED, UNLOADED, ServedModel
 from omlx_coordinator.request.stop_strings import StopMatcher
+from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_shared.model_kinds import CHAT, EMBED, ENDPOINTS, RERANK, TRANSCRIBE
 from proto import omlx_pb2 as pb
 

@@ -15,13 +15,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from omlx_coordinator.nodes.cluster import NoCapacity
-from omlx_coordinator.models.deployment import Deployment
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.request.events import KeepAlive
+from omlx_coordinator.models.deployment import Deployment
 from omlx_coordinator.models.lifecycle import ModelManager
-from omlx_coordinator.request.retry import PlanRef
 from omlx_coordinator.models.served_model import LOADED, ServedModel
+from omlx_coordinator.nodes.cluster import NoCapacity
+from omlx_coordinator.request.events import KeepAlive
+from omlx_coordinator.request.retry import PlanRef
 
 # How long a request that lost a plan waits for that replica's new plan before trying the same
 # one again (its node may not be known lost yet).

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from omlx_coordinator.models.deployment import Deployment
 from omlx_coordinator.errors import APIError
+from omlx_coordinator.models.deployment import Deployment
 from proto import omlx_pb2 as pb
 
 # A call that failed this way lost its node, not its request: run it again on the next plan.

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from omlx_coordinator.planning.planner import Plan
 from omlx_coordinator.frontdoor.usage import Usage
 from omlx_coordinator.nodes.weight_transfer import WeightCounters
+from omlx_coordinator.planning.planner import Plan
 from omlx_shared.prometheus import LATENCY_BUCKETS, labelled, merged
 
 if TYPE_CHECKING:  # the manager imports nothing from here

@@ -8,10 +8,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import Finish
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
+from omlx_node.sequence import Finish
 from omlx_node.stage import StageRunner
 
 

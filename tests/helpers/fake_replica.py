@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 
-from omlx_coordinator.nodes.cluster import Cluster, ClusterOptions
 from omlx_coordinator.models.deployment import Deployment
 from omlx_coordinator.models.lifecycle import ModelManager
 from omlx_coordinator.models.model_config import ModelConfig
 from omlx_coordinator.models.served_model import LOADED, ServedModel
+from omlx_coordinator.nodes.cluster import Cluster, ClusterOptions
 from omlx_coordinator.nodes.worker_session import rpc_error
 from proto import omlx_pb2 as pb
 

@@ -4,9 +4,8 @@ request run through a batcher to its end."""
 from __future__ import annotations
 
 from omlx_node.batcher import Batcher
-
-from omlx_node.sequence import SeqRequest
 from omlx_node.sampling import SamplingParams
+from omlx_node.sequence import SeqRequest
 from tests.helpers.engine import drain, reference_logprobs
 
 # Repetitive: a random model's greedy output soon loops, and prompt lookup drafts the loop.

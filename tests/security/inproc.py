@@ -13,9 +13,10 @@ import httpx
 from fastapi import FastAPI
 
 from omlx_coordinator.api import anthropic, ollama, openai
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
-from omlx_coordinator.request.generation import Delta, Done, GenerationRequest, check_servable
+from omlx_coordinator.nodes.cluster import ClusterOptions
+from omlx_coordinator.request.events import Delta, Done
+from omlx_coordinator.request.generation import GenerationRequest, check_servable
 from tests.tiny_models import build_model, qwen_tokenizer, serving
 
 MODEL = "tiny-inproc"

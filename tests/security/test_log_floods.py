@@ -9,8 +9,8 @@ import logging
 import httpx
 import pytest
 
-from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.http.gateway import create_app
+from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_shared import auth
 from omlx_shared.outsider_logs import CUT_CHARS, Refusals, cut
 from tests.cluster_secret import SECRET
