@@ -426,15 +426,17 @@ class Deployment:
             why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("moving %s failed (%s): re-planning it", self.name, _error_line(why or ""))
             return False
+        # Said as soon as the new plan serves (what /cluster/status shows from then on), not
+        # after the old plan's stages are let go below.
+        self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
+                              "started_at": started_at, "epoch": self.epoch,
+                              "load_seconds": self.load_seconds, "moved": True}
+        log.info("moved in %.2fs", self.last_recovery["seconds"])
         # A node the new plan left out still runs the old plan's stage: nothing replaced it.
         left = [m for m in self.cluster.members
                 if m.alive and m.name in held and m.name not in self.stages_on()]
         await asyncio.gather(*(m.agent.unload_shard(self.model.name, UNLOAD_GRACE_SECONDS)
                                for m in left), return_exceptions=True)
-        self.last_recovery = {"reason": reason, "seconds": time.monotonic() - t0,
-                              "started_at": started_at, "epoch": self.epoch,
-                              "load_seconds": self.load_seconds, "moved": True}
-        log.info("moved in %.2fs", self.last_recovery["seconds"])
         return True
 
     def replan_changes(self) -> bool:
