@@ -126,6 +126,11 @@ def sh(cmd: list[str], timeout: float = 20.0) -> str:
         return ""
 
 
+def git_commit() -> str:
+    """The checkout's short commit, for a results file; "" outside git."""
+    return sh(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+
+
 def machine_info() -> dict:
     cpu = ""
     try:
@@ -139,7 +144,7 @@ def machine_info() -> dict:
               "--format=csv,noheader"]) if shutil.which("nvidia-smi") else ""
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
             "platform": platform.platform(),
-            "git_commit": sh(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or None}
+            "git_commit": git_commit() or None}
 
 
 def machine_tag(machine: dict) -> str:

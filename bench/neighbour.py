@@ -22,7 +22,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import git_commit  # noqa: E402
 from bench.models import rate_during  # noqa: E402
 from omlx_node.load_priority import ENCODE_NICE, LOAD_NICE  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
@@ -94,8 +94,7 @@ def main() -> int:
         print(f"{label}: A alone {r['alone']:.0f} tok/s, while B loads {r['loading']:.0f} "
               f"({r['loading'] / r['alone']:.2f}x, {r['window']:.1f} s), while E embeds "
               f"{r['embedding']:.0f} ({r['embedding'] / r['alone']:.2f}x)", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     lines = [
         "# A chat model's decode beside a loading model and an embedding batch (CPU)", "",
         f"Machine: {platform.machine()} {platform.system()}, MLX CPU backend, 2 cores shared "

@@ -26,7 +26,6 @@ import io
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import git_commit  # noqa: E402
 from omlx_shared.blas import blas_env  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
 from tests.tiny_encoders import build_whisper, tone_wav  # noqa: E402
@@ -105,8 +105,7 @@ def main() -> int:
     speed = lib_s / ours_s
     print(f"ours served: {ours_s:.2f}s (RTF {ours_s / args.seconds:.3f}), {speed:.2f}x "
           "mlx-audio's speed", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     lines = [
         "# Transcription real-time factor against mlx-audio (CPU)", "",
         f"Machine: {platform.machine()} {platform.system()}, MLX CPU backend with OpenBLAS "
