@@ -355,8 +355,12 @@ class Engine:
         most `room` new sequences."""
         if self._gather_left(room) > 0:
             return []
-        budget, plan = self.pace.budget(self.prefill_chunk, bool(self.running_seqs())), []
-        for seq in self._in_order():
+        order, plan = self._in_order(), []
+        # The first prompt's cached prefix is looked up before the budget: a short remainder
+        # runs at once, where the pace would save up for a pass worth its fixed cost.
+        left = len(order[0].to_prefill) - order[0].prefilled if self._looked_up(order[0]) else 0
+        budget = self.pace.budget(self.prefill_chunk, bool(self.running_seqs()), left)
+        for seq in order:
             if budget <= 0 or len(plan) >= room or self._waits_for(seq, plan) \
                     or not self._looked_up(seq):
                 break

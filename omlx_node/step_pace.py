@@ -8,22 +8,27 @@ waits for its whole turn, the first token and then every other one, so the prefi
 must not stop the decoding of the others.
 
 `StepPace` measures, on the engine's own iterations, what a decode step costs (its rows and
-their context as they are now) and what a prefilled token costs, and sizes the chunk so that
-the prefill takes at most `share` decode steps' time: a decoding stream keeps at least
-1 / (1 + share) of its rate. Alone (nobody decoding) a prompt gets the whole chunk. A floor of
-`min_tokens` keeps a prompt moving when a token costs more than a step (the per-chunk overhead
-would otherwise be paid for a handful of tokens). The measurements are moving averages: step
-costs grow with the batch and its context, and the machine's load changes under them.
+their context as they are now) and what a prefill pass costs: a fixed part for the pass (every
+weight read once, every kernel launched once) and a part per token, fitted over the recent
+passes. Each iteration with rows decoding earns the prefill `share` decode steps' time; a pass
+runs once the credit pays for it, sized to the credit: a decoding stream keeps about
+1 / (1 + share) of its rate. A pass smaller than `EFFICIENT` times its fixed part would spend
+most of its time on that part, so the credit saves up for a larger one (unless less is left to
+prefill). On a CPU the fixed part is small and a pass runs every iteration; on a GPU a pass of
+a few tokens costs about what a pass of a thousand does, and a per-token average over small
+passes (the pace before this one) shrank the chunks until every iteration paid a whole pass
+for a handful of tokens. Alone (nobody decoding) a prompt gets the whole chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Why 1.0 (a decoding stream keeps half its rate) and a floor of 8: measured, docs/scheduling.md.
+# Why 1.0 (a decoding stream keeps half its rate): measured, docs/scheduling.md.
 DEFAULT_SHARE = 1.0
-MIN_TOKENS = 8
-SMOOTHING = 0.2  # weight of the newest iteration in the moving averages
+MIN_TOKENS = 8  # the smallest pass worth running where a pass has no fixed part to speak of
+EFFICIENT = 4.0  # a pass runs at least this many times its fixed part, where it can
+SMOOTHING = 0.2  # weight of the newest iteration in the moving averages and the fit
 
 
 @dataclass
@@ -31,22 +36,58 @@ class StepPace:
     share: float = DEFAULT_SHARE
     min_tokens: int = MIN_TOKENS
     decode_s: float = 0.0  # seconds of a decode step, 0 until measured
-    token_s: float = 0.0  # seconds of a prefilled token, 0 until measured
+    # The fit of a prefill pass's seconds to its tokens, decayed sums of weight, tokens,
+    # seconds, tokens squared and tokens x seconds (least squares with forgetting).
+    fit: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    credit: float = 0.0  # seconds of prefill the decode steps have paid for and not spent
 
     def observe(self, seconds: float, decoded: bool, prefilled: int) -> None:
         """One iteration took `seconds`: a decode step if `decoded`, and `prefilled` tokens."""
         if decoded and not prefilled:
             self.decode_s = _average(self.decode_s, seconds)
         elif prefilled:
-            rest = seconds - (self.decode_s if decoded else 0.0)
-            self.token_s = _average(self.token_s, max(rest, 0.0) / prefilled)
+            rest = max(seconds - (self.decode_s if decoded else 0.0), 0.0)
+            keep = 1 - SMOOTHING if self.fit[0] else 0.0
+            self.fit = tuple(keep * old + new for old, new in zip(
+                self.fit, (1.0, prefilled, rest, prefilled * prefilled, prefilled * rest)))
+            if decoded:
+                self.credit = max(self.credit - rest, 0.0)
 
-    def budget(self, chunk: int, decoding: bool) -> int:
-        """Prompt tokens for this iteration's prefill, at most `chunk`."""
-        if not decoding or not (self.decode_s and self.token_s):
+    @property
+    def pass_s(self) -> float:
+        """Seconds of a prefill pass whatever its tokens (0 until two sizes were seen)."""
+        return self._line()[0]
+
+    @property
+    def token_s(self) -> float:
+        """Seconds a prefilled token adds to its pass (0 until measured)."""
+        return self._line()[1]
+
+    def _line(self) -> tuple[float, float]:
+        w, n, s, nn, ns = self.fit
+        if not w or not n:
+            return 0.0, 0.0
+        spread = w * nn - n * n
+        if spread > 1e-9 * w * nn:  # passes of more than one size: a line through them
+            per = (w * ns - n * s) / spread
+            fixed = (s - per * n) / w
+            if per > 0 and fixed >= 0:
+                return fixed, per
+        return 0.0, s / n  # one size seen (or a line that says nothing): all per token
+
+    def budget(self, chunk: int, decoding: bool, wanted: int | None = None) -> int:
+        """Prompt tokens for this iteration's prefill, at most `chunk` (0: none this time, the
+        credit saves up). `wanted`: tokens the waiting prompts have left (None: unknown). Call
+        it once an iteration that may prefill: each call earns the decode step's share."""
+        fixed, per = self._line()
+        if not decoding or not (self.decode_s and per):
             return chunk
-        return max(min(chunk, self.min_tokens), min(chunk, int(self.share * self.decode_s
-                                                               / self.token_s)))
+        cap = fixed + per * chunk  # never save up for more than one whole chunk
+        self.credit = min(self.credit + self.share * self.decode_s, cap)
+        fits = int((self.credit - fixed) / per)
+        worth = max(self.min_tokens, int(EFFICIENT * fixed / per))
+        need = min(worth, chunk, wanted if wanted is not None else chunk)
+        return min(chunk, fits) if fits >= need else 0
 
 
 def _average(old: float, new: float) -> float:

@@ -26,16 +26,54 @@ def test_alone_a_prompt_gets_the_whole_chunk() -> None:
     assert pace.budget(512, decoding=False) == 512
 
 
+def paced(share: float, min_tokens: int, decode_s: float,
+          passes: list[tuple[int, float]]) -> StepPace:
+    """A pace that measured decode steps of `decode_s` and prefill passes of (tokens, seconds)."""
+    pace = StepPace(share, min_tokens)
+    pace.observe(decode_s, decoded=True, prefilled=0)
+    for tokens, seconds in passes:
+        pace.observe(seconds, decoded=False, prefilled=tokens)
+    return pace
+
+
 def test_while_others_decode_the_prefill_takes_share_steps() -> None:
     pace = StepPace(share=1.0, min_tokens=4)
     pace.observe(0.020, decoded=True, prefilled=0)  # a step: 20 ms
     pace.observe(0.020 + 100 * 0.001, decoded=True, prefilled=100)  # a token: 1 ms
     assert pace.budget(512, decoding=True) == 20
-    assert StepPace(2.0, 4, pace.decode_s, pace.token_s).budget(512, True) == 40
-    assert StepPace(100.0, 4, pace.decode_s, pace.token_s).budget(512, True) == 512
-    # A token that costs more than a step: the floor keeps the prompt moving.
-    assert StepPace(1.0, 4, 0.001, 0.01).budget(512, True) == 4
-    assert StepPace(1.0, 4, 0.001, 0.01).budget(3, True) == 3
+    assert paced(2.0, 4, 0.02, [(100, 0.1)]).budget(512, True) == 40
+    assert paced(100.0, 4, 0.02, [(100, 0.1)]).budget(512, True) == 512
+
+
+def test_a_token_that_costs_more_than_a_step_saves_up_for_the_floor() -> None:
+    pace = paced(1.0, 4, 0.001, [(10, 0.1)])  # a step 1 ms, a token 10 ms
+    budgets = [pace.budget(512, True) for _ in range(40)]
+    assert budgets[:39] == [0] * 39 and budgets[39] == 4  # 40 steps' credit pays 4 tokens
+    assert paced(1.0, 4, 0.001, [(10, 0.1)]).budget(3, True) == 0
+    # A prompt with less left than the floor runs as soon as its tokens are paid for.
+    pace = paced(1.0, 4, 0.001, [(10, 0.1)])
+    assert [pace.budget(512, True, wanted=1) for _ in range(10)] == [0] * 9 + [1]
+
+
+def test_a_pass_with_a_fixed_cost_runs_large_and_less_often() -> None:
+    """On a GPU a pass of 27 tokens costs about what one of 1,000 does: the fit finds the fixed
+    part, and the pace runs passes worth it instead of a few tokens every step."""
+    per, fixed = 5e-6, 0.012
+    passes = [(27, fixed + 27 * per), (700, fixed + 700 * per), (2048, fixed + 2048 * per)]
+    pace = paced(1.0, 8, 0.020, passes)
+    assert abs(pace.pass_s - fixed) < 1e-6 and abs(pace.token_s - per) < 1e-9
+    # A pass of a whole chunk (22 ms) is the most its fixed part allows to be worth: a step
+    # of 20 ms pays for one every other step, a step of 5 ms one every fifth step.
+    pace = paced(1.0, 8, 0.020, passes)
+    assert [pace.budget(2048, True, wanted=5000) for _ in range(2)] == [0, 2048]
+    pace = paced(1.0, 8, 0.005, passes)
+    assert [pace.budget(2048, True, wanted=5000) for _ in range(5)] == [0, 0, 0, 0, 2048]
+    # The spent credit is the pass's measured time.
+    pace.observe(0.005 + fixed + 2048 * per, decoded=True, prefilled=2048)
+    assert pace.credit < 1e-9
+    # A short remainder does not wait for a pass worth the fixed part: it is paid for at once.
+    pace = paced(1.0, 8, 0.005, passes)
+    assert [pace.budget(2048, True, wanted=27) for _ in range(3)] == [0, 0, 600]
 
 
 def test_the_averages_follow_the_machine() -> None:
@@ -54,7 +92,7 @@ class CyclingPace(StepPace):
         super().__init__()
         self._sizes = itertools.cycle([1, 7, 3, 16, 2, 5])
 
-    def budget(self, chunk: int, decoding: bool) -> int:
+    def budget(self, chunk: int, decoding: bool, wanted: int | None = None) -> int:
         return min(chunk, next(self._sizes)) if decoding else chunk
 
 
