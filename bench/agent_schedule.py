@@ -57,6 +57,15 @@ def share(n: float) -> Callable[[Batcher], None]:
     return setup
 
 
+class PerTokenPace(StepPace):
+    """The pace before a pass's fixed cost was fitted apart: all of a pass's time charged to
+    its tokens (on a GPU, small passes then look expensive per token and stay small)."""
+
+    def _line(self) -> tuple[float, float]:
+        _, n, s, _, _ = self.fit
+        return (0.0, s / n) if n else (0.0, 0.0)
+
+
 # The policies compared (docs/scheduling.md): how each sets up an engine.
 POLICIES: dict[str, Callable[[Batcher], None]] = {
     "engine": lambda b: None,  # the engine as it is
@@ -65,6 +74,7 @@ POLICIES: dict[str, Callable[[Batcher], None]] = {
     "share0.5": share(0.5),  # (these keep the engine's order)
     "share2": share(2.0),
     "share4": share(4.0),
+    "per-token": lambda b: setattr(b, "pace", PerTokenPace()),
 }
 
 
@@ -235,6 +245,8 @@ def main() -> int:
                          "(measure them alone; see WorkClock)")
     ap.add_argument("--together", action="store_true",
                     help="a round's policies at the same time, one process each")
+    ap.add_argument("--size", choices=sorted(RANDOM_LLAMAS), default="small",
+                    help="the random llama's shape (bench.common.RANDOM_LLAMAS)")
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)  # (a --together child's)
     args = ap.parse_args()
     if args.model:
@@ -242,7 +254,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="omlx-agent-schedule-") as tmp:
         path = Path(tmp) / "model"
-        _, _, shape, dtype = RANDOM_LLAMAS["small"]
+        _, _, shape, dtype = RANDOM_LLAMAS[args.size]
         write_random_llama(path, shape, dtype, None, 16384)
         info = machine_info()
         print(f"machine: {info.get('cpu', '?')}; sessions {args.sessions} x {args.turns} turns",
@@ -267,13 +279,13 @@ def main() -> int:
 def child_args(args) -> list[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
             ("sessions", "turns", "system_tokens", "tool_tokens", "answer_tokens", "stagger",
-             "seed", "timeout")] + (
+             "seed", "timeout", "size")] + (
         ["--work-clock", *map(str, args.work_clock)] if args.work_clock else [])
 
 
 def run_policy(path: Path, policy: str, args) -> dict:
     """The lone stream's rate, then the sessions under `policy`: its summary."""
-    vocab = RANDOM_LLAMAS["small"][2]["vocab_size"]
+    vocab = RANDOM_LLAMAS[args.size][2]["vocab_size"]
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     lone = 1e3 / args.work_clock[0] if args.work_clock else lone_rate(path, args, vocab)
     turns, sessions = replay(path, policy, args, vocab)

@@ -234,17 +234,27 @@ def run_sessions(base: str, variant: str, args, model: str = "bench") -> list[Tu
 
 
 def warm(base: str, variant: str, args, model: str = "bench") -> None:
-    """One short session of two turns: kernels and the template built before timing."""
-    small = argparse.Namespace(**{**vars(args), "sessions": 1, "turns": 2, "stagger": 0.0,
+    """As many short sessions of two turns as the run has, together: the template and the
+    kernels of every batch size built before timing (on CUDA, MLX compiles a kernel the first
+    time a process runs it; with one session only, the first timed turns paid that)."""
+    small = argparse.Namespace(**{**vars(args), "turns": 2, "stagger": 0.0,
                                   "system_words": 50, "tool_words": 20, "first_session": 1000})
     run_sessions(base, variant, small, model)
+
+
+def own_kernels(env: dict, work: Path, side: str) -> dict:
+    """`env` with a kernel cache of the side's own (MLX_PTX_CACHE_DIR; unused off CUDA): MLX
+    keeps compiled CUDA kernels on disk, so the side run second would otherwise find the
+    kernels the first one compiled."""
+    return dict(env, MLX_PTX_CACHE_DIR=str(work / f"kernels-{side}"))
 
 
 # ---- the sides --------------------------------------------------------------------------------
 
 
 def side_ours(model: Path, work: Path, args) -> dict:
-    server = Server(model, work / "ours.log", ["--api-key", "bench", *args.server_arg])
+    server = Server(model, work / "ours.log", ["--api-key", "bench", *args.server_arg],
+                    own_kernels(dict(os.environ), work, "ours"))
     try:
         print(f"  ours ready in {server.wait_ready(SERVER_START_TIMEOUT):.1f}s", file=sys.stderr)
         out = {}
@@ -263,7 +273,8 @@ def side_mlx_server(model: Path, work: Path, args, env: dict) -> dict:
     n = str(args.sessions)
     server = MlxLmServer(model, work / "mlx_lm_server.log",
                          ["--decode-concurrency", n, "--prompt-concurrency", n,
-                          "--prompt-cache-size", str(2 * args.sessions)], env)
+                          "--prompt-cache-size", str(2 * args.sessions)],
+                         own_kernels(env, work, "mlx_lm_server"))
     try:
         print(f"  mlx_lm.server ready in {server.wait_ready(SERVER_START_TIMEOUT):.1f}s",
               file=sys.stderr)
