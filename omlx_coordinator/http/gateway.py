@@ -46,6 +46,7 @@ from omlx_coordinator.models.admission import (
     refuse_all_full,
 )
 from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.nodes.membership import Registrar
 from omlx_coordinator.request.generation import GatewaySettings
 from omlx_coordinator.request.internal_error import internal_error
 from omlx_coordinator.telemetry.metrics import (
@@ -176,7 +177,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.add_middleware(ReleaseWhenDone)  # pure ASGI: a client's disconnect still reaches routes
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
     app.state.manager, app.state.usage = manager, usage
-    app.state.register_tasks = set()
+    app.state.registrar = registrar = Registrar(cluster.options.secret, cluster.add_remote)
     refusals = Refusals(log)  # anyone on the LAN may send registrations: a line a minute each
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
@@ -351,7 +352,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
                                 "signed as `omlx-cluster join --coordinator` does",
                            param="address")
         try:
-            address, node_id = cluster.registrations.verify(body)
+            address, node_id = registrar.verify(body)
         except auth.RegistrationError as e:
             source = request.client.host if request.client else "?"
             refusals.warning(source, "registration", "refused a registration of %s from %s: %s",
@@ -360,9 +361,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if any(n["id"] == node_id and n["address"] == address and n["alive"]
                for n in cluster.nodes):
             return JSONResponse({"status": "member"})
-        task = asyncio.create_task(cluster.add_remote(address, node_id))
-        app.state.register_tasks.add(task)
-        task.add_done_callback(app.state.register_tasks.discard)
+        registrar.admit_soon(address, node_id)
         return JSONResponse({"status": "admitting"}, status_code=202)
 
     @app.get("/cluster/status", dependencies=admin)

@@ -153,7 +153,6 @@ class Cluster:
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
-        self.registrations = auth.Registrations(self.options.secret)  # /cluster/register
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
         self.weight_counters = WeightCounters()
