@@ -141,7 +141,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     usage = usage if usage is not None else Usage(data_home() / USAGE_FILE)
     cluster, main = manager.cluster, manager.main
     # Each model's series carry its name; the main model's also the cluster's own.
-    metrics = GatewayMetrics(cluster.weight_counters, main.model.name)
+    metrics = GatewayMetrics(manager.weight_counters, main.model.name)
     metrics.register(ModelsCollector(manager))
     metrics.register(UsageCollector(usage))
     metrics_of = {m.name: metrics if m is main.model else GatewayMetrics(model=m.name)

@@ -20,11 +20,21 @@ import grpc
 from omlx_coordinator.models.placement import plan_bytes
 from omlx_coordinator.models.routing import PrefixIndex
 from omlx_coordinator.models.served_model import ServedModel
-from omlx_coordinator.nodes.backend import BackendChoice, BackendError, choose_backend
+from omlx_coordinator.nodes.backend import (
+    BackendChoice,
+    BackendError,
+    JacclFailures,
+    choose_backend,
+)
 from omlx_coordinator.nodes.cluster import HEARTBEAT_SECONDS, Cluster, Member, NoCapacity
 from omlx_coordinator.nodes.node_client import WorkerClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
-from omlx_coordinator.nodes.weight_transfer import TransferProgress, WeightSource, ensure_weights
+from omlx_coordinator.nodes.weight_transfer import (
+    TransferProgress,
+    WeightCounters,
+    WeightSource,
+    ensure_weights,
+)
 from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from proto import omlx_pb2 as pb
@@ -48,8 +58,13 @@ class Deployment:
     status = LoggedStatus(lambda d: d.name)
 
     def __init__(self, cluster: Cluster, model: ServedModel, replica: int = 0,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, *, plan_loads: asyncio.Lock,
+                 jaccl_failures: JacclFailures, weight_counters: WeightCounters):
+        """`plan_loads`, `jaccl_failures`, `weight_counters`: the model manager's, shared by
+        every deployment of the cluster."""
         self.cluster, self.model, self.replica = cluster, model, replica
+        self.plan_loads, self.jaccl_failures = plan_loads, jaccl_failures
+        self.weight_counters = weight_counters
         self.name = model.name if replica == 0 else f"{model.name}#{replica}"
         self.node: WorkerClient | None = None  # the head worker of the active plan
         self.plan: Plan | None = None
@@ -175,7 +190,7 @@ class Deployment:
         self.placed = plan  # what it holds from now on, for the other models' budgets
         folders = await self._transfer_weights(members, plan)
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
-        async with self.cluster.plan_loads:
+        async with self.plan_loads:
             try:
                 replies = await self._load_stages(plan, members, folders, choice, keep_serving)
             except grpc.aio.AioRpcError as e:
@@ -184,7 +199,7 @@ class Deployment:
                 error = _error_line(e.details() or str(e.code()))
                 log.warning("the jaccl group of plan %s did not form (%s): loading it over "
                             "ring", plan.plan_hash, error)
-                self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
+                self.jaccl_failures.record([(m.name, m.admissions) for m in members], error)
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
                 replies = await self._load_stages(plan, members, folders, choice, keep_serving)
         if self.node is not None:
@@ -213,7 +228,7 @@ class Deployment:
 
     def _choose_backend(self, members: list[Member]) -> BackendChoice:
         """The data plane for `members` (in rank order); raises BackendError."""
-        failed = self.cluster.jaccl_failed.get(tuple(m.name for m in members))
+        failed = self.jaccl_failures.reason([(m.name, m.admissions) for m in members])
         if failed is not None and self.cluster.options.backend == "auto":
             return BackendChoice("ring", f"jaccl did not form on these nodes before: {failed}")
         return choose_backend(self.cluster.options.backend, [m.rdma_ports for m in members],
@@ -308,7 +323,7 @@ class Deployment:
         async def one(m: Member, source: WeightSource, start: int, end: int, label: str) -> str:
             try:
                 result = await ensure_weights(m.agent, source, start, end, show,
-                                              self.cluster.weight_counters, label=label)
+                                              self.weight_counters, label=label)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     m.weights_error = e.details()

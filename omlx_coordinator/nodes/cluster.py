@@ -25,7 +25,6 @@ from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownN
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
-from omlx_coordinator.nodes.weight_transfer import WeightCounters
 from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
@@ -105,6 +104,7 @@ class Member:
     # Why the node cannot take this model's weights (no disk space): plans leave it out until
     # it joins again.
     weights_error: str = ""
+    admissions: int = 0  # times it was admitted over the network, each a new session
 
     @property
     def disk_speed(self) -> float:
@@ -140,22 +140,13 @@ class Cluster:
         self.holders: list[Holder] = []  # every deployment: what the others leave free
         self.on_lost: Callable[[set[str]], Awaitable[None]] | None = None
         self.on_joined: Callable[[Member], Awaitable[None]] | None = None
-        # One plan loads at a time over the whole cluster: each load reads the nodes' data
-        # ports, which an agent moves only once its load is done, so two plans loading at once
-        # (two models recovering from one failure) would be given the same ports and join each
-        # other's groups.
-        self.plan_loads = asyncio.Lock()
         # on_joined calls under way, replaced clients to close
         self._reactions: set[asyncio.Task] = set()
-        # Stages (member names in rank order) whose automatic jaccl group failed to form, and
-        # why: they go straight to ring until one of them joins again.
-        self.jaccl_failed: dict[tuple[str, ...], str] = {}
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
-        self.weight_counters = WeightCounters()
         # A coordinator (no local nodes) remembers its members; after a restart the first plan
         # waits for them (gathered).
         self.known = KnownNodes(data_home() / FILE_NAME) if self.options.nodes == 0 else None
@@ -313,9 +304,8 @@ class Cluster:
             member.alive, member.last_seen = True, time.monotonic()
         member.weights_error = ""
         member.rdma_ports = list(hello.rdma_ports)
-        # It may come back with RDMA enabled or recabled: let jaccl be tried again.
-        self.jaccl_failed = {k: v for k, v in self.jaccl_failed.items()
-                             if member.name not in k}
+        # It may come back with RDMA enabled or recabled: jaccl is tried again (JacclFailures).
+        member.admissions += 1
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
