@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -54,15 +56,24 @@ class Folders:
     head_draft: str = ""  # a remote head's folder of the draft model ("": PATH as configured)
 
 
+class Holder(Protocol):
+    """What holds memory on nodes: a deployment of a model."""
+
+    def held_bytes(self) -> dict[str, int]: ...
+
+
 class Deployment:
     status = LoggedStatus(lambda d: d.name)
 
     def __init__(self, cluster: Cluster, model: ServedModel, replica: int = 0,
-                 plan: Plan | None = None, *, plan_loads: asyncio.Lock,
-                 jaccl_failures: JacclFailures, weight_counters: WeightCounters):
-        """`plan_loads`, `jaccl_failures`, `weight_counters`: the model manager's, shared by
+                 plan: Plan | None = None, *, holders: Sequence[Holder],
+                 plan_loads: asyncio.Lock, jaccl_failures: JacclFailures,
+                 weight_counters: WeightCounters):
+        """`holders` (every deployment of the cluster: what the others leave free on a node),
+        `plan_loads`, `jaccl_failures`, `weight_counters`: the model manager's, shared by
         every deployment of the cluster."""
         self.cluster, self.model, self.replica = cluster, model, replica
+        self.holders = holders
         self.plan_loads, self.jaccl_failures = plan_loads, jaccl_failures
         self.weight_counters = weight_counters
         self.name = model.name if replica == 0 else f"{model.name}#{replica}"
@@ -115,9 +126,11 @@ class Deployment:
         return [m for m in self.cluster.servable() if m.name not in taken]
 
     def room(self, node: str) -> int:
-        """What its plans may hold on `node`: what the other deployments leave free there,
-        and no more than the rebalancer shed it to where the node ran short of memory."""
-        return min(self.cluster.free_budget(node, self), self.caps.get(node, 1 << 62))
+        """What its plans may hold on `node`: what the other deployments (the other models,
+        the other replicas) leave free of its budget there, and no more than the rebalancer
+        shed it to where the node ran short of memory."""
+        held = sum(h.held_bytes().get(node, 0) for h in self.holders if h is not self)
+        return min(max(0, self.cluster.budget(node) - held), self.caps.get(node, 1 << 62))
 
     def speed(self, member: Member) -> float:
         """The GB/s its plans count `member` at: as measured, else as calibrated."""

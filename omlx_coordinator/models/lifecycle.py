@@ -22,7 +22,7 @@ from dataclasses import replace
 import grpc
 
 from omlx_coordinator.models import placement, routing
-from omlx_coordinator.models.deployment import Deployment
+from omlx_coordinator.models.deployment import Deployment, Holder
 from omlx_coordinator.models.served_model import LOADED, LOADING, UNLOADED, ServedModel
 from omlx_coordinator.nodes.backend import JacclFailures
 from omlx_coordinator.nodes.cluster import Cluster, Member, NoCapacity
@@ -67,6 +67,7 @@ class ModelManager:
         self.plan_loads = asyncio.Lock()
         self.jaccl_failures = JacclFailures()  # a stage's, whichever model it failed for
         self.weight_counters = WeightCounters()  # every transfer's, for /metrics
+        self.holders: list[Holder] = []  # every deployment: what room() takes off a budget
         # Replica 0 of every model always exists (unloaded or not): requests wait on it.
         self.replicas: dict[str, list[Deployment]] = {
             m.name: [self.new_deployment(m)] for m in models}
@@ -90,7 +91,8 @@ class ModelManager:
     def new_deployment(self, model: ServedModel, replica: int = 0) -> Deployment:
         """Replica `replica` of `model`, not loaded, sharing what every deployment of the
         cluster shares."""
-        return Deployment(self.cluster, model, replica, plan_loads=self.plan_loads,
+        return Deployment(self.cluster, model, replica, holders=self.holders,
+                          plan_loads=self.plan_loads,
                           jaccl_failures=self.jaccl_failures,
                           weight_counters=self.weight_counters)
 
@@ -98,7 +100,7 @@ class ModelManager:
         return [d for ds in self.replicas.values() for d in ds]
 
     def _sync_holders(self) -> None:
-        self.cluster.holders = self.deployments()
+        self.holders[:] = self.deployments()  # in place: every deployment reads this list
 
     # ---- start and stop ---------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 
@@ -116,12 +115,6 @@ class NoCapacity(RuntimeError):
     """A model fits on none of the nodes left; the message says how much is missing."""
 
 
-class Holder(Protocol):
-    """What holds memory on nodes: a deployment of a model (omlx_coordinator/models/deployment.py)."""
-
-    def held_bytes(self) -> dict[str, int]: ...
-
-
 class Cluster:
     """The node agents of this cluster (the local ones `serve` starts, or those that joined),
     shared by every model it serves.
@@ -137,7 +130,6 @@ class Cluster:
         self.members: list[Member] = []
         self.ready = False  # the local nodes started (a coordinator alone: at once)
         self.status = "starting"
-        self.holders: list[Holder] = []  # every deployment: what the others leave free
         self.on_lost: Callable[[set[str]], Awaitable[None]] | None = None
         self.on_joined: Callable[[Member], Awaitable[None]] | None = None
         # on_joined calls under way, replaced clients to close
@@ -164,13 +156,11 @@ class Cluster:
         return (max(0, machine_memory() - self.options.local_reserve_bytes)
                 // max(1, self.options.nodes))
 
-    def free_budget(self, name: str, excluding: Holder | None = None) -> int:
-        """What node `name`'s budget leaves for one more plan: the other holders' plans (the
-        other models, the other replicas) are taken off it."""
+    def budget(self, name: str) -> int:
+        """What the plans of every model together may hold on node `name` (one not started
+        yet: a local node's share of this machine)."""
         member = next((m for m in self.members if m.name == name), None)
-        budget = member.budget_bytes if member else self.local_budget()
-        held = sum(h.held_bytes().get(name, 0) for h in self.holders if h is not excluding)
-        return max(0, budget - held)
+        return member.budget_bytes if member else self.local_budget()
 
     @property
     def nodes(self) -> list[dict]:
