@@ -38,6 +38,7 @@ from omlx_coordinator.nodes.weight_transfer import (
     ensure_weights,
 )
 from omlx_coordinator.planning.layout_choice import plan_layout
+from omlx_coordinator.planning.measured_speeds import MeasuredSpeeds
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from proto import omlx_pb2 as pb
 
@@ -92,12 +93,7 @@ class Deployment:
         self.prefixes = PrefixIndex()  # block hashes of what it served: cache-aware routing
         self.unloaded = False  # stopped on purpose: never re-planned
         self.caps: dict[str, int] = {}  # bytes per node it may hold at most (shed by rebalancing)
-        # Set by the rebalancer (mode auto): the speeds (GB/s) it measured nodes at, and the
-        # measured / calibrated ratio that puts the others in the same units. A re-plan after
-        # a loss or a join then splits by what the nodes did, not by their calibration: a node
-        # lost for its slowness must not come back with its calibrated share.
-        self.measured_speeds: dict[str, float] = {}
-        self.speed_scale = 1.0
+        self.measured = MeasuredSpeeds()  # the rebalancer's record (mode auto), its plans' input
         self._recovery: asyncio.Task | None = None  # recover_soon's
         self.siblings: list[Deployment] = []  # the model's other replicas (disjoint nodes)
         self._ready_event = asyncio.Event()
@@ -134,7 +130,7 @@ class Deployment:
 
     def speed(self, member: Member) -> float:
         """The GB/s its plans count `member` at: as measured, else as calibrated."""
-        return self.measured_speeds.get(member.name) or member.speed * self.speed_scale
+        return self.measured.speed(member.name, member.speed)
 
     def make_plan(self, members: list[Member] | None = None) -> Plan:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
