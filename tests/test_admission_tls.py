@@ -358,7 +358,7 @@ def test_a_registration_never_displaces_a_live_member(node, model, caplog):
             async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
                 async def register(body: dict) -> httpx.Response:
                     r = await http.post("/cluster/register", json=body)
-                    await asyncio.gather(*app.state.register_tasks)
+                    await asyncio.gather(*app.state.registrar.admitting)
                     return r
 
                 unsigned = await register({"address": relay.address})

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_coordinator.nodes.backend import BackendError, choose_backend
+from omlx_coordinator.nodes.backend import BackendError, JacclFailures, choose_backend
 from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_node import thunderbolt
 from proto import omlx_pb2 as pb
@@ -251,6 +251,15 @@ def test_requested_backends():
         choose_backend("jaccl", [macs.ports["mac-a"], []], ["mac-a", "local1"])
     with pytest.raises(ValueError, match="unknown backend"):
         macs.choose("mpi", "mac-a", "mac-b")
+
+
+def test_a_jaccl_failure_holds_until_a_node_of_the_stage_is_admitted_again():
+    failures = JacclFailures()
+    failures.record([("mac-a", 1), ("mac-b", 1)], "no RDMA")
+    assert failures.reason([("mac-a", 1), ("mac-b", 1)]) == "no RDMA"
+    assert failures.reason([("mac-b", 1), ("mac-a", 1)]) is None  # another ring order
+    assert failures.reason([("mac-a", 1), ("mac-b", 2)]) is None  # mac-b joined again
+    assert failures.reason([("mac-a", 1), ("mac-b", 1)]) is None  # ... and the failure is gone
 
 
 # ---- a cluster on this machine ---------------------------------------------------------------

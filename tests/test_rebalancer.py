@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from omlx_coordinator.nodes.cluster import NODE_BACK_SECONDS
+from omlx_coordinator.planning.measured_speeds import MeasuredSpeeds
 from omlx_coordinator.planning.model_layout import ModelLayout
 from omlx_coordinator.planning.planner import NodeSpec, Plan, make_plan
 from omlx_coordinator.planning.rebalance_policy import (
@@ -101,6 +102,13 @@ def simulate(speed: Callable[[str, float], float], seconds: float, policy: Polic
 
 def layers(plan: Plan) -> dict[str, int]:
     return {s.node: s.num_layers for s in plan.stages}
+
+
+def test_a_plan_counts_a_node_as_measured_else_as_calibrated_in_the_same_units():
+    speeds = MeasuredSpeeds()
+    assert speeds.speed("a", 2.0) == 2.0  # nothing measured yet: the calibration
+    speeds.record({"a": 5.0}, scale=0.5)
+    assert speeds.speed("a", 2.0) == 5.0 and speeds.speed("b", 4.0) == 2.0
 
 
 def test_steady_imbalance_moves_once_and_stays():

@@ -176,10 +176,10 @@ def test_a_plan_that_no_longer_fits_its_nodes_is_made_again(models):
         manager = serving(models["alpha"], "alpha", ClusterOptions(nodes=2, secret=SECRET))
         await manager.start()
         try:
-            d, cluster = manager.main, manager.cluster
+            d = manager.main
             old = d.plan
             first = old.stages[0]
-            cluster.holders.append(_Holds({first.node: cluster.free_budget(first.node, d)
+            manager.holders.append(_Holds({first.node: d.room(first.node)
                                            - first.memory_bytes + 1}))
             await d.recover("test: another model loaded", always=True, plan=old)
             room = {s.node: d.room(s.node) for s in d.plan.stages}

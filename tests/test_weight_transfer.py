@@ -154,14 +154,14 @@ def test_pipeline_of_joined_nodes_matches_mlx_lm(small, tmp_path):
             cluster = manager.cluster
             try:
                 await cluster.add_remote(a, "mac-a")  # mac-a alone: it receives the whole model
-                whole = cluster.weight_counters.bytes_sent
+                whole = manager.weight_counters.bytes_sent
                 await cluster.add_remote(b, "mac-b")  # the split: mac-b receives only its range
                 assert manager.main.ready, manager.main.status
                 layers = manager.main.stages_on()
                 call = manager.main.node.generate(pb.GenerateRequest(
                     request_id="r", prompt_tokens=prompt, max_tokens=16), timeout=60)
                 tokens = [t async for chunk in call for t in chunk.tokens]
-                counters = cluster.weight_counters
+                counters = manager.weight_counters
                 return whole, counters.bytes_sent - whole, layers, tokens, counters
             finally:
                 await manager.stop()

@@ -1,5 +1,6 @@
-"""The HTTP gateway (FastAPI): the app, its API keys and error handlers, /health, /metrics and
-/cluster/*. The protocol routes live in api/ (OpenAI in api/openai.py)."""
+"""The HTTP gateway (FastAPI): the app, its API keys, overload refusals and error handlers, and
+the wiring of every route, which live in api/ (OpenAI in api/openai.py, /health in
+api/health.py, /cluster/* in api/cluster.py, /metrics in api/prometheus.py)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,30 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_coordinator.api import (
     anthropic,
     audio,
     embeddings,
+    health,
     models,
     ollama,
     ollama_embed,
     ollama_models,
     openai,
+    prometheus,
     responses,
 )
+from omlx_coordinator.api import cluster as cluster_routes
 from omlx_coordinator.api.anthropic_schema import TAG_PREFIX
 from omlx_coordinator.api.console import add_routes as add_console_routes
 from omlx_coordinator.errors import APIError
-from omlx_coordinator.frontdoor.access import account_of, identify, require_admin
+from omlx_coordinator.frontdoor.access import identify, require_admin
 from omlx_coordinator.frontdoor.usage import FILE_NAME as USAGE_FILE
-from omlx_coordinator.frontdoor.usage import Usage, parse_since
+from omlx_coordinator.frontdoor.usage import Usage
 from omlx_coordinator.http.docs import add_docs_routes
 from omlx_coordinator.http.request_body import BodyRefused, JSONBodyRequest
 from omlx_coordinator.models.admission import (
@@ -46,19 +49,16 @@ from omlx_coordinator.models.admission import (
     refuse_all_full,
 )
 from omlx_coordinator.models.lifecycle import ModelManager
+from omlx_coordinator.nodes.membership import Registrar
 from omlx_coordinator.request.generation import GatewaySettings
 from omlx_coordinator.request.internal_error import internal_error
 from omlx_coordinator.telemetry.metrics import (
     GatewayMetrics,
     ModelsCollector,
     UsageCollector,
-    exposition,
-    prometheus_targets,
 )
 from omlx_coordinator.telemetry.rebalancer import Rebalancer, RebalanceSettings
-from omlx_shared import auth
 from omlx_shared.model_store import data_home
-from omlx_shared.outsider_logs import Refusals, cut
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     usage = usage if usage is not None else Usage(data_home() / USAGE_FILE)
     cluster, main = manager.cluster, manager.main
     # Each model's series carry its name; the main model's also the cluster's own.
-    metrics = GatewayMetrics(cluster.weight_counters, main.model.name)
+    metrics = GatewayMetrics(manager.weight_counters, main.model.name)
     metrics.register(ModelsCollector(manager))
     metrics.register(UsageCollector(usage))
     metrics_of = {m.name: metrics if m is main.model else GatewayMetrics(model=m.name)
@@ -176,8 +176,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     app.add_middleware(ReleaseWhenDone)  # pure ASGI: a client's disconnect still reaches routes
     app.state.cluster, app.state.metrics, app.state.settings = cluster, metrics, settings
     app.state.manager, app.state.usage = manager, usage
-    app.state.register_tasks = set()
-    refusals = Refusals(log)  # anyone on the LAN may send registrations: a line a minute each
+    registrar = Registrar(cluster.options.secret, cluster.add_remote)
+    app.state.registrar = registrar
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
     # disconnects from the endpoint, and a client that goes away must cancel its generation.
@@ -301,143 +301,9 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return error(request, internal_error(log, "internal error", exc))
 
-    def serving() -> bool:
-        """Started, a node to serve on, a model that serves or has served (one unloaded since,
-        by its TTL or an operator, loads on demand), and every loaded model with a replica that
-        serves (one that recovers pauses its requests)."""
-        return (manager.started and bool(cluster.servable())
-                and (any(d.ready for d in manager.deployments())
-                     or any(m.loads for m in manager.models))
-                and all(any(d.ready for d in manager.replicas[m.name])
-                        for m in manager.models if m.state == "loaded"))
-
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-    async def root(request: Request) -> Response:
-        """What clients probe to see that the endpoint is up (Claude Code sends `HEAD /`;
-        Ollama's clients and scripts look for Ollama's words). Asked for JSON, where the APIs
-        are."""
-        if "application/json" in request.headers.get("accept", ""):
-            return JSONResponse({"name": "omlx-cluster", "api": "/v1", "ollama_api": "/api",
-                                 "health": "/health", "docs": "/docs"})
-        return PlainTextResponse("Ollama is running")
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        """Open to load balancers; the models, the nodes' addresses, pids and memory only
-        with a key."""
-        ok = serving()
-        body: dict = {"status": "ok" if ok else "not ready"}
-        if has_key(request) and account_of(request.scope).admin:
-            body = {"status": "ok" if ok else (main.status if cluster.ready
-                                               else cluster.status),
-                    "model": main.model.name,
-                    "models": [manager.describe(m) for m in manager.models],
-                    "nodes": [{**n, **main_worker(n)} for n in cluster.nodes]}
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.post("/cluster/register")
-    async def register(request: Request) -> JSONResponse:
-        """A node that cannot use Bonjour (`join --coordinator`) announces its address and id,
-        signed with the cluster secret (omlx_shared/auth.py `registration`): an unsigned,
-        forged or replayed one is refused, so nobody else can point the coordinator anywhere."""
-        try:
-            body = await request.json()
-            address = str(body["address"])
-            host, _, port = address.rpartition(":")
-            if not host or not 0 < int(port) < 65536:
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            raise APIError(400, "send {\"address\": \"HOST:PORT\", ...} of the node agent, "
-                                "signed as `omlx-cluster join --coordinator` does",
-                           param="address")
-        try:
-            address, node_id = cluster.registrations.verify(body)
-        except auth.RegistrationError as e:
-            source = request.client.host if request.client else "?"
-            refusals.warning(source, "registration", "refused a registration of %s from %s: %s",
-                             cut(address), source, cut(e))
-            raise APIError(401, f"registration refused: {e}", code="invalid_registration")
-        if any(n["id"] == node_id and n["address"] == address and n["alive"]
-               for n in cluster.nodes):
-            return JSONResponse({"status": "member"})
-        task = asyncio.create_task(cluster.add_remote(address, node_id))
-        app.state.register_tasks.add(task)
-        task.add_done_callback(app.state.register_tasks.discard)
-        return JSONResponse({"status": "admitting"}, status_code=202)
-
-    @app.get("/cluster/status", dependencies=admin)
-    async def status() -> dict:
-        """The main model's plan at the top (what one-model tools read), every model's
-        state, replicas, stages and footprints, and the nodes."""
-        plan = main.plan
-        return {"model": main.model.name, "ready": main.ready, "status": main.status,
-                "epoch": main.epoch, "capacity_error": main.capacity_error or None,
-                "plan": plan.to_dict() if plan else None,
-                "parallel": (plan.layout_name + (f" over {main.backend.backend}" if main.backend
-                                                 and len(plan.stages) > 1 else "")
-                             if plan else None),
-                "backend": ({"name": main.backend.backend, "reason": main.backend.reason}
-                            if main.backend else None),
-                "last_recovery": main.last_recovery,
-                "models": [manager.describe(m) for m in manager.models],
-                "unloads": manager.evictions,
-                "nodes": [{**n, **rebalancer.measured(n["id"]), **main_worker(n)}
-                          for n in cluster.nodes]}
-
-    def main_worker(node: dict) -> dict:
-        """The main model's stage on `node`: its layers, worker pid and metrics endpoint."""
-        w = next((w for w in node["workers"] if w["model"] == main.model.name), None)
-        return {"layers": main.stages_on().get(node["id"]),
-                "worker_pid": w["pid"] if w else None, "metrics": w["metrics"] if w else None}
-
-    @app.get("/cluster/rebalance", dependencies=admin)
-    async def rebalance_advice() -> dict:
-        """The measured speeds, the current and the best split, the predicted gain."""
-        return await rebalancer.rebalance_now(dry_run=True)
-
-    @app.post("/cluster/rebalance", dependencies=admin)
-    async def rebalance_now() -> dict:
-        """Moves to the best split for the measured speeds now (past the threshold, the window
-        and the cooldown); the answer says whether it moved."""
-        if rebalancer.settings.mode == "off":
-            raise APIError(409, "rebalancing is off (--rebalance off)")
-        return await rebalancer.rebalance_now(dry_run=False)
-
-    @app.get("/cluster/usage", dependencies=keyed)
-    async def usage_report(request: Request, since: str = "", key: str | None = None) -> dict:
-        """Usage per key and model, summed over whole UTC days from `since` (YYYY-MM-DD or an
-        ISO date-time; default: all kept). A user key sees its own; an admin everyone's, or
-        one key's with `key`."""
-        try:
-            day = parse_since(since) if since else ""
-        except ValueError:
-            raise APIError(400, f"since={since!r}: give a day (2026-12-01) or an ISO date-time "
-                                "(2026-12-01T09:00:00Z)", param="since") from None
-        account = account_of(request.scope)
-        if not account.admin:
-            if key not in (None, account.name):
-                raise APIError(403, f"the key {account.name!r} (role 'user') may read only its "
-                                    "own usage; an admin key reads others'",
-                               type="permission_error", code="admin_required")
-            key = account.name
-        totals = usage.totals(day, key)
-        return {"since": day or None, "keys": [
-            {"key": name, "models": [{"model": model, **vars(c)} for model, c in ms.items()]}
-            for name, ms in sorted(totals.items())]}
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             dependencies=admin if settings.protect_metrics else [])
-    async def prometheus() -> Response:
-        return Response(exposition(list(metrics_of.values())), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/cluster/prometheus-targets", dependencies=admin)
-    async def prometheus_sd() -> list[dict]:
-        """Prometheus's HTTP service discovery (`http_sd_configs`, deploy/prometheus): every
-        stage's metrics endpoint, so a Mac that joins is scraped without editing prometheus.yml.
-        Keyed like /cluster/status: it names every node's address."""
-        return prometheus_targets(cluster.nodes, [(d.model.name, d.plan)
-                                                  for d in manager.deployments() if d.plan])
-
+    health.add_routes(app, manager, settings, usage)
+    cluster_routes.add_routes(app, manager, rebalancer, registrar, usage, keyed, admin)
+    prometheus.add_routes(app, manager, metrics_of, settings, admin)
     openai.add_routes(app, manager, metrics_of, settings, keyed)
     anthropic.add_routes(app, manager, metrics_of, settings, keyed)
     responses.add_routes(app, manager, metrics_of, settings, keyed)

@@ -13,19 +13,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
 from omlx_coordinator.models.placement import plan_bytes
 from omlx_coordinator.models.routing import PrefixIndex
 from omlx_coordinator.models.served_model import ServedModel
-from omlx_coordinator.nodes.backend import BackendChoice, BackendError, choose_backend
+from omlx_coordinator.nodes.backend import (
+    BackendChoice,
+    BackendError,
+    JacclFailures,
+    choose_backend,
+)
 from omlx_coordinator.nodes.cluster import HEARTBEAT_SECONDS, Cluster, Member, NoCapacity
 from omlx_coordinator.nodes.node_client import WorkerClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
-from omlx_coordinator.nodes.weight_transfer import TransferProgress, WeightSource, ensure_weights
+from omlx_coordinator.nodes.weight_transfer import (
+    TransferProgress,
+    WeightCounters,
+    WeightSource,
+    ensure_weights,
+)
 from omlx_coordinator.planning.layout_choice import plan_layout
+from omlx_coordinator.planning.measured_speeds import MeasuredSpeeds
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from proto import omlx_pb2 as pb
 
@@ -44,12 +57,26 @@ class Folders:
     head_draft: str = ""  # a remote head's folder of the draft model ("": PATH as configured)
 
 
+class Holder(Protocol):
+    """What holds memory on nodes: a deployment of a model."""
+
+    def held_bytes(self) -> dict[str, int]: ...
+
+
 class Deployment:
     status = LoggedStatus(lambda d: d.name)
 
     def __init__(self, cluster: Cluster, model: ServedModel, replica: int = 0,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, *, holders: Sequence[Holder],
+                 plan_loads: asyncio.Lock, jaccl_failures: JacclFailures,
+                 weight_counters: WeightCounters):
+        """`holders` (every deployment of the cluster: what the others leave free on a node),
+        `plan_loads`, `jaccl_failures`, `weight_counters`: the model manager's, shared by
+        every deployment of the cluster."""
         self.cluster, self.model, self.replica = cluster, model, replica
+        self.holders = holders
+        self.plan_loads, self.jaccl_failures = plan_loads, jaccl_failures
+        self.weight_counters = weight_counters
         self.name = model.name if replica == 0 else f"{model.name}#{replica}"
         self.node: WorkerClient | None = None  # the head worker of the active plan
         self.plan: Plan | None = None
@@ -66,12 +93,7 @@ class Deployment:
         self.prefixes = PrefixIndex()  # block hashes of what it served: cache-aware routing
         self.unloaded = False  # stopped on purpose: never re-planned
         self.caps: dict[str, int] = {}  # bytes per node it may hold at most (shed by rebalancing)
-        # Set by the rebalancer (mode auto): the speeds (GB/s) it measured nodes at, and the
-        # measured / calibrated ratio that puts the others in the same units. A re-plan after
-        # a loss or a join then splits by what the nodes did, not by their calibration: a node
-        # lost for its slowness must not come back with its calibrated share.
-        self.measured_speeds: dict[str, float] = {}
-        self.speed_scale = 1.0
+        self.measured = MeasuredSpeeds()  # the rebalancer's record (mode auto), its plans' input
         self._recovery: asyncio.Task | None = None  # recover_soon's
         self.siblings: list[Deployment] = []  # the model's other replicas (disjoint nodes)
         self._ready_event = asyncio.Event()
@@ -100,13 +122,15 @@ class Deployment:
         return [m for m in self.cluster.servable() if m.name not in taken]
 
     def room(self, node: str) -> int:
-        """What its plans may hold on `node`: what the other deployments leave free there,
-        and no more than the rebalancer shed it to where the node ran short of memory."""
-        return min(self.cluster.free_budget(node, self), self.caps.get(node, 1 << 62))
+        """What its plans may hold on `node`: what the other deployments (the other models,
+        the other replicas) leave free of its budget there, and no more than the rebalancer
+        shed it to where the node ran short of memory."""
+        held = sum(h.held_bytes().get(node, 0) for h in self.holders if h is not self)
+        return min(max(0, self.cluster.budget(node) - held), self.caps.get(node, 1 << 62))
 
     def speed(self, member: Member) -> float:
         """The GB/s its plans count `member` at: as measured, else as calibrated."""
-        return self.measured_speeds.get(member.name) or member.speed * self.speed_scale
+        return self.measured.speed(member.name, member.speed)
 
     def make_plan(self, members: list[Member] | None = None) -> Plan:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
@@ -175,7 +199,7 @@ class Deployment:
         self.placed = plan  # what it holds from now on, for the other models' budgets
         folders = await self._transfer_weights(members, plan)
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
-        async with self.cluster.plan_loads:
+        async with self.plan_loads:
             try:
                 replies = await self._load_stages(plan, members, folders, choice, keep_serving)
             except grpc.aio.AioRpcError as e:
@@ -184,7 +208,7 @@ class Deployment:
                 error = _error_line(e.details() or str(e.code()))
                 log.warning("the jaccl group of plan %s did not form (%s): loading it over "
                             "ring", plan.plan_hash, error)
-                self.cluster.jaccl_failed[tuple(m.name for m in members)] = error
+                self.jaccl_failures.record([(m.name, m.admissions) for m in members], error)
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
                 replies = await self._load_stages(plan, members, folders, choice, keep_serving)
         if self.node is not None:
@@ -213,7 +237,7 @@ class Deployment:
 
     def _choose_backend(self, members: list[Member]) -> BackendChoice:
         """The data plane for `members` (in rank order); raises BackendError."""
-        failed = self.cluster.jaccl_failed.get(tuple(m.name for m in members))
+        failed = self.jaccl_failures.reason([(m.name, m.admissions) for m in members])
         if failed is not None and self.cluster.options.backend == "auto":
             return BackendChoice("ring", f"jaccl did not form on these nodes before: {failed}")
         return choose_backend(self.cluster.options.backend, [m.rdma_ports for m in members],
@@ -308,7 +332,7 @@ class Deployment:
         async def one(m: Member, source: WeightSource, start: int, end: int, label: str) -> str:
             try:
                 result = await ensure_weights(m.agent, source, start, end, show,
-                                              self.cluster.weight_counters, label=label)
+                                              self.weight_counters, label=label)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     m.weights_error = e.details()

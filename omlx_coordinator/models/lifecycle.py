@@ -22,9 +22,11 @@ from dataclasses import replace
 import grpc
 
 from omlx_coordinator.models import placement, routing
-from omlx_coordinator.models.deployment import Deployment
+from omlx_coordinator.models.deployment import Deployment, Holder
 from omlx_coordinator.models.served_model import LOADED, LOADING, UNLOADED, ServedModel
+from omlx_coordinator.nodes.backend import JacclFailures
 from omlx_coordinator.nodes.cluster import Cluster, Member, NoCapacity
+from omlx_coordinator.nodes.weight_transfer import WeightCounters
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
@@ -58,9 +60,17 @@ class ModelManager:
         self.models = models  # the first is the main model
         self.by_name = {n: m for m in models for n in m.names}
         self.block_size = block_size  # the nodes' prefix-cache block, for routing
+        # One plan loads at a time over the whole cluster: each load reads the nodes' data
+        # ports, which an agent moves only once its load is done, so two plans loading at once
+        # (two models recovering from one failure) would be given the same ports and join each
+        # other's groups.
+        self.plan_loads = asyncio.Lock()
+        self.jaccl_failures = JacclFailures()  # a stage's, whichever model it failed for
+        self.weight_counters = WeightCounters()  # every transfer's, for /metrics
+        self.holders: list[Holder] = []  # every deployment: what room() takes off a budget
         # Replica 0 of every model always exists (unloaded or not): requests wait on it.
         self.replicas: dict[str, list[Deployment]] = {
-            m.name: [Deployment(cluster, m)] for m in models}
+            m.name: [self.new_deployment(m)] for m in models}
         self.draining: set[str] = set()  # models a waiting load needs unloaded
         self.loading = asyncio.Lock()
         self.evictions: list[dict] = []  # the last few unloads, for /cluster/status
@@ -78,11 +88,19 @@ class ModelManager:
         """The main model's first replica: what the rebalancer balances."""
         return self.replicas[self.models[0].name][0]
 
+    def new_deployment(self, model: ServedModel, replica: int = 0) -> Deployment:
+        """Replica `replica` of `model`, not loaded, sharing what every deployment of the
+        cluster shares."""
+        return Deployment(self.cluster, model, replica, holders=self.holders,
+                          plan_loads=self.plan_loads,
+                          jaccl_failures=self.jaccl_failures,
+                          weight_counters=self.weight_counters)
+
     def deployments(self) -> list[Deployment]:
         return [d for ds in self.replicas.values() for d in ds]
 
     def _sync_holders(self) -> None:
-        self.cluster.holders = self.deployments()
+        self.holders[:] = self.deployments()  # in place: every deployment reads this list
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -217,7 +235,7 @@ class ModelManager:
             plans = await self._make_room(model, evict)
             await self._watermark(plans)
             while len(ds) < len(plans):
-                ds.append(Deployment(self.cluster, model, len(ds)))
+                ds.append(self.new_deployment(model, len(ds)))
             del ds[len(plans):]
             for d in ds:
                 d.siblings = [x for x in ds if x is not d]
@@ -457,7 +475,7 @@ class ModelManager:
         """Unloads the workers on `member` that no current plan placed there: a node lost and
         back still runs the plan it was lost from, which no request reaches any more, on
         memory the planner counts as free (and whose pipeline peers are gone)."""
-        async with self.cluster.plan_loads:  # no load in flight: every worker is a plan's
+        async with self.plan_loads:  # no load in flight: every worker is a plan's
             try:
                 health = await member.agent.health()
             except grpc.aio.AioRpcError:

@@ -100,3 +100,27 @@ def choose_backend(requested: str, ranks_ports: Sequence[Sequence[pb.RdmaPort]],
         return BackendChoice("ring", "; ".join(missing))
     how = "--backend jaccl" if requested == "jaccl" else "every ring link is a Thunderbolt cable"
     return BackendChoice("jaccl", f"{how}: {', '.join(links)}", devices)
+
+
+class JacclFailures:
+    """The stages whose automatic jaccl group failed to form, and why. Such a stage goes
+    straight to ring while each of its nodes is on the admission it failed under: a node
+    admitted again may come back with RDMA enabled, or recabled, and jaccl is tried again.
+    A stage is given as (node name, times admitted) per rank."""
+
+    def __init__(self) -> None:
+        # The stage's names in rank order -> (their admission counts then, why it failed).
+        self._failed: dict[tuple[str, ...], tuple[tuple[int, ...], str]] = {}
+
+    def record(self, stage: Sequence[tuple[str, int]], error: str) -> None:
+        names, admissions = zip(*stage)
+        self._failed[names] = (admissions, error)
+
+    def reason(self, stage: Sequence[tuple[str, int]]) -> str | None:
+        """Why jaccl did not form on `stage` before (None: it may be tried)."""
+        names, admissions = zip(*stage)
+        failed = self._failed.get(names)
+        if failed is None or failed[0] != admissions:
+            self._failed.pop(names, None)
+            return None
+        return failed[1]

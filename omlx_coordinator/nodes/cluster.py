@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 
@@ -25,7 +24,6 @@ from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownN
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
-from omlx_coordinator.nodes.weight_transfer import WeightCounters
 from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
@@ -105,6 +103,7 @@ class Member:
     # Why the node cannot take this model's weights (no disk space): plans leave it out until
     # it joins again.
     weights_error: str = ""
+    admissions: int = 0  # times it was admitted over the network, each a new session
 
     @property
     def disk_speed(self) -> float:
@@ -114,12 +113,6 @@ class Member:
 
 class NoCapacity(RuntimeError):
     """A model fits on none of the nodes left; the message says how much is missing."""
-
-
-class Holder(Protocol):
-    """What holds memory on nodes: a deployment of a model (omlx_coordinator/models/deployment.py)."""
-
-    def held_bytes(self) -> dict[str, int]: ...
 
 
 class Cluster:
@@ -137,26 +130,15 @@ class Cluster:
         self.members: list[Member] = []
         self.ready = False  # the local nodes started (a coordinator alone: at once)
         self.status = "starting"
-        self.holders: list[Holder] = []  # every deployment: what the others leave free
         self.on_lost: Callable[[set[str]], Awaitable[None]] | None = None
         self.on_joined: Callable[[Member], Awaitable[None]] | None = None
-        # One plan loads at a time over the whole cluster: each load reads the nodes' data
-        # ports, which an agent moves only once its load is done, so two plans loading at once
-        # (two models recovering from one failure) would be given the same ports and join each
-        # other's groups.
-        self.plan_loads = asyncio.Lock()
         # on_joined calls under way, replaced clients to close
         self._reactions: set[asyncio.Task] = set()
-        # Stages (member names in rank order) whose automatic jaccl group failed to form, and
-        # why: they go straight to ring until one of them joins again.
-        self.jaccl_failed: dict[tuple[str, ...], str] = {}
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
-        self.registrations = auth.Registrations(self.options.secret)  # /cluster/register
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
-        self.weight_counters = WeightCounters()
         # A coordinator (no local nodes) remembers its members; after a restart the first plan
         # waits for them (gathered).
         self.known = KnownNodes(data_home() / FILE_NAME) if self.options.nodes == 0 else None
@@ -174,13 +156,11 @@ class Cluster:
         return (max(0, machine_memory() - self.options.local_reserve_bytes)
                 // max(1, self.options.nodes))
 
-    def free_budget(self, name: str, excluding: Holder | None = None) -> int:
-        """What node `name`'s budget leaves for one more plan: the other holders' plans (the
-        other models, the other replicas) are taken off it."""
+    def budget(self, name: str) -> int:
+        """What the plans of every model together may hold on node `name` (one not started
+        yet: a local node's share of this machine)."""
         member = next((m for m in self.members if m.name == name), None)
-        budget = member.budget_bytes if member else self.local_budget()
-        held = sum(h.held_bytes().get(name, 0) for h in self.holders if h is not excluding)
-        return max(0, budget - held)
+        return member.budget_bytes if member else self.local_budget()
 
     @property
     def nodes(self) -> list[dict]:
@@ -314,9 +294,8 @@ class Cluster:
             member.alive, member.last_seen = True, time.monotonic()
         member.weights_error = ""
         member.rdma_ports = list(hello.rdma_ports)
-        # It may come back with RDMA enabled or recabled: let jaccl be tried again.
-        self.jaccl_failed = {k: v for k, v in self.jaccl_failed.items()
-                             if member.name not in k}
+        # It may come back with RDMA enabled or recabled: jaccl is tried again (JacclFailures).
+        member.admissions += 1
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes

@@ -1,4 +1,5 @@
-"""How remote nodes reach the coordinator: Bonjour announcements and explicit registration.
+"""How remote nodes reach the coordinator: Bonjour announcements (`DiscoveryBridge`) and explicit
+registration (`Registrar`, POST /cluster/register).
 
 Either way the coordinator only learns an address and the node id to expect there: the `admit`
 callback (`Cluster.add_remote`) admits the node only if the TLS server there holds a certificate
@@ -13,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from omlx_shared import auth
 from omlx_shared.outsider_logs import cut
 
 log = logging.getLogger(__name__)
@@ -54,3 +56,25 @@ class DiscoveryBridge:
             await asyncio.to_thread(self.browser.close)
         for t in list(self._tasks):
             t.cancel()
+
+
+class Registrar:
+    """Admits the nodes that register over HTTP (`join --coordinator`: Bonjour cannot reach
+    them). Each registration is signed with the cluster secret (omlx_shared/auth.py
+    `registration`) and its nonce accepted once, so nobody else can point the coordinator
+    anywhere."""
+
+    def __init__(self, secret: str | None, admit: Callable[[str, str], Awaitable[object]]):
+        self.admit = admit
+        self.signed = auth.Registrations(secret)
+        self.admitting: set[asyncio.Task] = set()  # admissions under way (kept from the GC)
+
+    def verify(self, body: dict) -> tuple[str, str]:
+        """(address, node id) of a valid registration; raises auth.RegistrationError."""
+        return self.signed.verify(body)
+
+    def admit_soon(self, address: str, node_id: str) -> None:
+        """Admits the node in a task of its own: the registration is answered at once."""
+        task = asyncio.create_task(self.admit(address, node_id))
+        self.admitting.add(task)
+        task.add_done_callback(self.admitting.discard)

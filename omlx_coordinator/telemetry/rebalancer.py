@@ -5,7 +5,7 @@ stage's counters (`Reading`), the active plan, the model's layout and each node'
 in; whether to move, to which plan, and why (with its numbers) out. `Rebalancer` here is the I/O
 around it: it reads the counters, either by
 scraping each stage's /metrics (the addresses `Cluster.nodes` lists) or from a Prometheus
-server's query API, calls `decide`, and applies a move through `Cluster.apply_plan`, the re-plan
+server's query API, calls `decide`, and applies a move through `Deployment.apply_plan`, the re-plan
 path a node loss takes (weights of new ranges sent first, in-flight requests resumed, prefix
 blocks of kept layers reused).
 
@@ -23,8 +23,9 @@ read time included, so a streaming stage is not mistaken for a slow one, nor giv
 cap cannot hold. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
 the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
-model's re-plans after a loss or a join split by these speeds too (`Deployment.speed`): a node
-lost for its slowness, or restarted, comes back with the share it was measured for.
+model's re-plans after a loss or a join split by these speeds too (recorded in the model's
+`MeasuredSpeeds`, omlx_coordinator/planning/measured_speeds.py): a node lost for its slowness, or
+restarted, comes back with the share it was measured for.
 
 When to move (every rule is hysteresis against oscillation):
 - imbalance: the best split's bottleneck beats the measured one by more than `threshold`, in
@@ -120,6 +121,7 @@ class Rebalancer:
                  settings: RebalanceSettings):
         self.cluster, self.metrics, self.settings = manager.cluster, metrics, settings
         self.deployment = manager.main
+        self.speeds = self.deployment.measured  # what its re-plans split by, in mode auto
         self.policy = policy = settings.policy
         self.prometheus_url = (settings.prometheus_url.rstrip("/") if settings.prometheus_url
                                else None)
@@ -181,8 +183,7 @@ class Rebalancer:
                           policy=self.policy)
         self.remembered.update({n: decision.speeds[n] for n in decision.measured})
         if decision.measured and self.settings.mode == "auto":
-            self.deployment.measured_speeds = dict(self.remembered)
-            self.deployment.speed_scale = decision.scale
+            self.speeds.record(self.remembered, decision.scale)
         if self.last is None or (decision.move, decision.why.split(":")[0]) != (
                 self.last.move, self.last.why.split(":")[0]):
             log.info("rebalance %s: %s", "move" if decision.move else "hold", decision.why)

@@ -91,7 +91,7 @@ def add_replica(manager: ModelManager) -> Deployment:
     """Another replica of the manager's model (not serving yet)."""
     model = manager.models[0]
     ds = manager.replicas[model.name]
-    ds.append(Deployment(manager.cluster, model, replica=len(ds)))
+    ds.append(manager.new_deployment(model, replica=len(ds)))
     return ds[-1]
 
 
