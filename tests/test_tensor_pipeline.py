@@ -1,0 +1,57 @@
+"""Tensor x pipeline (omlx_node/sub_group.py): two stages of two tensor-parallel ranks each, as
+four worker processes over mx.distributed's ring on loopback, against mlx-lm's own greedy
+generation on a tiny random fp32 llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+
+from proto import omlx_pb2 as pb
+from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
+from tests.helpers.session import generate_chunks
+from tests.test_tensor_parallel import TOKENS, assert_matches, reference, shard_bytes
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("txp") / "llama", "llama", num_layers=4)
+
+
+def test_two_stages_of_two_ranks_match_mlx_lm(model):
+    """One stream alone, then every prompt at once twice over (continuous batching, chunked
+    prefill past the 8-token chunk, two micro-batches), logprobs, and a prompt seen before
+    (every rank's prefix cache holds its own heads of its own layers)."""
+    _, tok = load(str(model))
+    refs = reference(model, PROMPTS)
+    with pipeline(model, [2, 2], ranks=2, extra=("--hot-cache-max-size", "64MB")) as (stub,
+                                                                                      workers):
+        whole = (model / "model.safetensors").stat().st_size
+        for w in workers:  # a quarter of the layers and the embedding or the head, no more
+            held = shard_bytes(w.wait_ready(1)["metrics_port"])
+            assert held < whole * 0.6, (held, whole)
+        alone, reason = generate(stub, tok.encode(PROMPTS[0]), TOKENS)
+        assert reason == "length"
+        assert_matches(alone, refs[PROMPTS[0]], PROMPTS[0])
+        outs = run_concurrently(lambda p: generate(stub, tok.encode(p), TOKENS), PROMPTS * 2)
+        for p, (tokens, _) in zip(PROMPTS * 2, outs):
+            assert_matches(tokens, refs[p], p)
+        chunks = generate_chunks(stub, pb.GenerateRequest(
+            request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
+            logprobs=True, top_logprobs=2, ignore_eos=True))
+        got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
+        assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
+        for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
+            if t != ref_t:
+                break
+            assert abs(logprob - ref_logprob) < 1e-4, (t, logprob, ref_logprob)
+        again, _ = generate(stub, tok.encode(PROMPTS[4]), TOKENS)
+        assert_matches(again, refs[PROMPTS[4]], PROMPTS[4])
+        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
