@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from mlx_lm import load
 
 from proto import omlx_pb2 as pb
+from tests.conftest import start_server
 from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
 from tests.helpers.session import generate_chunks
+from tests.test_failover import run_and_kill
 from tests.test_tensor_parallel import TOKENS, assert_matches, reference, shard_bytes
 from tests.tiny_models import build_model
 
@@ -55,3 +58,23 @@ def test_two_stages_of_two_ranks_match_mlx_lm(model):
         for w in workers:  # a clean stop: rank 0's STOP ends every other rank
             w.stop()
             assert w.proc.returncode == 0, w.log_tail()
+
+
+def test_gateway_serves_two_stages_of_two_ranks_and_survives_a_killed_rank(tmp_path):
+    """`serve --nodes 4 --parallel tensor-pipeline`: the planner cuts the four nodes into two
+    tensor stages of two (equal local nodes: halving a stage's reads pays, a rank alone does
+    not), status says so; then eight streams run, a rank of the second stage is SIGKILLed
+    mid-stream, and every stream ends as it did undisturbed."""
+    model = build_model(tmp_path / "tiny-fo", "llama", num_layers=4, hidden_size=256, seed=5)
+    with start_server(model, "--nodes", "4", "--parallel", "tensor-pipeline",
+                      home=tmp_path / "h", keepalive=None) as server:
+        status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        assert status["parallel"] == "tensor x2 > tensor x2 over ring"
+        ranges = [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]]
+        assert ranges[0] == ranges[1] and ranges[2] == ranges[3]
+        assert ranges[0][0] == 0 and ranges[1][1] == ranges[2][0] and ranges[3][1] == 4
+        refs, outs, after = run_and_kill(server, lambda h: h["nodes"][2]["worker_pid"],
+                                         max_tokens=64)
+        assert outs == refs
+        assert after["epoch"] == 2 and after["parallel"] == "tensor x2 > tensor x2 over ring"
+        assert all(n["healthy"] for n in after["nodes"])
