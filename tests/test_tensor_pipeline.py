@@ -60,11 +60,14 @@ def test_two_stages_of_two_ranks_match_mlx_lm(model):
             assert w.proc.returncode == 0, w.log_tail()
 
 
-def test_gateway_serves_two_stages_of_two_ranks_and_survives_a_killed_rank(tmp_path):
+@pytest.mark.parametrize("victim", ["worker", "agent"])
+def test_gateway_serves_two_stages_of_two_ranks_and_survives_a_killed_rank(tmp_path, victim):
     """`serve --nodes 4 --parallel tensor-pipeline`: the planner cuts the four nodes into two
     tensor stages of two (equal local nodes: halving a stage's reads pays, a rank alone does
-    not), status says so; then eight streams run, a rank of the second stage is SIGKILLed
-    mid-stream, and every stream ends as it did undisturbed."""
+    not), status says so; then eight streams run, and mid-stream a rank of the second stage is
+    SIGKILLed (its worker: the same nodes are planned again; or its whole node: the three
+    survivors are, a stage of two and one alone), and every stream ends as it did
+    undisturbed."""
     model = build_model(tmp_path / "tiny-fo", "llama", num_layers=4, hidden_size=256, seed=5)
     with start_server(model, "--nodes", "4", "--parallel", "tensor-pipeline",
                       home=tmp_path / "h", keepalive=None) as server:
@@ -73,8 +76,14 @@ def test_gateway_serves_two_stages_of_two_ranks_and_survives_a_killed_rank(tmp_p
         ranges = [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]]
         assert ranges[0] == ranges[1] and ranges[2] == ranges[3]
         assert ranges[0][0] == 0 and ranges[1][1] == ranges[2][0] and ranges[3][1] == 4
-        refs, outs, after = run_and_kill(server, lambda h: h["nodes"][2]["worker_pid"],
+        refs, outs, after = run_and_kill(server, lambda h: h["nodes"][3][f"{victim}_pid"],
                                          max_tokens=64)
         assert outs == refs
-        assert after["epoch"] == 2 and after["parallel"] == "tensor x2 > tensor x2 over ring"
-        assert all(n["healthy"] for n in after["nodes"])
+        assert after["epoch"] == 2
+        if victim == "worker":
+            assert after["parallel"] == "tensor x2 > tensor x2 over ring"
+            assert all(n["healthy"] for n in after["nodes"])
+        else:
+            assert after["parallel"] in ("tensor x2 > 1 node over ring",
+                                         "1 node > tensor x2 over ring")
+            assert [n["id"] for n in after["nodes"] if not n["alive"]] == ["local3"]
