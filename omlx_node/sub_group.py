@@ -1,11 +1,11 @@
 """A tensor-parallel stage inside a pipeline: a run of neighbouring ranks of the plan's one
 mx.distributed group, with its own collectives.
 
-A tensor x pipeline plan (docs/tensor-parallel.md) needs two groups in each process: its
+A tensor x pipeline plan (docs/cluster.md, "Tensor x pipeline") needs two groups in each process: its
 stage's ranks, which all-reduce twice a layer, and the whole pipeline, whose stages pass steps
 along. MLX cannot give one process two groups: `Group.split` raises "[ring] Group split not
-supported" on the ring backend (mlx 0.32.4, checked), a second `init()` returns the same group,
-and jaccl's split is unsupported as well. So the plan keeps one group over every rank, in ring
+supported" on the ring backend (mlx 0.32.4, checked over 4 processes), and a second `init()`
+returns the same group. So the plan keeps one group over every rank, in ring
 order, each stage a contiguous run of it (its ranks are ring neighbours), and a `SubGroup`
 is such a run: its collectives are sends and receives between neighbours over that same group,
 MLX's data plane, no transport of our own:
@@ -17,11 +17,11 @@ MLX's data plane, no transport of our own:
 
 The models' sharded layers (mlx-lm's `shard()` layers call `mx.distributed.all_sum(x,
 group=...)`, as do several families' MoE blocks, and `all_gather` in others) are built with a
-SubGroup as their group: `install` has those two functions route a SubGroup here and every
-real group to MLX as before. A part is sent as soon as it is built (its graph is scheduled
-then), before the graph that receives the peer's is: a receive has no inputs, so only the
-order in which they are scheduled keeps every rank's messages in the order its peers read them,
-so each collective is scheduled as soon as it is built (`reduce`).
+SubGroup as their group: `install` has `all_sum`, `all_min` and `all_gather` route a SubGroup
+here and every real group to MLX as before. Messages between two ranks are read in the order
+they were sent, and a receive has no inputs: only the order in which receives are scheduled
+keeps them in step with the peer's sends. So each collective is scheduled as soon as it is
+built (`reduce`), its own part sent first.
 """
 
 from __future__ import annotations
