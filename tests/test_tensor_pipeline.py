@@ -53,8 +53,10 @@ def test_two_stages_of_two_ranks_match_mlx_lm(model):
             if t != ref_t:
                 break
             assert abs(logprob - ref_logprob) < 1e-4, (t, logprob, ref_logprob)
-        again, _ = generate(stub, tok.encode(PROMPTS[4]), TOKENS)
-        assert_matches(again, refs[PROMPTS[4]], PROMPTS[4])
+        chunks = generate_chunks(stub, pb.GenerateRequest(
+            request_id="again", prompt_tokens=tok.encode(PROMPTS[4]), max_tokens=TOKENS))
+        assert max(c.cached_tokens for c in chunks) > 0  # restored on every rank
+        assert_matches([t for c in chunks for t in c.tokens], refs[PROMPTS[4]], PROMPTS[4])
         for w in workers:  # a clean stop: rank 0's STOP ends every other rank
             w.stop()
             assert w.proc.returncode == 0, w.log_tail()
