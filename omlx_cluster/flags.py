@@ -204,9 +204,11 @@ PARALLEL_HELP = ("how a model is laid out over several nodes. pipeline: each nod
                  "layers (a second Mac makes the model bigger, not faster); tensor: every node "
                  "holds a slice of every layer, all-reducing twice a layer (faster at batch 1 "
                  "over a fast link; refused for a family without mlx-lm's shard() or heads "
-                 "that do not divide); auto: the one predicted fastest at batch 1 from the "
-                 "nodes' speeds and links, one node included (`plan --parallel auto` shows "
-                 "each prediction)")
+                 "that do not divide); tensor-pipeline: runs of neighbouring nodes (in "
+                 "order), each a tensor-parallel stage, chained as a pipeline (Thunderbolt "
+                 "islands over Ethernet; 3 nodes or more); auto: the one predicted fastest at "
+                 "batch 1 from the nodes' speeds and links, one node included (`plan "
+                 "--parallel auto` shows each prediction)")
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:

@@ -412,6 +412,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             streamed_layers=request.streamed_layers, rank=request.rank,
             peers=tuple(request.peers) if world > 1 else (),
             backend=request.backend or "ring", tensor=world > 1 and request.tensor,
+            stage_ranks=tuple(request.stage_ranks) if world > 1 else (),
             rdma_devices=request.rdma_devices_json if world > 1 else "",
             plan_hash=request.plan_hash, micro_batches=request.micro_batches, host=self.host,
             node_id=self.node_id, metrics_port=self._free_metrics_port(),

@@ -115,16 +115,20 @@ class PipelineHead(Engine):
                  doorbell: wire.Doorbell, micro_batches: int, prefill_chunk: int = 512,
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  row_costs: dict[int, float] | None = None, grammars: Grammars | None = None,
-                 speculative: str = "off", speculative_rows: int | None = None):
+                 speculative: str = "off", speculative_rows: int | None = None,
+                 relay: bool = False):
         """`doorbell`: rank 1's, rung when a step follows an IDLE one. Up to `micro_batches` in
         flight; with `row_costs` (the measured cost of a step by rows) only as many as pay off
         for the rows in flight, else always all of them. `grammars` checks constrained requests
         at submit; the tail applies them. `speculative`, `speculative_rows`: as the
         single-node engine's; the drafts are made here (a draft model's too) and verified on
-        the tail."""
+        the tail. `relay`: rank 1 is a rank of this tensor-parallel stage
+        (omlx_node/sub_group.py): it gets each step's input token ids, not this rank's output,
+        and computes beside it."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
                          stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
         self.group, self.plan, self.doorbell = group, plan, doorbell
+        self.relay = relay
         self.tail = group.size() - 1
         self.mbs = [MicroBatch(i) for i in range(max(1, micro_batches))]
         self.row_costs = row_costs
@@ -209,8 +213,9 @@ class PipelineHead(Engine):
         self._feed_proposers(plan)
         for seq, start, n in plan:
             if n > 0:
-                h = self.state.prefill(seq.sid, mx.array([seq.to_prefill[start:start + n]]))
-                self._send(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n), h)
+                self._compute(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n),
+                              mx.array([seq.to_prefill[start:start + n]]),
+                              lambda x, s=seq: self.state.prefill(s.sid, x))
             seq.prefilled += n
             if seq.prefilled == len(seq.to_prefill):
                 # Not always the first one waiting: a chunk cut short at a block boundary
@@ -220,6 +225,15 @@ class PipelineHead(Engine):
                 self._give_proposer(seq)
                 min(self.mbs[:self._worth()],
                     key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
+
+    def _compute(self, step: wire.Step, x: mx.array, run) -> None:
+        """Sends `step` with this rank's output of `run(x)`; with `relay`, with its input `x`
+        first (the ranks of the stage compute it together: `run` waits on their parts)."""
+        if not self.relay:
+            self._send(step, run(x))
+            return
+        self._send(step, x)
+        mx.async_eval(run(x))
 
     def _worth(self) -> int:
         """Micro-batches worth using for the sequences running and waiting now."""
@@ -269,8 +283,10 @@ class PipelineHead(Engine):
                          cuts=cuts or [], drafts=m.drafts, answers=answers,
                          admits=[wire.Admit(s.sid, s.req.sampling, s.req.penalty_context,
                                             s.req.grammar, s.req.resumed) for s in admits])
-        hidden = self.state.forward(m.mb, x) if m.seqs else None
-        self._send(step, hidden)
+        if m.seqs:
+            self._compute(step, x, lambda x: self.state.forward(m.mb, x))
+        else:
+            self._send(step, None)
         m.in_flight = bool(m.seqs)
         if m.in_flight:
             self._replies.append(m)
@@ -378,10 +394,12 @@ class StageLoop:
 
     def __init__(self, stage: StageRunner, group, plan: int, prefix_cache: PrefixCache | None,
                  grammars: Grammars, metrics: NodeMetrics,
-                 doorbells: tuple[wire.Doorbell, wire.Doorbell | None]):
+                 doorbells: tuple[wire.Doorbell, wire.Doorbell | None], relay: bool = False):
         """`grammars`: the tail compiles every constrained sequence's grammar with it.
         `doorbells`: the one the previous stage rings after an IDLE step, and the next stage's
-        (None on the tail)."""
+        (None on the tail). `relay`: the next rank is one of this rank's tensor-parallel stage
+        (omlx_node/sub_group.py): it gets each step with this rank's input, and computes
+        beside it; a rank of a tensor stage gets token ids where its stage is the first."""
         # Its prompts' stores wait for their first decode step here (flush_admitted), as the
         # head's wait for their first token: a later prefill chunk is not slowed by them.
         self.state = StageState(stage, metrics.profile, prefix_cache, defer_stores=True)
@@ -391,8 +409,9 @@ class StageLoop:
         self.upstream, self.downstream = doorbells
         self.rank, size = group.rank(), group.size()
         self.is_tail = self.rank == size - 1
-        self.hidden_size = stage.hidden_size
-        self.dtype = hidden_dtype(stage)
+        self.relay = relay
+        self.hidden_size = 0 if stage.info.is_first else stage.hidden_size
+        self.dtype = mx.int32 if stage.info.is_first else hidden_dtype(stage)
         self.samplers: dict[int, RowSampler] = {}
         self.constrained: set[int] = set()  # sequences admitted with a grammar: they get verdicts
         self.unstarted: dict[int, str] = {}  # sequences whose sampler could not be made, and why
@@ -401,8 +420,18 @@ class StageLoop:
         while True:
             step, hidden = wire.recv_rung(self.plan, self.rank - 1, self.group,
                                           self.hidden_size, self.dtype, self.upstream)
+            if self.relay and hidden is not None:
+                # Before this rank's part of the step, whose collectives its peer then joins.
+                wire.send_rung(step, hidden, self.plan, self.rank + 1, self.group,
+                               self.downstream)
             out = self.apply(step, hidden)
-            if self.is_tail:
+            if self.relay:
+                if hidden is None:  # after it: a LOOKUP's prefix is lowered to this rank's
+                    wire.send_rung(step, None, self.plan, self.rank + 1, self.group,
+                                   self.downstream)
+                elif out is not None:
+                    mx.async_eval(out)
+            elif self.is_tail:
                 if out is not None:
                     wire.send_tokens(out, 0, self.group)
             else:

@@ -127,8 +127,9 @@ class StageRunner:
                  streamed: int = 0, tensor_group=None):
         """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
         least one layer of the range stays resident. `tensor_group`: the mx.distributed group
-        of a tensor-parallel stage, whose ranks each hold a slice of every layer
-        (omlx_node/tensor_shard.py); None: whole layers."""
+        of a tensor-parallel stage, whose ranks each hold a slice of every layer of the range
+        (omlx_node/tensor_shard.py), or a SubGroup of it where the stage is one of a pipeline's
+        (omlx_node/sub_group.py); None: whole layers."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -148,9 +149,6 @@ class StageRunner:
                 f"{end}): at least one layer of a stage stays in memory, and none is negative")
         ranks = 1 if tensor_group is None else tensor_group.size()
         if ranks > 1:
-            if not (is_first and is_last):
-                raise StageError(f"a tensor-parallel stage holds every layer of the model, not "
-                                 f"[{layer_start}, {end}) of {num_layers}")
             if why := tensor_refusal(config, ranks):
                 raise StageError(f"{path}: {why}")
         if ranks > 1 and streamed:

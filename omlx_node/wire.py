@@ -308,14 +308,17 @@ def flush() -> None:
 
 def recv_step(plan: int, src: int, group, hidden_size: int, dtype: mx.Dtype
               ) -> tuple[Step, mx.array | None]:
-    """Receives one step; the hidden states come back lazily (evaluated with the compute)."""
+    """Receives one step; the hidden states come back lazily (evaluated with the compute).
+    `hidden_size` 0: token ids (rows, tokens) instead, which the first rank of a tensor stage
+    that embeds passes on to the others (omlx_node/sub_group.py)."""
     header = _recv((HEADER_INTS,), mx.int32, src, group).tolist()
     step, payload_len = decode_header(header, plan, f"rank {src}")
     if payload_len:
         step.load(_recv((payload_len,), mx.int32, src, group).tolist())
     hidden = None
     if step.op in (PREFILL, DECODE) and step.rows > 0:
-        hidden = _recv((step.rows, step.tokens, hidden_size), dtype, src, group)
+        shape = (step.rows, step.tokens, hidden_size)
+        hidden = _recv(shape if hidden_size else shape[:2], dtype, src, group)
     return step, hidden
 
 

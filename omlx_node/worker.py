@@ -234,6 +234,21 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
                           else engine.device_cache_bytes), layout=layout)
 
 
+def tensor_stage_group(config: WorkerConfig, group):
+    """The group this rank's tensor-parallel stage computes over: the plan's whole group for
+    one tensor stage, this rank's run of it in a pipeline of tensor stages
+    (omlx_node/sub_group.py); None for a rank that holds whole layers."""
+    if config.tensor:
+        return group
+    first, size = config.tensor_stage()
+    if size == 1:
+        return None
+    from omlx_node import sub_group
+
+    sub_group.install()
+    return sub_group.SubGroup(group, first, size)
+
+
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     """The worker process's life; returns its exit code (a rank of a pipeline exits itself)."""
     if config.kind not in ("", "chat"):
@@ -249,17 +264,18 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     if config.world_size > 1:
         group = join_group(config)
         doorbells = link_doorbells(group, config.peers, config.init_timeout)
+    tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,
-        streamed=config.streamed_layers, tensor_group=group if config.tensor else None),
-        elsewhere=not config.tensor)
+        streamed=config.streamed_layers, tensor_group=tensor_group),
+        elsewhere=tensor_group is None)
     metrics = NodeMetrics()
-    prefix_cache = make_prefix_cache(config, stage, metrics, group if config.tensor else None)
+    prefix_cache = make_prefix_cache(config, stage, metrics, tensor_group)
     try:
         code = _serve(config, ready_file, group, doorbells, stage, metrics, prefix_cache,
-                      grammars)
+                      grammars, tensor_group)
     finally:
         if prefix_cache is not None:
             prefix_cache.close()
@@ -277,8 +293,10 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
 
 def _serve(config: WorkerConfig, ready_file: Path | None, group,
            doorbells: tuple[Doorbell | None, Doorbell | None], stage: StageRunner,
-           metrics: NodeMetrics, prefix_cache: PrefixCache | None, grammars: Grammars) -> int:
-    """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells)."""
+           metrics: NodeMetrics, prefix_cache: PrefixCache | None, grammars: Grammars,
+           tensor_group=None) -> int:
+    """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells);
+    `tensor_group`: `tensor_stage_group`'s."""
     from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
     from omlx_node.speculation import collective_position_costs
@@ -295,7 +313,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
     log.info("rank %d: warmed up in %.2fs", config.rank,
-             at_low_priority(lambda: warm_up(stage), elsewhere=not config.tensor))
+             at_low_priority(lambda: warm_up(stage), elsewhere=tensor_group is None))
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,
              "num_layers": info.num_layers, "port": 0}
@@ -323,7 +341,9 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         if config.tensor:
             TensorFollower(stage, group, plan, prefix_cache, metrics, doorbells).run()
         else:
-            StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells).run()
+            first, size = config.tensor_stage()
+            StageLoop(stage, group, plan, prefix_cache, grammars, metrics, doorbells,
+                      relay=config.rank + 1 < first + size).run()
         return 0
 
     settings = config.engine
@@ -335,16 +355,27 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     elif group is None:
         engine = Batcher(stage, metrics, settings.prefill_chunk, settings.max_batch,
                          prefix_cache, grammars, settings.speculative, settings.speculative_rows)
+    elif tensor_group is not None:
+        # Rank 0 of a pipeline of tensor stages: its own layers' cost curves would need its
+        # stage's other ranks, which wait for steps; so every micro-batch is used, and drafts
+        # are not verified (docs/tensor-parallel.md).
+        if settings.speculative != "off":
+            log.info("speculative decoding is off in a pipeline of tensor-parallel stages")
+        engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
+                              config.micro_batches or len(config.stage_ranks),
+                              settings.prefill_chunk, settings.max_batch, prefix_cache, None,
+                              grammars, relay=True)
     else:
         costs = None
+        stages = len(config.stage_ranks) or config.world_size
         if not config.micro_batches:
             costs = row_costs(stage.feed_forward(), stage.hidden_size, info.dtype)
             log.info("decode step cost by rows (one layer's MLP, us): %s; micro-batches pay "
                      "off from %s rows", {r: round(c * 1e6) for r, c in costs.items()},
                      next((r for r in (2 ** i for i in range(1, 12))
-                           if micro_batches_worth(costs, r, config.world_size) > 1), "no"))
+                           if micro_batches_worth(costs, r, stages) > 1), "no"))
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
-                              config.micro_batches or config.world_size, settings.prefill_chunk,
+                              config.micro_batches or stages, settings.prefill_chunk,
                               settings.max_batch, prefix_cache, costs, grammars,
                               settings.speculative, settings.speculative_rows)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 16),

@@ -29,6 +29,9 @@ class WorkerConfig:
     rdma_devices: str = ""
     plan_hash: str = ""
     tensor: bool = False  # the ranks form one tensor-parallel stage (omlx_node.tensor)
+    # A pipeline of tensor-parallel stages: each stage's rank count, in rank order (its ranks
+    # hold the same layer range: omlx_node/sub_group.py). Empty: as `tensor` says.
+    stage_ranks: tuple[int, ...] = ()
     micro_batches: int = 0
     host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: any free port
@@ -40,6 +43,16 @@ class WorkerConfig:
     @property
     def world_size(self) -> int:
         return max(1, len(self.peers))
+
+    def tensor_stage(self) -> tuple[int, int]:
+        """The ranks [first, first + size) of this rank's stage in a pipeline of tensor
+        stages; (rank, 1) in any other plan."""
+        first = 0
+        for size in self.stage_ranks:
+            if first <= self.rank < first + size:
+                return first, size
+            first += size
+        return self.rank, 1
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving", "stage_ranks")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class LoadShardRequest(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     KEEP_SERVING_FIELD_NUMBER: _ClassVar[int]
+    STAGE_RANKS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -94,7 +95,8 @@ class LoadShardRequest(_message.Message):
     kind: str
     tensor: bool
     keep_serving: bool
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ...) -> None: ...
+    stage_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ..., stage_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")

@@ -30,19 +30,20 @@ def model(tmp_path_factory) -> Path:
                        hidden_size=256, seed=5)
 
 
-def body(i: int, stream: bool) -> dict:
+def body(i: int, stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
     # logprobs 0: each event lists its tokens, which `progress` counts. An event carries every
     # token made since the last one (a node's stream interval, a client that reads behind), so
     # counting events says little of how far the node is: this model's streams end in a
     # dozen events.
     return {"model": "tiny-fo", "prompt": [5 + i, 6, 7 + i, 8, 9, 10 + 2 * i],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
             "logprobs": 0}
 
 
-def stream_text(url: str, i: int, progress: list[int]) -> str:
+def stream_text(url: str, i: int, progress: list[int], max_tokens: int = MAX_TOKENS) -> str:
     text = ""
-    with httpx.stream("POST", url + "/v1/completions", json=body(i, True), timeout=120) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body(i, True, max_tokens),
+                      timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 d = json.loads(line[6:])
@@ -53,14 +54,15 @@ def stream_text(url: str, i: int, progress: list[int]) -> str:
     return text
 
 
-def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
-    """References first (undisturbed), then STREAMS concurrent streams; kills `pid_of(health)`
-    once every stream has its first tokens. Returns (references, outputs, /cluster/status
-    after)."""
+def run_and_kill(server, pid_of, max_tokens: int = MAX_TOKENS
+                 ) -> tuple[list[str], list[str], dict]:
+    """References first (undisturbed), then STREAMS concurrent streams of `max_tokens`; kills
+    `pid_of(health)` once every stream has its first tokens. Returns (references, outputs,
+    /cluster/status after)."""
     refs: list = [None] * STREAMS
 
     def ref(i: int) -> None:
-        refs[i] = httpx.post(server.url + "/v1/completions", json=body(i, False),
+        refs[i] = httpx.post(server.url + "/v1/completions", json=body(i, False, max_tokens),
                              timeout=120).json()["choices"][0]["text"]
 
     workers = [threading.Thread(target=ref, args=(i,)) for i in range(STREAMS)]
@@ -73,7 +75,7 @@ def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
     outs: list = [None] * STREAMS
 
     def one(i: int) -> None:
-        outs[i] = stream_text(server.url, i, progress)
+        outs[i] = stream_text(server.url, i, progress, max_tokens)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
     for t in threads:
@@ -84,8 +86,8 @@ def run_and_kill(server, pid_of) -> tuple[list[str], list[str], dict]:
     assert min(progress) >= 10, "streams did not start"
     os.kill(victim, signal.SIGKILL)
     at_kill = list(progress)
-    assert max(at_kill) < MAX_TOKENS * 3 // 4, f"the streams were nearly done before the kill: " \
-        f"{at_kill} of {MAX_TOKENS} tokens"
+    assert max(at_kill) < max_tokens * 3 // 4, f"the streams were nearly done before the kill: " \
+        f"{at_kill} of {max_tokens} tokens"
     for t in threads:
         t.join(120)
     status = httpx.get(server.url + "/cluster/status", timeout=5).json()

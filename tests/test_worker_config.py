@@ -27,6 +27,18 @@ def test_a_job_comes_back_as_it_was_sent() -> None:
     assert isinstance(back.config.engine.stream_interval, float)
 
 
+def test_a_rank_finds_its_tensor_stage_in_a_pipeline_of_them() -> None:
+    """Stages of 2 and 1 ranks over 3 peers: ranks 0 and 1 are stage 0, rank 2 alone; the
+    stage sizes come back a tuple of ints."""
+    peers = ("a:1", "b:1", "c:1")
+    stages = [WorkerConfig(Path("/m"), "m", 0, 2, rank=r, peers=peers, stage_ranks=(2, 1))
+              for r in range(3)]
+    assert [c.tensor_stage() for c in stages] == [(0, 2), (0, 2), (2, 1)]
+    assert WorkerConfig(Path("/m"), "m", 0, 2, rank=1, peers=peers).tensor_stage() == (1, 1)
+    back = WorkerJob.from_json(WorkerJob(stages[2]).to_json()).config
+    assert back == stages[2] and isinstance(back.stage_ranks, tuple)
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"config": {"model_path": "/m", "model_id": "m", "layer_start": 0}}',
      "WorkerJob.config: missing field(s) layer_end"),

@@ -271,7 +271,8 @@ class Deployment:
                                  else self.model.config.speculative),
                     kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers,
-                    tensor=plan.parallel == "tensor", keep_serving=keep_serving))
+                    tensor=plan.parallel == "tensor", keep_serving=keep_serving,
+                    stage_ranks=plan.stage_ranks if plan.parallel == "tensor-pipeline" else ()))
             except BaseException as e:
                 failures.append(e)
                 raise

@@ -13,7 +13,7 @@ by the caller (omlx_shared/model_spec.py), so a config naming a missing folder f
     replicas = "auto"              # an int, or "auto" (omlx_coordinator/models/placement.py)
     max_queue = 32                 # requests held at once, past it a 429 (default: --max-queue)
     speculative = "off"            # off, ngram, auto or draft=PATH (default: the node's --speculative)
-    parallel = "tensor"            # auto, pipeline or tensor (default: --parallel)
+    parallel = "tensor"            # auto, pipeline, tensor or tensor-pipeline (default: --parallel)
     kind = "rerank"                # chat, embed, rerank or transcribe (default: read from the
                                    # folder, omlx_shared/model_kinds.py)
 """
@@ -49,7 +49,7 @@ class ModelConfig:
     slots: int | None = None  # sequences its replicas decode at once (priority.py); None: default
     batch_share: float = 0.5  # of the slots, what batch-class requests may run in
     speculative: str = ""  # a speculative_modes mode; "": the node's --speculative
-    parallel: str = ""  # "auto", "pipeline" or "tensor"; "": the gateway's --parallel
+    parallel: str = ""  # omlx_shared/parallel_modes.py's; "": the gateway's --parallel
     kind: str = ""  # a model_kinds kind; "": read from the folder
 
     def __post_init__(self) -> None:

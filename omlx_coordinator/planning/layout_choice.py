@@ -1,15 +1,19 @@
-"""Which layout serves a model: a pipeline of layer ranges, one tensor-parallel stage, or the
-fastest of those and one node, predicted.
+"""Which layout serves a model: a pipeline of layer ranges, one tensor-parallel stage, a
+pipeline of tensor-parallel stages, or the fastest of those and one node, predicted.
 
 `--parallel` (per model in --models-config: `parallel = "..."`): "pipeline" plans layer ranges
 (omlx_coordinator/planning/planner.py); "tensor" makes every node a rank of one tensor-parallel stage
-(omlx_coordinator/planning/tensor_plan.py); "auto" predicts each candidate's batch-1 decode rate, a
+(omlx_coordinator/planning/tensor_plan.py); "tensor-pipeline" cuts the nodes into runs of
+neighbours, each a tensor-parallel stage of a pipeline
+(omlx_coordinator/planning/tensor_pipeline_plan.py); "auto" predicts each candidate's batch-1 decode rate, a
 single stream's tokens a second, and takes the fastest:
 
 - one node: the fastest node that holds the whole model; a token streams every weight once;
 - pipeline: at batch 1 the stages run one after the other (micro-batches only help several
   streams), so a token takes the sum of the stages' times, each with its link's latency;
-- tensor: each rank streams its share at once, then the all-reduces (tensor_plan.py).
+- tensor: each rank streams its share at once, then the all-reduces (tensor_plan.py);
+- tensor x pipeline (3 nodes or more): its stages one after the other, each its ranks' share
+  and the all-reduces over its own links (tensor_pipeline_plan.py).
 
 A tie goes to the candidate with fewer nodes. The plan's explanation lists every candidate's
 prediction and why it lost, e.g. that a tensor-parallel stage's all-reduces over a slow link
@@ -23,6 +27,10 @@ from dataclasses import dataclass, replace
 
 from omlx_coordinator.planning.model_layout import ModelLayout
 from omlx_coordinator.planning.planner import GB, NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planning.tensor_pipeline_plan import (
+    PARALLEL as TENSOR_PIPELINE,
+    make_tensor_pipeline_plan,
+)
 from omlx_coordinator.planning.tensor_plan import (
     allreduce_ms,
     collectives_per_token,
@@ -83,6 +91,20 @@ def _tensor(layout: ModelLayout, nodes: list[NodeSpec], settings: dict) -> Candi
                      f"({comm:.2f} ms) = {plan.bottleneck_ms:.2f} ms")
 
 
+def _tensor_pipeline(layout: ModelLayout, nodes: list[NodeSpec], settings: dict) -> Candidate:
+    try:
+        plan = make_tensor_pipeline_plan(layout, nodes, **settings)
+    except PlanError as e:
+        return Candidate("tensor x pipeline", None, 0.0, str(e).splitlines()[0])
+    starts = [sum(plan.stage_ranks[:s]) for s in range(len(plan.stage_ranks))]
+    times = [plan.stages[r].est_ms for r in starts]
+    ms = sum(times)
+    return Candidate(plan.layout_name, plan, 1e3 / ms,
+                     "stages one after another at batch 1, each its ranks' share and the "
+                     "all-reduces over its own links: "
+                     + " + ".join(f"{t:.2f}" for t in times) + f" ms = {ms:.2f} ms")
+
+
 def candidates(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_bytes: int = 8 << 30,
                context_tokens: int = 4096, max_sequences: int = 8) -> list[Candidate]:
     """Every layout `auto` weighs over `nodes`, with its predicted batch-1 decode rate."""
@@ -94,6 +116,8 @@ def candidates(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_bytes: int
         if pipe.plan is None or len(pipe.plan.stages) > 1:  # one stage is the one-node plan
             out.append(pipe)
         out.append(_tensor(layout, nodes, settings))
+    if len(nodes) > 2:
+        out.append(_tensor_pipeline(layout, nodes, settings))
     return out
 
 
@@ -110,7 +134,8 @@ def _explain(found: list[Candidate], best: Candidate) -> list[str]:
     for c in found:
         rate = f"{c.tok_s:.2f} tok/s" if c.plan is not None else "cannot serve"
         lines.append(f"  {c.name}: {rate}: {c.why}" + ("  <- chosen" if c is best else ""))
-    tensor = next((c for c in found if c.name.startswith("tensor") and c.plan is not None), None)
+    tensor = next((c for c in found if c.plan is not None and c.plan.parallel == "tensor"),
+                  None)
     if tensor is not None and tensor is not best:
         n = len(tensor.plan.stages)
         lines.append(f"Tensor parallel not chosen: its {tensor.why.split(', then ')[-1].split(' = ')[0]} "
@@ -121,15 +146,25 @@ def _explain(found: list[Candidate], best: Candidate) -> list[str]:
 def plan_layout(layout: ModelLayout, nodes: list[NodeSpec], parallel: str = "pipeline",
                 os_reserve_bytes: int = 8 << 30, context_tokens: int = 4096,
                 max_sequences: int = 8, split: list[int] | None = None) -> Plan:
-    """The plan of `layout` over `nodes` for `parallel` ("auto", "pipeline", "tensor"); a
-    user's `split` is always a pipeline. Raises PlanError as the planners do."""
+    """The plan of `layout` over `nodes` for `parallel` ("auto", "pipeline", "tensor",
+    "tensor-pipeline"); a user's `split` is always a pipeline. Raises PlanError as the planners
+    do."""
     if parallel not in PARALLEL:
         raise PlanError(f"parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
     settings = dict(os_reserve_bytes=os_reserve_bytes, context_tokens=context_tokens,
                     max_sequences=max_sequences)
-    if parallel == "tensor" and split is not None:
+    if parallel in ("tensor", TENSOR_PIPELINE) and split is not None:
         raise PlanError("a --split lays out a pipeline of layer ranges; drop it for "
-                        "--parallel tensor")
+                        f"--parallel {parallel}")
+    if parallel == TENSOR_PIPELINE and len(nodes) < 3:
+        # Too few nodes to chain (the survivors of a lost node, the first to join): one
+        # tensor-parallel stage, or one node, until more come.
+        plan = plan_layout(layout, nodes, "tensor", **settings)
+        return replace(plan, explanation=[*plan.explanation, (
+            f"--parallel {TENSOR_PIPELINE}: {len(nodes)} node(s) make no pipeline of "
+            f"tensor-parallel stages (3 or more do); laid out as above until more join.")])
+    if parallel == TENSOR_PIPELINE:
+        return make_tensor_pipeline_plan(layout, nodes, **settings)
     if parallel == "pipeline" or split is not None:
         return make_plan(layout, nodes, split=split, **settings)
     if parallel == "tensor" and len(nodes) == 1:

@@ -158,13 +158,34 @@ class Plan:
     plan_hash: str
     explanation: list[str] = field(default_factory=list)
     # "pipeline": each stage a range of layers; "tensor": every stage is a rank of one
-    # tensor-parallel stage holding a slice of every layer (omlx_coordinator/planning/tensor_plan.py).
+    # tensor-parallel stage holding a slice of every layer (omlx_coordinator/planning/tensor_plan.py);
+    # "tensor-pipeline": runs of ranks, each a tensor-parallel stage of a pipeline
+    # (omlx_coordinator/planning/tensor_pipeline_plan.py).
     parallel: str = "pipeline"
 
     @property
     def layout_name(self) -> str:
-        """How `status` and `plan` name the layout, e.g. "tensor x2"."""
+        """How `status` and `plan` name the layout, e.g. "tensor x2", "tensor x2 > tensor x2"
+        (a pipeline of tensor-parallel stages)."""
+        if self.parallel == "tensor-pipeline":
+            return " > ".join(f"tensor x{k}" if k > 1 else "1 node" for k in self.stage_ranks)
         return f"{self.parallel} x{len(self.stages)}"
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Each stage's rank count: in a pipeline of tensor-parallel stages, the runs of
+        consecutive ranks that hold the same layers (a pipeline's ranges never repeat)."""
+        if self.parallel == "tensor":
+            return (len(self.stages),)
+        sizes: list[int] = []
+        for i, s in enumerate(self.stages):
+            prev = self.stages[i - 1] if i else None
+            if prev is not None and (prev.layer_start, prev.layer_end) == (
+                    s.layer_start, s.layer_end):
+                sizes[-1] += 1
+            else:
+                sizes.append(1)
+        return tuple(sizes)
 
     @property
     def split(self) -> list[int]:

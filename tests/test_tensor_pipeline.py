@@ -1,0 +1,91 @@
+"""Tensor x pipeline (omlx_node/sub_group.py): two stages of two tensor-parallel ranks each, as
+four worker processes over mx.distributed's ring on loopback, against mlx-lm's own greedy
+generation on a tiny random fp32 llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from mlx_lm import load
+
+from proto import omlx_pb2 as pb
+from tests.conftest import start_server
+from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
+from tests.helpers.session import generate_chunks
+from tests.test_failover import run_and_kill
+from tests.test_tensor_parallel import TOKENS, assert_matches, reference, shard_bytes
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("txp") / "llama", "llama", num_layers=4)
+
+
+def test_two_stages_of_two_ranks_match_mlx_lm(model):
+    """One stream alone, then every prompt at once twice over (continuous batching, chunked
+    prefill past the 8-token chunk, two micro-batches), logprobs, and a prompt seen before
+    (every rank's prefix cache holds its own heads of its own layers)."""
+    _, tok = load(str(model))
+    refs = reference(model, PROMPTS)
+    with pipeline(model, [2, 2], ranks=2, extra=("--hot-cache-max-size", "64MB")) as (stub,
+                                                                                      workers):
+        whole = (model / "model.safetensors").stat().st_size
+        for w in workers:  # a quarter of the layers and the embedding or the head, no more
+            held = shard_bytes(w.wait_ready(1)["metrics_port"])
+            assert held < whole * 0.6, (held, whole)
+        alone, reason = generate(stub, tok.encode(PROMPTS[0]), TOKENS)
+        assert reason == "length"
+        assert_matches(alone, refs[PROMPTS[0]], PROMPTS[0])
+        outs = run_concurrently(lambda p: generate(stub, tok.encode(p), TOKENS), PROMPTS * 2)
+        for p, (tokens, _) in zip(PROMPTS * 2, outs):
+            assert_matches(tokens, refs[p], p)
+        chunks = generate_chunks(stub, pb.GenerateRequest(
+            request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
+            logprobs=True, top_logprobs=2, ignore_eos=True))
+        got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
+        assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
+        for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
+            if t != ref_t:
+                break
+            assert abs(logprob - ref_logprob) < 1e-4, (t, logprob, ref_logprob)
+        chunks = generate_chunks(stub, pb.GenerateRequest(
+            request_id="again", prompt_tokens=tok.encode(PROMPTS[4]), max_tokens=TOKENS))
+        assert max(c.cached_tokens for c in chunks) > 0  # restored on every rank
+        assert_matches([t for c in chunks for t in c.tokens], refs[PROMPTS[4]], PROMPTS[4])
+        for w in workers:  # a clean stop: rank 0's STOP ends every other rank
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
+
+
+@pytest.mark.parametrize("victim", ["worker", "agent"])
+def test_gateway_serves_two_stages_of_two_ranks_and_survives_a_killed_rank(tmp_path, victim):
+    """`serve --nodes 4 --parallel tensor-pipeline`: the planner cuts the four nodes into two
+    tensor stages of two (equal local nodes: halving a stage's reads pays, a rank alone does
+    not), status says so; then eight streams run, and mid-stream a rank of the second stage is
+    SIGKILLed (its worker: the same nodes are planned again; or its whole node: the three
+    survivors are, a stage of two and one alone), and every stream ends as it did
+    undisturbed."""
+    model = build_model(tmp_path / "tiny-fo", "llama", num_layers=4, hidden_size=256, seed=5)
+    with start_server(model, "--nodes", "4", "--parallel", "tensor-pipeline",
+                      home=tmp_path / "h", keepalive=None) as server:
+        status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        assert status["parallel"] == "tensor x2 > tensor x2 over ring"
+        ranges = [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]]
+        assert ranges[0] == ranges[1] and ranges[2] == ranges[3]
+        assert ranges[0][0] == 0 and ranges[1][1] == ranges[2][0] and ranges[3][1] == 4
+        refs, outs, after = run_and_kill(server, lambda h: h["nodes"][3][f"{victim}_pid"],
+                                         max_tokens=64)
+        assert outs == refs
+        assert after["epoch"] == 2
+        if victim == "worker":
+            assert after["parallel"] == "tensor x2 > tensor x2 over ring"
+            assert all(n["healthy"] for n in after["nodes"])
+        else:
+            assert after["parallel"] in ("tensor x2 > 1 node over ring",
+                                         "1 node > tensor x2 over ring")
+            assert [n["id"] for n in after["nodes"] if not n["alive"]] == ["local3"]
