@@ -92,6 +92,8 @@ def status_command(args: argparse.Namespace) -> int:
                       str(n["agent_pid"] or "-"), str(n["worker_pid"] or "-"),
                       n.get("metrics") or "-", _checks_summary(n.get("checks") or []))
     console.print(table)
+    for line in links_lines(body["nodes"]):
+        console.print(line, markup=False)
     if len(body.get("models") or []) > 1 or any(len(m["replicas"]) > 1
                                                  for m in body.get("models") or []):
         console.print(_models_table(body["models"]))
@@ -107,6 +109,25 @@ def status_command(args: argparse.Namespace) -> int:
                 console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
                               + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def links_lines(nodes: list[dict]) -> list[str]:
+    """Each link measured at a join, once a pair ("link a <-> b: 2.31 GB/s, 45 us"), and each
+    node's control-plane round trip."""
+    out, seen = [], set()
+    for n in nodes:
+        for peer, link in (n.get("links") or {}).items():
+            if frozenset((n["id"], peer)) in seen:
+                continue
+            seen.add(frozenset((n["id"], peer)))
+            out.append(f"link {n['id']} <-> {peer}: " + (
+                link["error"] if "error" in link
+                else f"{link['gb_per_s']:.3g} GB/s, {link['latency_us']:.0f} us"))
+    rtts = [f"{n['id']} {n['coordinator_rtt_ms']:.2f} ms" for n in nodes
+            if n.get("coordinator_rtt_ms")]
+    if rtts:
+        out.append("coordinator round trip: " + ", ".join(rtts))
+    return out
 
 
 def layers_on(node: str, models: list[dict]) -> str:

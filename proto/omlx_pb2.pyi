@@ -509,3 +509,25 @@ class WeightAck(_message.Message):
     bytes_done: int
     complete: bool
     def __init__(self, file: _Optional[str] = ..., bytes_done: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class LinkProbeRequest(_message.Message):
+    __slots__ = ("rank", "peers", "timeout_seconds", "nbytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    timeout_seconds: float
+    nbytes: int
+    def __init__(self, rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LinkProbeReply(_message.Message):
+    __slots__ = ("gb_per_s", "latency_us", "nbytes")
+    GB_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_US_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    gb_per_s: float
+    latency_us: float
+    nbytes: int
+    def __init__(self, gb_per_s: _Optional[float] = ..., latency_us: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...

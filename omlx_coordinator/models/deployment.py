@@ -26,6 +26,7 @@ from omlx_coordinator.nodes.node_client import WorkerClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
 from omlx_coordinator.nodes.weight_transfer import TransferProgress, WeightSource, ensure_weights
 from omlx_coordinator.planning.layout_choice import plan_layout
+from omlx_coordinator.planning.links import with_links
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from proto import omlx_pb2 as pb
 
@@ -117,9 +118,10 @@ class Deployment:
                               weights_cap=self.cluster.options.weights_cap_bytes)
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes,
-                              weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
-                     for m in members]
+            nodes = with_links([NodeSpec(m.name, self.room(m.name), self.speed(m),
+                                         cache_bytes=m.cache_bytes, weights_cap=m.weights_cap,
+                                         disk_gbps=m.disk_speed) for m in members],
+                               self.cluster.measured_links())
         split = self.model.config.split
         options = self.cluster.options
         return plan_layout(self.model.layout, nodes,

@@ -22,14 +22,17 @@ from typing import Protocol
 import grpc
 
 from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
+from omlx_coordinator.nodes.link_survey import survey
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
 from omlx_coordinator.nodes.weight_transfer import WeightCounters
 from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
+from omlx_coordinator.planning.links import MeasuredLinks, link_key
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
 from omlx_shared.hardware import machine_memory
+from omlx_shared.link_probe import LinkMeasurement
 from omlx_shared.model_store import data_home
 from omlx_shared.outsider_logs import Refusals, cut
 from proto import omlx_pb2 as pb
@@ -105,6 +108,10 @@ class Member:
     # Why the node cannot take this model's weights (no disk space): plans leave it out until
     # it joins again.
     weights_error: str = ""
+    # Its links to the other members, measured when it or they joined (link_survey.py): a
+    # measurement, or why there is none.
+    links: dict[str, LinkMeasurement | str] = field(default_factory=dict)
+    control_rtt_ms: float = 0.0  # the coordinator's Health round trip to it (0: not measured)
 
     @property
     def disk_speed(self) -> float:
@@ -153,6 +160,7 @@ class Cluster:
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
+        self._surveying = asyncio.Lock()  # one node's links measured at a time
         self.registrations = auth.Registrations(self.options.secret)  # /cluster/register
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
@@ -200,6 +208,10 @@ class Cluster:
                 "memory_pressure": (h.memory_pressure or None) if h else None,
                 "weights_error": m.weights_error or None,
                 "rdma_devices": [p.device for p in m.rdma_ports],
+                # Measured at join (link_survey.py); the planner counts the data-plane ones.
+                "links": {peer: link.to_dict() if isinstance(link, LinkMeasurement)
+                          else {"error": link} for peer, link in m.links.items()},
+                "coordinator_rtt_ms": m.control_rtt_ms or None,
                 # Each model's shard worker on it: where Prometheus scrapes it
                 # (/cluster/prometheus-targets), and its real memory.
                 "workers": [{
@@ -325,12 +337,27 @@ class Cluster:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:
             log.warning("node %s: no health after admission: %s", node_id, e.details())
+        await self._survey(member)
         log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
                  budget / 2**30)
         self._remember_members()
         if self.on_joined is not None:
             await self.on_joined(member)
         return member
+
+    async def _survey(self, member: Member) -> None:
+        """Measures the links of `member`, admitted just now, before any plan counts it."""
+        for m in self.members:  # what it measured before it left may no longer hold
+            m.links.pop(member.name, None)
+        member.links = {}
+        async with self._surveying:
+            others = [m for m in self.members if m.alive and m is not member]
+            await survey(member, others)
+
+    def measured_links(self) -> MeasuredLinks:
+        """Every link measured between members, for the planner."""
+        return {link_key(m.name, peer): link for m in self.members
+                for peer, link in m.links.items() if isinstance(link, LinkMeasurement)}
 
     def _remember_members(self) -> None:
         if self.known is not None:
