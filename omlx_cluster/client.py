@@ -77,6 +77,8 @@ def status_command(args: argparse.Namespace) -> int:
     console.print(f"{body['model']}: {body['status']} (plan epoch {body['epoch']})")
     if body.get("parallel"):
         console.print(f"parallel: {body['parallel']}", markup=False)
+    for line in ranks_lines(body.get("ranks") or []):
+        console.print(line, markup=False)
     if body.get("backend"):
         console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
                       markup=False)
@@ -109,6 +111,19 @@ def status_command(args: argparse.Namespace) -> int:
                 console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
                               + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def ranks_lines(ranks: list[dict]) -> list[str]:
+    """A tensor-parallel stage's ranks and their heads: "rank 0 a: q heads [0, 16), KV heads
+    [0, 4)" (KV heads listed where a rank's are not a contiguous run, one held twice)."""
+    out = []
+    for r in ranks:
+        kv = r["kv_heads"]
+        held = (f"[{kv[0]}, {kv[-1] + 1})" if kv and kv == list(range(kv[0], kv[-1] + 1))
+                else ", ".join(map(str, kv)))
+        out.append(f"  rank {r['rank']} {r['node']}: q heads [{r['q_heads'][0]}, "
+                   f"{r['q_heads'][1]}), KV heads {held}")
+    return out
 
 
 def links_lines(nodes: list[dict]) -> list[str]:

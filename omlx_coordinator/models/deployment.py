@@ -28,6 +28,7 @@ from omlx_coordinator.nodes.weight_transfer import TransferProgress, WeightSourc
 from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.links import with_links
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
+from omlx_coordinator.planning.tensor_plan import rank_heads
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,17 @@ class Deployment:
         if self.plan is None:
             return {}
         return {s.node: (s.layer_start, s.layer_end) for s in self.plan.stages}
+
+    def layout_status(self) -> dict:
+        """The active plan's layout, as status shows it: "tensor x2 over ring", and a
+        tensor-parallel stage's ranks with the heads each holds."""
+        plan = self.plan
+        if plan is None:
+            return {"parallel": None, "ranks": []}
+        over = (f" over {self.backend.backend}" if self.backend and len(plan.stages) > 1
+                else "")
+        return {"parallel": plan.layout_name + over,
+                "ranks": rank_heads(plan, self.model.layout)}
 
     @property
     def holding(self) -> Plan | None:

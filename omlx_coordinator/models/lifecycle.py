@@ -536,6 +536,7 @@ class ModelManager:
             "speculative": speculative,
             "replicas": [{"replica": d.replica, "ready": d.ready, "status": d.status,
                           "epoch": d.epoch, "inflight": d.inflight, "requests": d.requests,
+                          **d.layout_status(),
                           "stages": [{"node": s.node, "layers": [s.layer_start, s.layer_end],
                                       "planned_bytes": s.memory_bytes,
                                       **footprints.get(s.node, {})}

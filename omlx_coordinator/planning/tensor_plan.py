@@ -29,6 +29,7 @@ from omlx_coordinator.planning.planner import (
     Stage,
     compute_plan_hash,
 )
+from omlx_shared.tensor_split import head_slice
 
 # Bytes of one element of the hidden state an all-reduce carries (fp32: a CPU computes in it;
 # a GPU's bf16 halves it, which only a slow link notices).
@@ -55,6 +56,26 @@ def rank_stream_bytes(layout: ModelLayout, ranks: int) -> int:
     layers = sum(layout.stream_bytes(i) for i in range(layout.num_layers))
     head = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
     return math.ceil(layers * layout.tensor_share(ranks)[0]) + layout.norm_bytes + head
+
+
+def rank_heads(plan: Plan, layout: ModelLayout) -> list[dict]:
+    """Each rank of a tensor-parallel `plan`: its node and the attention heads it holds, the
+    query heads [start, end) and the KV heads they read (as omlx_shared/tensor_split.py splits
+    them, for mlx-lm's even shard() and the generic sharder alike); [] for a pipeline or a
+    model whose config names no heads."""
+    shape = dict(layout.shape)
+    heads = shape.get("num_attention_heads")
+    if plan.parallel != "tensor" or not isinstance(heads, int) or not heads:
+        return []
+    kv = shape.get("num_key_value_heads")
+    kv = kv if isinstance(kv, int) and kv else heads
+    ranks = len(plan.stages)
+    out = []
+    for rank, stage in enumerate(plan.stages):
+        hs = head_slice(heads, kv, ranks, rank)
+        out.append({"rank": rank, "node": stage.node, "q_heads": [hs.q_start, hs.q_end],
+                    "kv_heads": list(hs.kv)})
+    return out
 
 
 def _share(share: float, ranks: int) -> str:
