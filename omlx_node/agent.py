@@ -196,6 +196,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
         self.weights_cap = weights_cap  # its --weights-memory, for plans (0: none)
         self.disk_gbps = disk_gbps  # its disk's measured read speed (0: not measured)
+        self.dequantizes = hardware.mlx_on_cpu()  # for the planner's quantization checks
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
@@ -247,7 +248,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             proof=transcript.proof(self.secret, "node") if self.secret else b"",
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
             rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes,
-            weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps)
+            weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps,
+            dequantizes=self.dequantizes)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)

@@ -29,6 +29,7 @@ from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.links import with_links
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
 from omlx_coordinator.planning.tensor_plan import rank_heads
+from omlx_shared.hardware import mlx_on_cpu
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -125,14 +126,17 @@ class Deployment:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
         within what the other deployments leave free on it."""
         if members is None:
+            # Its local nodes run on this machine.
             nodes = [NodeSpec(f"local{i}", self.cluster.local_budget(),
                               cache_bytes=self.cluster.options.worker_cache_bytes,
-                              weights_cap=self.cluster.options.weights_cap_bytes)
+                              weights_cap=self.cluster.options.weights_cap_bytes,
+                              dequantizes=mlx_on_cpu())
                      for i in range(self.cluster.options.nodes)]
         else:
             nodes = with_links([NodeSpec(m.name, self.room(m.name), self.speed(m),
                                          cache_bytes=m.cache_bytes, weights_cap=m.weights_cap,
-                                         disk_gbps=m.disk_speed) for m in members],
+                                         disk_gbps=m.disk_speed, dequantizes=m.dequantizes)
+                                for m in members],
                                self.cluster.measured_links())
         split = self.model.config.split
         options = self.cluster.options

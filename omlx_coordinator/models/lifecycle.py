@@ -264,7 +264,8 @@ class ModelManager:
         at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
         would pause every stream the gateway serves."""
         nodes = with_links([NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
-                                     weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
+                                     weights_cap=m.weights_cap, disk_gbps=m.disk_speed,
+                                     dequantizes=m.dequantizes)
                             for m in self.cluster.servable()], self.cluster.measured_links())
         # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
         options = self.cluster.options

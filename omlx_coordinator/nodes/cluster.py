@@ -97,6 +97,7 @@ class Member:
     weights_cap: int = 0  # its --weights-memory: weights past it stream from its SSD (0: none)
     disk_gbps: float = 0.0  # its disk's measured read speed (0: not measured)
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
+    dequantizes: bool = False  # its workers run on a CPU, which dequantizes (its handshake)
     chip: str = ""
     alive: bool = True
     last_seen: float = 0.0
@@ -274,7 +275,7 @@ class Cluster:
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
                 m.cache_bytes, m.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
-                m.disk_gbps = hello.disk_gbps
+                m.disk_gbps, m.dequantizes = hello.disk_gbps, hello.dequantizes
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
             self.ready, self.status = True, "ready"
@@ -332,7 +333,7 @@ class Cluster:
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
-        member.disk_gbps = hello.disk_gbps
+        member.disk_gbps, member.dequantizes = hello.disk_gbps, hello.dequantizes
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:

@@ -110,6 +110,9 @@ def _explain(found: list[Candidate], best: Candidate) -> list[str]:
     for c in found:
         rate = f"{c.tok_s:.2f} tok/s" if c.plan is not None else "cannot serve"
         lines.append(f"  {c.name}: {rate}: {c.why}" + ("  <- chosen" if c is best else ""))
+    refused = next((c for c in found if c.name.startswith("tensor") and c.plan is None), None)
+    if refused is not None:
+        lines.append(f"Tensor parallel not chosen: {refused.why}")
     tensor = next((c for c in found if c.name.startswith("tensor") and c.plan is not None), None)
     if tensor is not None and tensor is not best:
         n = len(tensor.plan.stages)

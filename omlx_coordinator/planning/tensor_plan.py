@@ -93,6 +93,11 @@ def make_tensor_plan(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_byte
                         f"{n} can serve it. Use --parallel pipeline (or auto) on one node")
     if why := layout.tensor_refusal(n):
         raise PlanError(f"{layout.model_id} cannot run tensor-parallel over {n} nodes: {why}")
+    kept = [nd.name for nd in nodes if not nd.dequantizes]
+    if kept and (why := layout.group_cut(n)):
+        raise PlanError(f"{layout.model_id} cannot run tensor-parallel over {n} nodes: {why} "
+                        f"({', '.join(kept)} keep{'s' if len(kept) == 1 else ''} the weights "
+                        f"quantized)")
     L = layout.num_layers
     # The largest rank's share, which an uneven split of heads or width makes more than 1/n.
     share, kv_share = layout.tensor_share(n)
