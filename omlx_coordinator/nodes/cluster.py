@@ -73,6 +73,7 @@ class ClusterOptions:
     context_tokens: int = 4096  # KV a plan reserves per sequence...
     max_sequences: int = 8  # ... for this many sequences at once
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
+    link_probe: bool = True  # measure a joining node's links (link_survey.py)
     discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
     # Local node i's shard worker exports /metrics on this port + i (0: each on any free one).
@@ -351,6 +352,8 @@ class Cluster:
         for m in self.members:  # what it measured before it left may no longer hold
             m.links.pop(member.name, None)
         member.links = {}
+        if not self.options.link_probe:
+            return
         async with self._surveying:
             others = [m for m in self.members if m.alive and m is not member]
             await survey(member, others)

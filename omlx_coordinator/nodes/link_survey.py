@@ -24,7 +24,7 @@ from omlx_shared.outsider_logs import cut
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_SECONDS = 20.0  # each rank's wait for its peer (a firewall drops the connection)
+PROBE_TIMEOUT_SECONDS = 10.0  # each rank's wait for its peer (a firewall drops the connection)
 CONTROL_PINGS = 5
 
 
