@@ -77,6 +77,8 @@ def status_command(args: argparse.Namespace) -> int:
     console.print(f"{body['model']}: {body['status']} (plan epoch {body['epoch']})")
     if body.get("parallel"):
         console.print(f"parallel: {body['parallel']}", markup=False)
+    for line in ranks_lines(body.get("ranks") or []):
+        console.print(line, markup=False)
     if body.get("backend"):
         console.print(f"data plane: {body['backend']['name']} ({body['backend']['reason']})",
                       markup=False)
@@ -92,6 +94,8 @@ def status_command(args: argparse.Namespace) -> int:
                       str(n["agent_pid"] or "-"), str(n["worker_pid"] or "-"),
                       n.get("metrics") or "-", _checks_summary(n.get("checks") or []))
     console.print(table)
+    for line in links_lines(body["nodes"]):
+        console.print(line, markup=False)
     if len(body.get("models") or []) > 1 or any(len(m["replicas"]) > 1
                                                  for m in body.get("models") or []):
         console.print(_models_table(body["models"]))
@@ -107,6 +111,38 @@ def status_command(args: argparse.Namespace) -> int:
                 console.print(f"{n['id']}: {c['name']} {c['status']}: {c['detail']}"
                               + (f" (fix: {c['fix']})" if c["fix"] else ""), markup=False)
     return 0
+
+
+def ranks_lines(ranks: list[dict]) -> list[str]:
+    """A tensor-parallel stage's ranks and their heads: "rank 0 a: q heads [0, 16), KV heads
+    [0, 4)" (KV heads listed where a rank's are not a contiguous run, one held twice)."""
+    out = []
+    for r in ranks:
+        kv = r["kv_heads"]
+        held = (f"[{kv[0]}, {kv[-1] + 1})" if kv and kv == list(range(kv[0], kv[-1] + 1))
+                else ", ".join(map(str, kv)))
+        out.append(f"  rank {r['rank']} {r['node']}: q heads [{r['q_heads'][0]}, "
+                   f"{r['q_heads'][1]}), KV heads {held}")
+    return out
+
+
+def links_lines(nodes: list[dict]) -> list[str]:
+    """Each link measured at a join, once a pair ("link a <-> b: 2.31 GB/s, 45 us"), and each
+    node's control-plane round trip."""
+    out, seen = [], set()
+    for n in nodes:
+        for peer, link in (n.get("links") or {}).items():
+            if frozenset((n["id"], peer)) in seen:
+                continue
+            seen.add(frozenset((n["id"], peer)))
+            out.append(f"link {n['id']} <-> {peer}: " + (
+                link["error"] if "error" in link
+                else f"{link['gb_per_s']:.3g} GB/s, {link['latency_us']:.0f} us"))
+    rtts = [f"{n['id']} {n['coordinator_rtt_ms']:.2f} ms" for n in nodes
+            if n.get("coordinator_rtt_ms")]
+    if rtts:
+        out.append("coordinator round trip: " + ", ".join(rtts))
+    return out
 
 
 def layers_on(node: str, models: list[dict]) -> str:

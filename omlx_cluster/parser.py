@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_reserve_flags(coordinator)
     coordinator.add_argument("--no-discovery", action="store_true",
                              help="do not browse Bonjour; only `join --coordinator` nodes join")
+    coordinator.add_argument("--no-link-probe", action="store_true",
+                             help="do not measure a joining node's links to the others (the "
+                                  "planner then counts every link as free)")
     add_pipeline_flags(coordinator)
     add_rebalance_flags(coordinator)
 

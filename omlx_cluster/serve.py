@@ -279,6 +279,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
                              os_reserve_bytes=args.os_reserve,
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
+                             link_probe=not args.no_link_probe,
                              discovery_interfaces=default_interfaces(args.host),
                              stall_seconds=args.stall_timeout)
     return _run_gateway(args, _manager(args, models, options), keys)

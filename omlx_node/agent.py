@@ -24,7 +24,7 @@ from omlx_node.stay_awake import StayAwake
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
 from omlx_node.worker_config import WorkerConfig, WorkerJob, start_worker, worker_process
-from omlx_shared import __version__, auth, checks, cluster_tls, hardware
+from omlx_shared import __version__, auth, checks, cluster_tls, hardware, link_probe
 from omlx_shared.child import ChildError, ChildProcess, watch_parent
 from omlx_shared.engine_config import EngineConfig
 from omlx_shared.heap import freeze_startup_heap
@@ -54,6 +54,7 @@ ACCEPTANCE_METRIC = "omlx_node_speculative_acceptance_rate"
 TOKENS_PER_STEP_METRIC = "omlx_node_speculative_tokens_per_step"
 ORPHAN_CHECK_SECONDS = 1.0  # how often a node looks whether its coordinator is still there
 ABANDON_CHECK_SECONDS = 0.5  # how often a load waiting for another looks whether it was dropped
+MAX_PROBE_SECONDS = 60.0  # a link probe's longest wait for its peer, whatever was asked
 
 
 def free_port(host: str) -> int:
@@ -195,6 +196,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.worker_cache_bytes = worker_cache_bytes  # each worker's RAM prefix cache, for plans
         self.weights_cap = weights_cap  # its --weights-memory, for plans (0: none)
         self.disk_gbps = disk_gbps  # its disk's measured read speed (0: not measured)
+        self.dequantizes = hardware.mlx_on_cpu()  # for the planner's quantization checks
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
@@ -246,7 +248,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             proof=transcript.proof(self.secret, "node") if self.secret else b"",
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
             rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes,
-            weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps)
+            weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps,
+            dequantizes=self.dequantizes)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)
@@ -309,6 +312,29 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             return self.load(request, abandoned)
         except (ChildError, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    def ProbeLink(self, request: pb.LinkProbeRequest, context: grpc.ServicerContext):
+        self._authorize(context)
+        # The probe listens on this node's data port: no load may bind it meanwhile, and one
+        # in flight holds it already (the link is then measured at the next join).
+        if not self._lock.acquire(timeout=ABANDON_CHECK_SECONDS):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a shard is loading on this node; "
+                          "its links are measured when it is idle")
+        try:
+            measured = link_probe.run_rank(
+                request.rank, list(request.peers), request.nbytes or link_probe.DEFAULT_BYTES,
+                timeout=min(max(request.timeout_seconds, 1.0), MAX_PROBE_SECONDS))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except link_probe.ProbeError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        finally:
+            self.data_port = free_port(self.host)  # the probe's may linger in TIME_WAIT
+            self._lock.release()
+        if measured is None:
+            return pb.LinkProbeReply()
+        return pb.LinkProbeReply(gb_per_s=measured.gb_per_s, latency_us=measured.latency_us,
+                                 nbytes=measured.nbytes)
 
     def UnloadShard(self, request: pb.UnloadShardRequest, context: grpc.ServicerContext):
         self._authorize(context)

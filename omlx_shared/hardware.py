@@ -22,6 +22,18 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def mlx_on_cpu() -> bool:
+    """Whether MLX runs this machine's workers on its CPU (and so dequantizes a quantized
+    model, omlx_node/stage.py), told without importing MLX: Apple silicon runs Metal, and
+    elsewhere only MLX's CUDA build has a GPU."""
+    if sys.platform == "darwin":
+        return False
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+    return not any(n.startswith("mlx-cuda") for n in names)
+
+
 def chip() -> str:
     """The processor's marketing name where the OS tells it (e.g. "Apple M4 Max")."""
     if sys.platform == "darwin":

@@ -137,6 +137,58 @@ def largest_share(config: dict, ranks: int) -> tuple[float, float]:
     return max(q, kv_share, mlp), kv_share
 
 
+def quantization_group(config: dict) -> int:
+    """The quantization group size of a quantized model's config (mlx's `quantization`, or
+    Hugging Face's `quantization_config`); 0 for a model that is not quantized."""
+    for key in ("quantization", "quantization_config"):
+        q = _setting(config, key)
+        if isinstance(q, dict) and isinstance(q.get("group_size"), int):
+            return q["group_size"]
+    return 0
+
+
+def group_cut(config: dict, ranks: int) -> str:
+    """Why a split over `ranks` would cut a quantized weight inside a quantization group, for
+    ranks that keep the weights quantized (a GPU; a CPU dequantizes, omlx_node/stage.py); ""
+    when it would not. The row-sharded projections (attention's o_proj over the query heads'
+    features, the MLPs' down_proj over their width) split their input features, which each
+    quantization group spans: every rank's run must start on a group."""
+    g = quantization_group(config)
+    heads = _setting(config, "num_attention_heads")
+    if not g or not isinstance(heads, int) or not heads:
+        return ""
+    kv = _setting(config, "num_key_value_heads")
+    kv = kv if isinstance(kv, int) and kv else heads
+    head_dim = _setting(config, "head_dim") or (_setting(config, "hidden_size") or 0) // heads
+    even = uses_model_shard(config, ranks)
+    # (what is split, its size in features, each rank's first feature)
+    splits = [("the attention output's input features (query heads x head_dim)",
+               heads * head_dim,
+               [share(heads, ranks, r)[0] * head_dim if even
+                else head_slice(heads, kv, ranks, r).q_start * head_dim
+                for r in range(ranks)])]
+    for key, what in SPLIT[1:]:
+        width = _setting(config, key)
+        if not isinstance(width, int) or not width:
+            continue
+        if not even and key == "intermediate_size":
+            # The generic sharder splits a dense MLP's width in whole groups already.
+            starts = [share(width // g, ranks, r)[0] * g for r in range(ranks)]
+            if width // g < ranks:
+                return (f"its {what} ({key} {width}) is {width // g} quantization groups of "
+                        f"{g}, fewer than the {ranks} ranks")
+        else:
+            starts = [share(width, ranks, r)[0] for r in range(ranks)]
+        splits.append((f"the {what}", width, starts))
+    for what, size, starts in splits:
+        if cut := next((s for s in starts if s % g), None):
+            return (f"a rank's share of {what} starts at feature {cut} of {size}, inside a "
+                    f"quantization group of {g} (the model is quantized with group_size {g}); "
+                    f"use a rank count whose shares fall on whole groups, a dequantized model, "
+                    f"or --parallel pipeline")
+    return ""
+
+
 def tensor_refusal(config: dict, ranks: int) -> str:
     """Why the model of `config` (a config.json) cannot be a tensor-parallel stage of `ranks`
     ranks, with what to do instead; "" when it can."""

@@ -15,7 +15,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes", "weights_cap_bytes", "disk_gbps")
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes", "weights_cap_bytes", "disk_gbps", "dequantizes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class HandshakeReply(_message.Message):
     WORKER_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_GBPS_FIELD_NUMBER: _ClassVar[int]
+    DEQUANTIZES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     node_nonce: bytes
@@ -38,7 +39,8 @@ class HandshakeReply(_message.Message):
     worker_cache_bytes: int
     weights_cap_bytes: int
     disk_gbps: float
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ..., weights_cap_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ...) -> None: ...
+    dequantizes: bool
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ..., weights_cap_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., dequantizes: _Optional[bool] = ...) -> None: ...
 
 class RdmaPort(_message.Message):
     __slots__ = ("device", "uuid", "peer_uuid")
@@ -511,3 +513,25 @@ class WeightAck(_message.Message):
     bytes_done: int
     complete: bool
     def __init__(self, file: _Optional[str] = ..., bytes_done: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class LinkProbeRequest(_message.Message):
+    __slots__ = ("rank", "peers", "timeout_seconds", "nbytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    timeout_seconds: float
+    nbytes: int
+    def __init__(self, rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LinkProbeReply(_message.Message):
+    __slots__ = ("gb_per_s", "latency_us", "nbytes")
+    GB_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_US_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    gb_per_s: float
+    latency_us: float
+    nbytes: int
+    def __init__(self, gb_per_s: _Optional[float] = ..., latency_us: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...

@@ -71,6 +71,11 @@ class NodeAgentStub:
                 request_serializer=proto_dot_omlx__pb2.WeightChunk.SerializeToString,
                 response_deserializer=proto_dot_omlx__pb2.WeightAck.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/omlx.v1.NodeAgent/ProbeLink',
+                request_serializer=proto_dot_omlx__pb2.LinkProbeRequest.SerializeToString,
+                response_deserializer=proto_dot_omlx__pb2.LinkProbeReply.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -135,6 +140,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """One rank of a link probe between two nodes (omlx_shared/link_probe.py), run when a node
+        joins: both nodes are asked at once, each listening on its own entry of `peers`. The
+        planner counts the measured latency and bandwidth (omlx_coordinator/planning/links.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +186,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=proto_dot_omlx__pb2.WeightChunk.FromString,
                     response_serializer=proto_dot_omlx__pb2.WeightAck.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=proto_dot_omlx__pb2.LinkProbeRequest.FromString,
+                    response_serializer=proto_dot_omlx__pb2.LinkProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +384,33 @@ class NodeAgent:
             '/omlx.v1.NodeAgent/PushWeights',
             proto_dot_omlx__pb2.WeightChunk.SerializeToString,
             proto_dot_omlx__pb2.WeightAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omlx.v1.NodeAgent/ProbeLink',
+            proto_dot_omlx__pb2.LinkProbeRequest.SerializeToString,
+            proto_dot_omlx__pb2.LinkProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

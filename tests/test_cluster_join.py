@@ -85,7 +85,8 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
     with namespace("omlx-join") as ns:
         procs: list[subprocess.Popen] = []
         try:
-            coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT)],
+            coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT),
+                               "--no-link-probe"],
                           tmp_path / "coordinator.log")
             procs.append(coord)
             nodes = {name: start(ns, ["join", "--name", name, "--port", str(port), *extra],
@@ -133,7 +134,8 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
 
             # The coordinator restarts: the node is admitted again within 5 s.
             stop_all([coord])
-            coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT)],
+            coord = start(ns, ["coordinator", "--model", str(model), "--port", str(PORT),
+                               "--no-link-probe"],
                           tmp_path / "coordinator2.log")
             procs.append(coord)
             deadline = time.monotonic() + 60

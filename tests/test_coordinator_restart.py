@@ -64,7 +64,8 @@ def stream_until_cut(url: str, model: str, started: threading.Event, outcome: di
 def test_restart_finds_the_cluster_and_orphans_unload(models, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    coordinator_args = ["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
+    coordinator_args = ["coordinator", "--port", str(port), "--no-discovery",
+                        "--no-link-probe", "--os-reserve",
                         "1GiB", *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))]
     nodes = {name: launch(["join", "--name", name, "--port", str(free_port()), "--no-announce",
                            "--coordinator", f"127.0.0.1:{port}", "--hot-cache-max-size",

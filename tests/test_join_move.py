@@ -66,7 +66,8 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
                        "--hot-cache-max-size", "64MiB"], tmp_path / f"home-{name}",
                       tmp_path / f"{name}.log")
 
-    procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
+    procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--no-link-probe",
+                     "--os-reserve",
                      "1GiB", "--model", f"main={model}"], tmp_path / "home-coordinator",
                     tmp_path / "coordinator.log"), join("a")]
     try:

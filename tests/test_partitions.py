@@ -152,7 +152,7 @@ class Processes:
 
     def coordinator(self, ns: str, host: str, models: dict[str, Path], *flags: str) -> None:
         self.launch(ns, "coordinator", "coordinator", "--host", host, "--port", str(PORT),
-                    "--no-discovery", "--os-reserve", "1GiB", *flags,
+                    "--no-discovery", "--no-link-probe", "--os-reserve", "1GiB", *flags,
                     *(f for name, path in models.items() for f in ("--model", f"{name}={path}")))
 
     def join(self, ns: str, name: str, host: str, coordinator_at: str = "") -> subprocess.Popen:

@@ -46,7 +46,8 @@ def test_a_pipeline_stage_streaming_from_disk_answers_as_mlx_lm(tmp_path):
                        "--hot-cache-max-size", "64MiB", "--weights-memory", f"{cap}B"],
                       tmp_path / f"home-{name}", tmp_path / f"{name}.log")
 
-    procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
+    procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--no-link-probe",
+                     "--os-reserve",
                      "1GiB", "--model", f"main={model}"], tmp_path / "home-coordinator",
                     tmp_path / "coordinator.log"), join("a", cap_a)]
     try:

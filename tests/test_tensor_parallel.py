@@ -133,6 +133,16 @@ def test_gateway_serves_a_tensor_parallel_stage(tmp_path):
                       keepalive=None) as server:
         status = httpx.get(server.url + "/cluster/status", timeout=10).json()
         assert status["parallel"] == "tensor x2 over ring"
+        # Each rank's heads (4 heads, 2 KV heads: a KV head and its 2 query heads a rank).
+        ranks = [{"rank": 0, "node": "local0", "q_heads": [0, 2], "kv_heads": [0]},
+                 {"rank": 1, "node": "local1", "q_heads": [2, 4], "kv_heads": [1]}]
+        assert status["ranks"] == ranks
+        replica = status["models"][0]["replicas"][0]
+        assert (replica["parallel"], replica["ranks"]) == ("tensor x2 over ring", ranks)
+        shown = subprocess.run(omlx_command("status", "--url", server.url), capture_output=True,
+                               text=True, timeout=60).stdout
+        assert "parallel: tensor x2 over ring" in shown, shown
+        assert "rank 1 local1: q heads [2, 4), KV heads [1, 2)" in shown, shown
         assert [(s["layer_start"], s["layer_end"]) for s in status["plan"]["stages"]] == [
             (0, 3), (0, 3)]
         client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)

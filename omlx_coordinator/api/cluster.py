@@ -72,9 +72,7 @@ def add_routes(app: FastAPI, manager: ModelManager, rebalancer: Rebalancer,
         return {"model": main.model.name, "ready": main.ready, "status": main.status,
                 "epoch": main.epoch, "capacity_error": main.capacity_error or None,
                 "plan": plan.to_dict() if plan else None,
-                "parallel": (plan.layout_name + (f" over {main.backend.backend}" if main.backend
-                                                 and len(plan.stages) > 1 else "")
-                             if plan else None),
+                **main.layout_status(),
                 "backend": ({"name": main.backend.backend, "reason": main.backend.reason}
                             if main.backend else None),
                 "last_recovery": main.last_recovery,

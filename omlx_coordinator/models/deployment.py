@@ -38,8 +38,11 @@ from omlx_coordinator.nodes.weight_transfer import (
     ensure_weights,
 )
 from omlx_coordinator.planning.layout_choice import plan_layout
+from omlx_coordinator.planning.links import with_links
 from omlx_coordinator.planning.measured_speeds import MeasuredSpeeds
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, Stage
+from omlx_coordinator.planning.tensor_plan import rank_heads
+from omlx_shared.hardware import mlx_on_cpu
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,17 @@ class Deployment:
             return {}
         return {s.node: (s.layer_start, s.layer_end) for s in self.plan.stages}
 
+    def layout_status(self) -> dict:
+        """The active plan's layout, as status shows it: "tensor x2 over ring", and a
+        tensor-parallel stage's ranks with the heads each holds."""
+        plan = self.plan
+        if plan is None:
+            return {"parallel": None, "ranks": []}
+        over = (f" over {self.backend.backend}" if self.backend and len(plan.stages) > 1
+                else "")
+        return {"parallel": plan.layout_name + over,
+                "ranks": rank_heads(plan, self.model.layout)}
+
     @property
     def holding(self) -> Plan | None:
         """The plan whose memory it holds: the active one, else the one it is loading."""
@@ -136,14 +150,18 @@ class Deployment:
         """Plans over `members` (default: the local nodes `serve` is about to start), each
         within what the other deployments leave free on it."""
         if members is None:
+            # Its local nodes run on this machine.
             nodes = [NodeSpec(f"local{i}", self.cluster.local_budget(),
                               cache_bytes=self.cluster.options.worker_cache_bytes,
-                              weights_cap=self.cluster.options.weights_cap_bytes)
+                              weights_cap=self.cluster.options.weights_cap_bytes,
+                              dequantizes=mlx_on_cpu())
                      for i in range(self.cluster.options.nodes)]
         else:
-            nodes = [NodeSpec(m.name, self.room(m.name), self.speed(m), cache_bytes=m.cache_bytes,
-                              weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
-                     for m in members]
+            nodes = with_links([NodeSpec(m.name, self.room(m.name), self.speed(m),
+                                         cache_bytes=m.cache_bytes, weights_cap=m.weights_cap,
+                                         disk_gbps=m.disk_speed, dequantizes=m.dequantizes)
+                                for m in members],
+                               self.cluster.measured_links())
         split = self.model.config.split
         options = self.cluster.options
         return plan_layout(self.model.layout, nodes,

@@ -27,6 +27,7 @@ from omlx_coordinator.models.served_model import LOADED, LOADING, UNLOADED, Serv
 from omlx_coordinator.nodes.backend import JacclFailures
 from omlx_coordinator.nodes.cluster import Cluster, Member, NoCapacity
 from omlx_coordinator.nodes.weight_transfer import WeightCounters
+from omlx_coordinator.planning.links import with_links
 from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
@@ -280,9 +281,10 @@ class ModelManager:
         """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
         at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
         would pause every stream the gateway serves."""
-        nodes = [NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
-                          weights_cap=m.weights_cap, disk_gbps=m.disk_speed)
-                 for m in self.cluster.servable()]
+        nodes = with_links([NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
+                                     weights_cap=m.weights_cap, disk_gbps=m.disk_speed,
+                                     dequantizes=m.dequantizes)
+                            for m in self.cluster.servable()], self.cluster.measured_links())
         # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
         options = self.cluster.options
         settings = placement.PlanSettings(os_reserve_bytes=0,
@@ -553,6 +555,7 @@ class ModelManager:
             "speculative": speculative,
             "replicas": [{"replica": d.replica, "ready": d.ready, "status": d.status,
                           "epoch": d.epoch, "inflight": d.inflight, "requests": d.requests,
+                          **d.layout_status(),
                           "stages": [{"node": s.node, "layers": [s.layer_start, s.layer_end],
                                       "planned_bytes": s.memory_bytes,
                                       **footprints.get(s.node, {})}

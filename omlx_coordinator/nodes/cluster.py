@@ -21,13 +21,16 @@ from dataclasses import dataclass, field
 import grpc
 
 from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
+from omlx_coordinator.nodes.link_survey import survey
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
 from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS
+from omlx_coordinator.planning.links import MeasuredLinks, link_key
 from omlx_shared import auth
 from omlx_shared.child import ChildProcess, omlx_command
 from omlx_shared.hardware import machine_memory
+from omlx_shared.link_probe import LinkMeasurement
 from omlx_shared.model_store import data_home
 from omlx_shared.outsider_logs import Refusals, cut
 from proto import omlx_pb2 as pb
@@ -68,6 +71,7 @@ class ClusterOptions:
     context_tokens: int = 4096  # KV a plan reserves per sequence...
     max_sequences: int = 8  # ... for this many sequences at once
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
+    link_probe: bool = True  # measure a joining node's links (link_survey.py)
     discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
     # Local node i's shard worker exports /metrics on this port + i (0: each on any free one).
@@ -92,6 +96,7 @@ class Member:
     weights_cap: int = 0  # its --weights-memory: weights past it stream from its SSD (0: none)
     disk_gbps: float = 0.0  # its disk's measured read speed (0: not measured)
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
+    dequantizes: bool = False  # its workers run on a CPU, which dequantizes (its handshake)
     chip: str = ""
     alive: bool = True
     last_seen: float = 0.0
@@ -104,6 +109,10 @@ class Member:
     # it joins again.
     weights_error: str = ""
     admissions: int = 0  # times it was admitted over the network, each a new session
+    # Its links to the other members, measured when it or they joined (link_survey.py): a
+    # measurement, or why there is none.
+    links: dict[str, LinkMeasurement | str] = field(default_factory=dict)
+    control_rtt_ms: float = 0.0  # the coordinator's Health round trip to it (0: not measured)
 
     @property
     def disk_speed(self) -> float:
@@ -137,6 +146,7 @@ class Cluster:
         self._monitor_task: asyncio.Task | None = None
         self._discovery = None
         self._admitting = asyncio.Lock()  # add_remote
+        self._surveying = asyncio.Lock()  # one node's links measured at a time
         # Anyone on the LAN can announce a node over Bonjour and have its admission refused.
         self.refusals = Refusals(log)
         # A coordinator (no local nodes) remembers its members; after a restart the first plan
@@ -180,6 +190,10 @@ class Cluster:
                 "memory_pressure": (h.memory_pressure or None) if h else None,
                 "weights_error": m.weights_error or None,
                 "rdma_devices": [p.device for p in m.rdma_ports],
+                # Measured at join (link_survey.py); the planner counts the data-plane ones.
+                "links": {peer: link.to_dict() if isinstance(link, LinkMeasurement)
+                          else {"error": link} for peer, link in m.links.items()},
+                "coordinator_rtt_ms": m.control_rtt_ms or None,
                 # Each model's shard worker on it: where Prometheus scrapes it
                 # (/cluster/prometheus-targets), and its real memory.
                 "workers": [{
@@ -242,7 +256,7 @@ class Cluster:
             for m, hello in zip(self.members, hellos):
                 m.chip, m.rdma_ports = hello.chip, list(hello.rdma_ports)
                 m.cache_bytes, m.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
-                m.disk_gbps = hello.disk_gbps
+                m.disk_gbps, m.dequantizes = hello.disk_gbps, hello.dequantizes
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
             self.ready, self.status = True, "ready"
@@ -299,17 +313,34 @@ class Cluster:
         budget = max(0, hello.memory_bytes - self.options.os_reserve_bytes)
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
-        member.disk_gbps = hello.disk_gbps
+        member.disk_gbps, member.dequantizes = hello.disk_gbps, hello.dequantizes
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:
             log.warning("node %s: no health after admission: %s", node_id, e.details())
+        await self._survey(member)
         log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
                  budget / 2**30)
         self._remember_members()
         if self.on_joined is not None:
             await self.on_joined(member)
         return member
+
+    async def _survey(self, member: Member) -> None:
+        """Measures the links of `member`, admitted just now, before any plan counts it."""
+        for m in self.members:  # what it measured before it left may no longer hold
+            m.links.pop(member.name, None)
+        member.links = {}
+        if not self.options.link_probe:
+            return
+        async with self._surveying:
+            others = [m for m in self.members if m.alive and m is not member]
+            await survey(member, others)
+
+    def measured_links(self) -> MeasuredLinks:
+        """Every link measured between members, for the planner."""
+        return {link_key(m.name, peer): link for m in self.members
+                for peer, link in m.links.items() if isinstance(link, LinkMeasurement)}
 
     def _remember_members(self) -> None:
         if self.known is not None:

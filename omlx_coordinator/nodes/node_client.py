@@ -93,6 +93,12 @@ class AgentClient:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout,
                                       metadata=self.metadata)
 
+    async def probe_link(self, rank: int, peers: list[str], timeout: float) -> pb.LinkProbeReply:
+        """Runs rank `rank` of a link probe between `peers` on this node (link_survey.py)."""
+        return await self.stub.ProbeLink(
+            pb.LinkProbeRequest(rank=rank, peers=peers, timeout_seconds=timeout),
+            timeout=timeout + 30.0, metadata=self.metadata)
+
     async def unload_shard(self, model_id: str, grace: float) -> pb.UnloadShardReply:
         """Stops the worker of `model_id`: SIGTERM, `grace` seconds, SIGKILL; returns once it
         has exited."""

@@ -134,6 +134,10 @@ def _explain(found: list[Candidate], best: Candidate) -> list[str]:
     for c in found:
         rate = f"{c.tok_s:.2f} tok/s" if c.plan is not None else "cannot serve"
         lines.append(f"  {c.name}: {rate}: {c.why}" + ("  <- chosen" if c is best else ""))
+    refused = next((c for c in found if c.name.startswith("tensor x")
+                    and c.name != "tensor x pipeline" and c.plan is None), None)
+    if refused is not None:
+        lines.append(f"Tensor parallel not chosen: {refused.why}")
     tensor = next((c for c in found if c.plan is not None and c.plan.parallel == "tensor"),
                   None)
     if tensor is not None and tensor is not best:

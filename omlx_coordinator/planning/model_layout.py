@@ -29,7 +29,13 @@ from pathlib import Path
 
 from omlx_shared.model_families import refusal
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
-from omlx_shared.tensor_split import DIVIDED, largest_share, tensor_refusal
+from omlx_shared.tensor_split import (
+    DIVIDED,
+    group_cut,
+    largest_share,
+    quantization_group,
+    tensor_refusal,
+)
 
 # `model.layers.12.mlp.up_proj.scales`, also `language_model.model.layers.12...` in multimodal
 # checkpoints: the layer index is what follows the `layers.` component.
@@ -128,6 +134,14 @@ class ModelLayout:
     def tensor_refusal(self, ranks: int) -> str:
         """Why the model cannot be a tensor-parallel stage of `ranks` ranks; "" if it can."""
         return tensor_refusal(dict(self.shape), ranks)
+
+    def group_cut(self, ranks: int) -> str:
+        """Why a tensor split over `ranks` would cut a quantization group of a weight kept
+        quantized; "" if it would not (or the model is not quantized)."""
+        shape = dict(self.shape)
+        if "group_size" in shape:
+            shape["quantization"] = {"group_size": shape["group_size"]}
+        return group_cut(shape, ranks)
 
     def tensor_share(self, ranks: int) -> tuple[float, float]:
         """The largest fraction of a layer's weights, and of its KV, one of `ranks` holds."""
@@ -284,7 +298,9 @@ def read_layout(
         layer_read_bytes=tuple(read_bytes) if read_bytes != layer_bytes else (),
         shape=(("model_type", str(config.get("model_type", ""))),
                *((k, v) for k in ("hidden_size", *(key for key, _ in DIVIDED))
-                 if isinstance(v := setting(k), int))),
+                 if isinstance(v := setting(k), int)),
+               ("head_dim", int(head_dim)),
+               *((("group_size", g),) if (g := quantization_group(config)) else ())),
     )
 
 

@@ -97,6 +97,8 @@ class NodeSpec:
     weights_cap: the most bytes of weights it keeps in memory (`--weights-memory`); a stage
     past it keeps its last layers on disk (disk_layers.py). 0: no cap, every weight resident.
     disk_gbps: its SSD's sequential read speed, what streamed layers cost.
+    dequantizes: its workers run on a CPU, which dequantizes a quantized model: a tensor split
+    may cut quantization groups there (tensor_plan.py refuses one that would elsewhere).
     """
 
     name: str
@@ -107,6 +109,7 @@ class NodeSpec:
     weights_cap: int = 0
     disk_gbps: float = DEFAULT_DISK_GBPS
     link_gbps: float = 0.0
+    dequantizes: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ",= \t\n"):

@@ -4,7 +4,9 @@ The readings of every stage's counters (`Reading`), the active plan, the model's
 node's memory budget in; whether to move, to which plan, and why (with its numbers) out. Three
 rules, each its own function below, in the order they are asked: memory pressure
 (`_pressure`), then imbalance (`_imbalance`), whose gain must be `_sustained` over the window
-and wait out the cooldown. omlx_coordinator/telemetry/rebalancer.py reads the counters and applies what
+and wait out the cooldown; where the model's layout is the planner's to choose (`--parallel
+auto`), the layout (`_relayout`) comes before imbalance and is the only rule of a tensor
+layout. omlx_coordinator/telemetry/rebalancer.py reads the counters and applies what
 this decides; its docstring says how speeds are measured and why each rule holds.
 """
 
@@ -14,11 +16,14 @@ import functools
 import itertools
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from omlx_coordinator.planning.disk_layers import DEFAULT_DISK_GBPS, disk_ms
+from omlx_coordinator.planning.layout_choice import candidates
+from omlx_coordinator.planning.links import MeasuredLinks, with_links
 from omlx_coordinator.planning.model_layout import ModelLayout
-from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planning.planner import GB, NodeSpec, Plan, PlanError, make_plan
+from omlx_coordinator.planning.tensor_plan import collectives_per_token, rank_stream_bytes
 
 # Timed decode steps (one in 8 is timed) a stage needs in an interval for its mean to count.
 MIN_STEPS = 2
@@ -98,7 +103,7 @@ class NodeState:
 @dataclass(frozen=True)
 class Decision:
     move: bool
-    reason: str  # why it moves: "imbalance" or "memory_pressure"; "" when it holds
+    reason: str  # why it moves: "imbalance", "memory_pressure" or "layout"; "" when it holds
     why: str
     speeds: dict[str, float] = field(default_factory=dict)  # GB/s each node is planned at
     measured: tuple[str, ...] = ()  # the nodes whose speed this window measured
@@ -296,6 +301,7 @@ def _best_plan(layout: ModelLayout, nodes: Sequence[NodeState], speeds: Mapping[
 def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
            nodes: Sequence[NodeState], now: float, *, last_move_at: float | None = None,
            left_plan_hash: str | None = None, remembered: Mapping[str, float] | None = None,
+           relayout: bool = False, links: MeasuredLinks | None = None,
            policy: Policy = Policy()) -> Decision:
     """Whether to move from `plan` now, and to what (see rebalancer.py's docstring for the
     rules).
@@ -303,10 +309,11 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
     readings: in time order (others than `plan`'s are ignored); nodes: the nodes a plan may use,
     in ring order; last_move_at: when the last move happened (the readings' clock);
     left_plan_hash: the plan that move left; remembered: the speeds (GB/s) nodes were measured
-    at before, for those without a stage now."""
+    at before, for those without a stage now; relayout: the layout is the planner's to choose
+    (`--parallel auto`), and may move; links: the links measured at join."""
     if plan is None:
         return Decision(False, "", "no plan serves")
-    if plan.parallel != "pipeline":
+    if plan.parallel != "pipeline" and not relayout:
         # Every rank holds a slice of every layer: there are no layer ranges to move.
         return Decision(False, "", f"a {plan.layout_name} layout has no layer ranges to move")
     budgets = {n.name: n.budget_bytes for n in nodes}
@@ -316,11 +323,113 @@ def decide(readings: Sequence[Reading], plan: Plan | None, layout: ModelLayout,
     if len(ours) < 2:
         return Decision(False, "", "measuring: this plan has fewer than 2 readings yet",
                         current=plan, budgets=budgets)
+    if plan.parallel != "pipeline":
+        speeds = {n.name: (remembered or {}).get(n.name) or n.speed for n in nodes}
+        return _relayout(ours, plan, layout, nodes, {"speeds": speeds}, now, last_move_at,
+                         left_plan_hash, links or {}, policy)
     m = _measure(ours, plan, layout, nodes, now, policy, remembered)
     pressed = _pressure(m, layout, nodes, now, last_move_at, policy)
     if pressed is not None:
         return pressed
+    if relayout:
+        moved = _relayout(ours, plan, layout, nodes, m.shown(), now, last_move_at,
+                          left_plan_hash, links or {}, policy)
+        if moved.move:
+            return moved
     return _imbalance(m, layout, nodes, now, last_move_at, left_plan_hash, policy)
+
+
+def _own(part: Mapping[str, Delta], plan: Plan) -> dict[str, float | None]:
+    """Each stage's own seconds a decode step over `part` (None: too few steps)."""
+    return {s.node: part[s.node].own_seconds() if s.node in part else None for s in plan.stages}
+
+
+def _batch1_seconds(plan: Plan, own: Mapping[str, float]) -> float:
+    """A token's time at batch 1: a pipeline's stages one after another, a tensor stage's
+    ranks at once (each step's all-reduces inside every rank's step)."""
+    times = [own[s.node] for s in plan.stages]
+    return max(times) if plan.parallel == "tensor" else sum(times)
+
+
+def _predicted_seconds(plan: Plan) -> float:
+    """The planner's batch-1 token time for `plan` (layout_choice.py's candidates')."""
+    return _batch1_seconds(plan, {s.node: s.est_ms / 1e3 for s in plan.stages})
+
+
+def _respecified(plan: Plan, layout: ModelLayout, nodes: Sequence[NodeState],
+                 speeds: Mapping[str, float], measured_s: float,
+                 links: MeasuredLinks) -> list[NodeSpec]:
+    """The nodes as the planner sees them with what was measured: their speeds, the links
+    probed at join, and a tensor stage's all-reduces as timed: what its slowest rank's step
+    took beyond reading its weights, spread over its messages, is each message's latency at
+    least (a link slower under load than when it was probed)."""
+    specs = with_links([NodeSpec(n.name, n.budget_bytes, speeds[n.name],
+                                 cache_bytes=n.cache_bytes, weights_cap=n.weights_cap,
+                                 disk_gbps=n.disk_gbps) for n in nodes], links)
+    ranks = len(plan.stages)
+    if plan.parallel != "tensor" or ranks < 2:
+        return specs
+    reads = max(rank_stream_bytes(layout, ranks) / (speeds[s.node] * GB) for s in plan.stages)
+    messages = collectives_per_token(layout) * 2 * (ranks - 1)
+    floor_ms = max(0.0, measured_s - reads) / messages * 1e3
+    return [replace(nd, link_ms=max(nd.link_ms, floor_ms)) for nd in specs]
+
+
+def _relayout(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequence[NodeState],
+              shown: dict, now: float, last_move_at: float | None, left_plan_hash: str | None,
+              links: MeasuredLinks, policy: Policy) -> Decision:
+    """Whether another layout (tensor for a pipeline; a pipeline or one node for a tensor
+    stage) should serve: the current one's measured batch-1 token time misses its prediction
+    by more than the threshold, and the best other layout, predicted again with the measured
+    speeds and links, beats the measured time by more than the threshold (twice that to go
+    back to the plan just left), in each part of the window, past the cooldown. `shown`: the
+    Decision fields of what was measured, its `speeds` those each node is predicted at."""
+    budgets = {n.name: n.budget_bytes for n in nodes}
+    base = dict(shown, current=plan, budgets=budgets)
+    window = _covering(ours, now, policy.window)
+    if window is None:
+        return Decision(False, "", f"measuring the {plan.layout_name} layout: "
+                        f"{now - ours[0].at:.0f} s of the {policy.window:.0f} s window", **base)
+    intervals = [_deltas(a, b) for a, b in itertools.pairwise(window)]
+    if any(d is None for d in intervals):
+        return Decision(False, "", "not sustained: a counter restarted", **base)
+    own = _own(_summed(intervals), plan)
+    if idle := [n for n, t in own.items() if t is None]:
+        return Decision(False, "", f"measuring: too few decode steps on {', '.join(idle)}",
+                        **base)
+    measured_s, predicted_s = _batch1_seconds(plan, own), _predicted_seconds(plan)
+    base["current_bottleneck_s"] = measured_s
+    numbers = (f"{plan.layout_name} decodes {1 / measured_s:.2f} tok/s at batch 1, "
+               f"{1 / predicted_s:.2f} predicted")
+    if 1 - predicted_s / measured_s <= policy.threshold:
+        return Decision(False, "", f"the layout decodes as predicted: {numbers}", **base)
+    specs = _respecified(plan, layout, nodes, shown["speeds"], measured_s, links)
+    others = [c for c in candidates(layout, specs, os_reserve_bytes=0)
+              if c.plan is not None and c.plan.parallel != plan.parallel]
+    if not others:
+        return Decision(False, "", f"{numbers}, and no other layout can serve", **base)
+    best = max(others, key=lambda c: c.tok_s)
+    best_s = 1 / best.tok_s
+    threshold = policy.threshold * (BACK_FACTOR if best.plan.plan_hash == left_plan_hash else 1)
+    found = dict(base, plan=best.plan, best_bottleneck_s=best_s)
+    numbers += (f"; {best.name} predicted {best.tok_s:.2f} tok/s with the measured speeds and "
+                f"links: {1 - best_s / measured_s:+.0%}")
+    if 1 - best_s / measured_s <= threshold:
+        back = " to go back to the plan just left" if threshold > policy.threshold else ""
+        return Decision(False, "", f"{numbers} (needs > {threshold:.0%}{back})", **found)
+    for k, part in enumerate(_parts(window, intervals, now, policy)):
+        times = _own(part, plan)
+        if any(t is None for t in times.values()):
+            return Decision(False, "", f"not sustained: too few decode steps in part {k + 1} "
+                            f"of the window; {numbers}", **found)
+        part_s = _batch1_seconds(plan, times)
+        if 1 - best_s / part_s <= threshold or 1 - predicted_s / part_s <= policy.threshold:
+            return Decision(False, "", f"not sustained: {1 / part_s:.2f} tok/s in part {k + 1} "
+                            f"of the window (needs > {threshold:.0%} gain); {numbers}", **found)
+    if last_move_at is not None and now - last_move_at < policy.cooldown:
+        return Decision(False, "", f"cooldown: the last move was {now - last_move_at:.0f} s ago "
+                        f"(< {policy.cooldown:.0f} s); {numbers}", **found)
+    return Decision(True, "layout", f"layout over {policy.window:.0f} s: {numbers}", **found)
 
 
 def _pressure(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], now: float,
@@ -407,18 +516,11 @@ def _sustained(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], ta
     target_bytes = stage_bytes(layout, target)
     target_reads = read_seconds(layout, target, {n.name: n for n in nodes})
     held = [s.node for s in m.plan.stages]
-    start = now - policy.window
-    for k in range(SUSTAIN_PARTS):
-        lo = start + k * policy.window / SUSTAIN_PARTS
-        hi = start + (k + 1) * policy.window / SUSTAIN_PARTS
-        in_part = []
-        for (_, b), d in zip(itertools.pairwise(m.window), m.intervals):
-            if d is None:
-                return "a counter restarted"
-            if lo < b.at <= hi or (k == 0 and b.at <= lo):  # the base interval opens part 0
-                in_part.append(d)
-        part = _summed(in_part)
-        when = f"between {lo - now:+.0f} s and {hi - now:+.0f} s"
+    if any(d is None for d in m.intervals):
+        return "a counter restarted"
+    for k, part in enumerate(_parts(m.window, m.intervals, now, policy)):
+        lo = now - policy.window + k * policy.window / SUSTAIN_PARTS
+        when = f"between {lo - now:+.0f} s and {lo + policy.window / SUSTAIN_PARTS - now:+.0f} s"
         own = {n: part[n].own_seconds() if n in part else None for n in held}
         if any(t is None for t in own.values()):
             return f"too few decode steps {when}"
@@ -431,6 +533,20 @@ def _sustained(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], ta
         if 1 - then_s / now_s <= threshold:
             return f"{1 - then_s / now_s:+.0%} {when} (needs > {threshold:.0%})"
     return None
+
+
+def _parts(window: list[Reading], intervals: Sequence[Mapping[str, Delta]], now: float,
+           policy: Policy) -> list[dict[str, Delta]]:
+    """The window's intervals summed in SUSTAIN_PARTS parts of its time, each judged alone."""
+    start = now - policy.window
+    out = []
+    for k in range(SUSTAIN_PARTS):
+        lo = start + k * policy.window / SUSTAIN_PARTS
+        hi = start + (k + 1) * policy.window / SUSTAIN_PARTS
+        # The base interval opens part 0.
+        out.append(_summed([d for (_, b), d in zip(itertools.pairwise(window), intervals)
+                            if lo < b.at <= hi or (k == 0 and b.at <= lo)]))
+    return out
 
 
 def _split(plan: Plan) -> str:

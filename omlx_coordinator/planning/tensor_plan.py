@@ -29,6 +29,7 @@ from omlx_coordinator.planning.planner import (
     Stage,
     compute_plan_hash,
 )
+from omlx_shared.tensor_split import head_slice
 
 # Bytes of one element of the hidden state an all-reduce carries (fp32: a CPU computes in it;
 # a GPU's bf16 halves it, which only a slow link notices).
@@ -57,6 +58,26 @@ def rank_stream_bytes(layout: ModelLayout, ranks: int) -> int:
     return math.ceil(layers * layout.tensor_share(ranks)[0]) + layout.norm_bytes + head
 
 
+def rank_heads(plan: Plan, layout: ModelLayout) -> list[dict]:
+    """Each rank of a tensor-parallel `plan`: its node and the attention heads it holds, the
+    query heads [start, end) and the KV heads they read (as omlx_shared/tensor_split.py splits
+    them, for mlx-lm's even shard() and the generic sharder alike); [] for a pipeline or a
+    model whose config names no heads."""
+    shape = dict(layout.shape)
+    heads = shape.get("num_attention_heads")
+    if plan.parallel != "tensor" or not isinstance(heads, int) or not heads:
+        return []
+    kv = shape.get("num_key_value_heads")
+    kv = kv if isinstance(kv, int) and kv else heads
+    ranks = len(plan.stages)
+    out = []
+    for rank, stage in enumerate(plan.stages):
+        hs = head_slice(heads, kv, ranks, rank)
+        out.append({"rank": rank, "node": stage.node, "q_heads": [hs.q_start, hs.q_end],
+                    "kv_heads": list(hs.kv)})
+    return out
+
+
 def _share(share: float, ranks: int) -> str:
     return f"1/{ranks}" if share * ranks <= 1 + 1e-9 else f"up to {share:.0%} (an uneven split)"
 
@@ -72,6 +93,11 @@ def make_tensor_plan(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_byte
                         f"{n} can serve it. Use --parallel pipeline (or auto) on one node")
     if why := layout.tensor_refusal(n):
         raise PlanError(f"{layout.model_id} cannot run tensor-parallel over {n} nodes: {why}")
+    kept = [nd.name for nd in nodes if not nd.dequantizes]
+    if kept and (why := layout.group_cut(n)):
+        raise PlanError(f"{layout.model_id} cannot run tensor-parallel over {n} nodes: {why} "
+                        f"({', '.join(kept)} keep{'s' if len(kept) == 1 else ''} the weights "
+                        f"quantized)")
     L = layout.num_layers
     # The largest rank's share, which an uneven split of heads or width makes more than 1/n.
     share, kv_share = layout.tensor_share(n)

@@ -32,6 +32,14 @@ When to move (every rule is hysteresis against oscillation):
   each third of the last `window` seconds of this plan (a spike or noise in one, or an idle
   one, holds), the last move is older than `cooldown`, and going
   back to the plan just left must promise twice the threshold;
+- layout (`--parallel auto` only): a layout whose measured batch-1 token time misses the
+  planner's prediction by more than `threshold` (a link slower under load than when it was
+  probed at join, nodes slower than calibrated) is predicted again with what was measured, as
+  are the other layouts (a tensor stage's all-reduces at the time its steps took beyond its
+  weight reads); the best layout of another kind (tensor for a pipeline, a pipeline or one node
+  for a tensor stage) is proposed when it beats the measured time by more than `threshold`, in
+  each third of the window, past the cooldown, and going back to the plan just left must
+  promise twice the threshold;
 - memory pressure: a stage whose machine reports pressure (PRESSURE_LEVELS) or whose footprint
   reached FOOTPRINT_SHARE of its budget in every reading of the last `pressure_window` seconds
   sheds layers: its budget becomes SHED_SHARE of what its range holds, and the planner splits
@@ -180,6 +188,7 @@ class Rebalancer:
         decision = decide(self.readings, self.deployment.plan, self.deployment.model.layout, nodes,
                           time.time(), last_move_at=self.last_move_at,
                           left_plan_hash=self.left_plan_hash, remembered=self.remembered,
+                          relayout=self._relayout(), links=self.cluster.measured_links(),
                           policy=self.policy)
         self.remembered.update({n: decision.speeds[n] for n in decision.measured})
         if decision.measured and self.settings.mode == "auto":
@@ -196,6 +205,12 @@ class Rebalancer:
             if value is not None:
                 gauge.labels(which).set(value)
         return decision
+
+    def _relayout(self) -> bool:
+        """Whether the layout is the planner's to choose (`--parallel auto`), and so the
+        rebalancer's to change; a layout the user named stays."""
+        config = self.deployment.model.config
+        return (config.parallel or self.cluster.options.parallel) == "auto"
 
     async def apply(self, decision: Decision, reason: str | None = None) -> bool:
         """Moves to `decision.plan` now; whether the cluster serves it afterwards."""
