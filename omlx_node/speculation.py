@@ -42,6 +42,7 @@ draft pays: "auto" stays off; "ngram" and "draft=PATH" still draft one row at a 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -374,7 +375,15 @@ class Speculator:
             return []
         share = self.draft_share if proposer.source == "draft" else 0.0
         k = min(best_k(stats.alpha, self.costs, self.k, share), room)
-        return proposer.propose(tokens, output, k) if k > 0 else []
+        if k <= 0:
+            return []
+        # Timed apart from the layers: the rebalancer takes it off the stage's step time
+        # before it derives the node's speed from it.
+        t0 = time.perf_counter()
+        draft = proposer.propose(tokens, output, k)
+        if self.metrics is not None:
+            self.metrics.profile.drafted(time.perf_counter() - t0)
+        return draft
 
     def counted(self, proposer: Proposer, stats: SpecStats, drafted: int, accepted: int) -> None:
         """Counts one row's verified draft, in its stats and /metrics."""
