@@ -81,6 +81,36 @@ def test_proposers_read_on_where_they_matched():
         check_mode("draft")
 
 
+def test_lookup_finds_what_a_plain_scan_finds():
+    """Prompt lookup against the definition, scanned by hand: on a small alphabet (many
+    repeats), every suffix length, cursor and k; and a proposer fed a growing row (its tokens
+    converted only as they come) drafts what a fresh one drafts from the whole row."""
+    rng = np.random.default_rng(3)
+
+    def scan(corpus: list[int], suffix: list[int], k: int, after: int) -> tuple[list[int], int]:
+        n, end = len(suffix), len(corpus)
+        hits = [i + n for i in range(end - n) if corpus[i:i + n] == suffix]  # a token after
+        if not n or not hits:
+            return [], 0
+        start = next((h for h in hits if h >= after), hits[-1])
+        return corpus[start:start + k], start
+
+    for _ in range(300):
+        corpus = rng.integers(0, 4, int(rng.integers(1, 40))).tolist()
+        n, k = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        after = int(rng.integers(0, len(corpus) + 2))
+        suffix = corpus[-n:]
+        assert speculation.lookup(np.array(corpus), len(corpus), np.array(suffix), k,
+                                  after) == scan(corpus, suffix, k, after), (corpus, n, after)
+    row = rng.integers(0, 6, 30).tolist()
+    growing = NgramProposer()
+    for _ in range(60):
+        fresh = NgramProposer()
+        fresh.cursor = growing.cursor
+        assert growing.propose(row, [], 4) == fresh.propose(row, [], 4)
+        row = row + rng.integers(0, 6, int(rng.integers(1, 4))).tolist()
+
+
 @pytest.mark.parametrize("source", ["ngram", "prediction"])
 def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
     model, tok = mlx_lm_model
