@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -39,6 +39,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
 KINDS = ("decode", "prefill")
+T = TypeVar("T")
 
 
 class KVHolder(Protocol):
@@ -95,6 +96,11 @@ class StageProfile:
             "How long a timed step waited for its input from the previous stage (on the head: "
             "the tail's tokens) once this stage was ready for it", ["kind"],
             buckets=STEP_BUCKETS, registry=r)
+        drafting = Counter(
+            "omlx_node_stage_draft_seconds",
+            "Host time this stage spent drafting tokens for speculative decoding (prompt "
+            "lookup, a prediction, a draft model's passes), by kind: part of its steps' time "
+            "that is not its layers'", ["kind"], registry=r)
         self.rows = Histogram("omlx_node_stage_step_rows", "Sequences per decode step",
                               buckets=ROW_BUCKETS, registry=r)
         Gauge("omlx_node_stage_busy_ratio",
@@ -103,6 +109,7 @@ class StageProfile:
         self._steps = {k: steps.labels(kind=k) for k in KINDS}
         self._compute = {k: compute.labels(kind=k) for k in KINDS}
         self._wait = {k: wait.labels(kind=k) for k in KINDS}
+        self._drafting = drafting.labels(kind="decode")
         # The kinds of step whose input comes from another stage (set by the worker): in a
         # pipeline every step of a later stage, the head's decode steps (the tail's tokens).
         self.peer_inputs: frozenset[str] = frozenset()
@@ -115,6 +122,7 @@ class StageProfile:
         self._busy = _Window(1)  # compute seconds
         self._prefill = _Window(2)  # prompt tokens, compute seconds
         self._pending: tuple[str, int, float, list] | None = None  # see `settle`
+        self._received = 0.0  # seconds the next decode step's input took to read (`receive`)
 
     def run(self, kind: str, x: mx.array, compute: Callable[[], mx.array],
             results: Callable[[mx.array], list] = lambda out: [out],
@@ -126,6 +134,9 @@ class StageProfile:
         schedules them instead, so that the caller builds its next step while the device
         computes this one; `settle` then takes its time."""
         self._steps[kind].inc()
+        received = 0.0
+        if kind == "decode":
+            received, self._received = self._received, 0.0
         rows, tokens = x.shape[0], x.shape[0] * x.shape[1]
         self.tokens += tokens
         last, self._last_kind = self._last_kind, kind
@@ -143,7 +154,7 @@ class StageProfile:
         t1 = time.perf_counter()
         out = compute()
         if kind in self.peer_inputs:
-            self._wait[kind].observe(t1 - t0)
+            self._wait[kind].observe(t1 - t0 + received)
         if wait:
             mx.eval(results(out))
             self._record(kind, tokens, time.perf_counter() - t1)
@@ -151,6 +162,25 @@ class StageProfile:
             self._pending = (kind, tokens, t1, results(out))
             mx.async_eval(self._pending[3])
         return out
+
+    def receive(self, read: Callable[[], T]) -> T:
+        """`read()`: a blocking read, on the host, of the input of this stage's next decode
+        step, made before that step is built (the head's, around steps that verify drafts: a
+        draft follows the tokens, so `x` is on the host when `run` gets it). When that step is
+        timed, its wait for its input is this read's, this stage's earlier work drained first
+        as `run` does."""
+        if "decode" not in self.peer_inputs or (self._decode_steps + 1) % PROFILE_EVERY:
+            return read()
+        self.settle()
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = read()
+        self._received = time.perf_counter() - t0
+        return out
+
+    def drafted(self, seconds: float) -> None:
+        """Counts `seconds` of drafting (omlx_node.speculation.Speculator.draft)."""
+        self._drafting.inc(seconds)
 
     def settle(self) -> None:
         """Takes the time of the step `run(wait=False)` left computing: from its start to its

@@ -328,7 +328,7 @@ class PipelineHead(Engine):
         rows = m.seqs
         logprobs: list[list | None] = [None] * len(rows)
         if m.width == 1:
-            values = self._recv_reply(rows).tolist()
+            values = self.metrics.profile.receive(lambda: self._recv_reply(rows).tolist())
             runs = [[v] for v in values[:len(rows)]]
             verdicts, failed = self._recv_rest(rows, values[-1])
             found = self._logprobs(rows, values[len(rows):-1])
@@ -337,9 +337,8 @@ class PipelineHead(Engine):
         else:
             asking = [s for s in rows if s.req.sampling.logprobs is not None]
             ks = [s.req.sampling.logprobs for s in asking]
-            runs, ints, n_failed = wire.recv_runs(len(rows), m.width,
-                                                  logprob_ints(ks) * m.width, self.tail,
-                                                  self.group)
+            runs, ints, n_failed = self.metrics.profile.receive(lambda: wire.recv_runs(
+                len(rows), m.width, logprob_ints(ks) * m.width, self.tail, self.group))
             verdicts, failed = self._recv_rest(rows, n_failed)
             records = unpack_logprobs(ints, [k for k in ks for _ in range(m.width)])
             found = {s: records[a * m.width:(a + 1) * m.width] for a, s in enumerate(asking)}

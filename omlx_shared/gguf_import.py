@@ -38,6 +38,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from omlx_shared.gguf_bpe import UnsupportedVocabulary, byte_level_bpe
 from omlx_shared.model_store import ModelError, models_dir, validate_model_dir
 from omlx_shared.progress import ProgressLines, on_terminal
 
@@ -465,17 +466,36 @@ def _quantization_config(plan: list[_Planned], quantized: dict[str, int]) -> dic
     return {"quantization": quantization, "quantization_config": quantization}
 
 
+def _backend(arch: str, spec: dict):
+    """The `tokenizers` tokenizer of a GGUF's vocabulary: transformers' builders where this
+    transformers has them, else omlx_shared.gguf_bpe's for the vocabularies it knows (the
+    default model's among them)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        try:
+            return byte_level_bpe(spec)
+        except UnsupportedVocabulary as e:
+            import transformers
+
+            raise ModelError(
+                f"this GGUF's tokenizer needs transformers' GGUF tokenizer support, which "
+                f"transformers {transformers.__version__} lacks ({e}): upgrade transformers, or "
+                f"import the model where it is newer and copy the folder") from None
+    return convert_gguf_tokenizer(arch, spec)[0]
+
+
 def _write_tokenizer(meta: _Metadata, arch: str, folder: Path, context_length: int) -> dict:
     """Write tokenizer.json and tokenizer_config.json; return the config.json token ids.
 
     The vocabulary and merges are handed to transformers' own GGUF tokenizer builders, which know
-    each pre-tokenizer llama.cpp names. Their entry point reads the file through torch, so the
-    metadata is read here with gguf instead.
+    each pre-tokenizer llama.cpp names (`_backend`; omlx_shared.gguf_bpe where transformers has
+    none). Their entry point reads the file through torch, so the metadata is read here with
+    gguf instead.
     """
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer,
-    )
 
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -489,7 +509,7 @@ def _write_tokenizer(meta: _Metadata, arch: str, folder: Path, context_length: i
         "merges": meta.get("tokenizer.ggml.merges"),
         "scores": meta.get("tokenizer.ggml.scores"),
     }
-    backend, _ = convert_gguf_tokenizer(arch, {k: v for k, v in spec.items() if v is not None})
+    backend = _backend(arch, {k: v for k, v in spec.items() if v is not None})
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")

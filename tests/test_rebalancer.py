@@ -60,12 +60,14 @@ def first_plan(nodes: list[NodeState] = NODES) -> Plan:
 
 def simulate(speed: Callable[[str, float], float], seconds: float, policy: Policy,
              noise: float = 0.0, memory: Callable[[str, float, int], tuple] | None = None,
-             nodes: list[NodeState] = NODES) -> tuple[list[tuple[float, object]], Plan]:
+             nodes: list[NodeState] = NODES, drafting: float = 0.0
+             ) -> tuple[list[tuple[float, object]], Plan]:
     """Runs the decision every TICK over readings of stages whose step time is their bytes over
     `speed(node, t)` GB/s (times a uniform noise of +-`noise`), plus what streamed layers take
-    to read from the node's disk, applying each move as the cluster would (a new plan, its
-    counters from zero); `memory(node, t, layers held)`: (footprint bytes, pressure). Returns
-    the moves [(t, decision)] and the last plan."""
+    to read from the node's disk, and on the head `drafting` seconds a step of drafting (outside
+    its timed layers, as a node times them), applying each move as the cluster would (a new
+    plan, its counters from zero); `memory(node, t, layers held)`: (footprint bytes, pressure).
+    Returns the moves [(t, decision)] and the last plan."""
     rng = random.Random(7)
     plan, readings, moves, nodes = first_plan(nodes), [], [], list(nodes)
     totals: dict[str, list[float]] = {}
@@ -76,17 +78,20 @@ def simulate(speed: Callable[[str, float], float], seconds: float, policy: Polic
         reads = read_seconds(LAYOUT, plan, {n.name: n for n in nodes})
         own = {s.node: (nbytes[s.node] / (speed(s.node, t) * 1e9) + reads[s.node])
                * (1 + rng.uniform(-noise, noise)) for s in plan.stages}
-        period = max(own.values())  # the pipeline runs at its slowest stage's pace
+        drafts = {s.node: drafting if i == 0 else 0.0 for i, s in enumerate(plan.stages)}
+        period = max(own[n] + drafts[n] for n in own)  # the slowest stage's pace
         stages = []
         for s in plan.stages:
-            # Timed steps (STEPS an interval), their waits (what the slowest leaves), all steps.
-            add = [own[s.node] * STEPS, STEPS, (period - own[s.node]) * STEPS, STEPS,
-                   TICK / period]
-            totals[s.node] = [x + y for x, y in zip(totals.get(s.node, [0.0] * 5), add)]
-            compute, timed, wait, waited, steps = totals[s.node]
+            # Timed steps (STEPS an interval), their waits (what the slowest leaves), all steps,
+            # and the drafting of all steps.
+            wait = max(0.0, period - own[s.node] - drafts[s.node])  # not -1e-17 at the slowest
+            add = [own[s.node] * STEPS, STEPS, wait * STEPS, STEPS, TICK / period,
+                   drafts[s.node] * TICK / period]
+            totals[s.node] = [x + y for x, y in zip(totals.get(s.node, [0.0] * 6), add)]
+            compute, timed, wait, waited, steps, drafted = totals[s.node]
             footprint, pressure = memory(s.node, t, s.num_layers) if memory else (None, None)
             stages.append(StageReading(s.node, compute, timed, footprint, pressure,
-                                       "psi_some_avg10", steps, wait, waited))
+                                       "psi_some_avg10", steps, wait, waited, drafted))
         readings.append(Reading(t, plan.plan_hash, tuple(stages)))
         d = decide(readings, plan, LAYOUT, nodes, t, last_move_at=last_move,
                    left_plan_hash=left, policy=policy)
@@ -215,6 +220,42 @@ def test_layers_moved_off_a_slow_node_stay_within_a_streaming_nodes_cap():
     assert plan.stages[0].num_layers < first_plan(STREAMING).stages[0].num_layers
     n2 = next(s for s in plan.stages if s.node == "n2")
     assert n2.weight_bytes <= STREAMING[2].weights_cap and n2.streamed_layers == n2.num_layers - 1
+
+
+def test_a_head_that_drafts_is_not_mistaken_for_a_slow_one():
+    # Every node at the speed it was planned at (0.4 s a step of layers); the head also drafts
+    # 0.3 s a step (a draft model's passes). Counted as its layers' time, the head would read
+    # at 0.57 GB/s and lose a layer, for a predicted bottleneck 25% lower.
+    policy = Policy(window=60, cooldown=300)
+    moves, _ = simulate(lambda n, t: 1.0, 600, policy, drafting=0.3)
+    assert moves == [], [(t, d.why) for t, d in moves]
+    plan = first_plan()
+    d = decide(*_drafting_readings(plan, 0.3), LAYOUT, NODES, 60, policy=policy)
+    assert d.speeds["n0"] == pytest.approx(1.0) and not d.move
+    assert d.current_bottleneck_s == pytest.approx(0.7)  # the head's step, drafting and all
+    # Slowed for real (to 1/3; the window still holds some of its time at full speed), the
+    # drafting head still loses layers, at its layers' measured speed (0.27 with its drafting),
+    # and the split it is compared with keeps its drafting on its head (the planner splits by
+    # layer speed alone, so a second move, after the cooldown, takes one more).
+    moves, plan = simulate(lambda n, t: 1 / 3 if n == "n0" and t >= 100 else 1.0, 600,
+                           policy, drafting=0.3)
+    assert moves and 1 / 3 < moves[0][1].speeds["n0"] < 0.75, [(t, d.why) for t, d in moves]
+    assert layers(plan)["n0"] < 4
+    for _, d in moves:
+        assert d.best_bottleneck_s == pytest.approx(max(
+            s.est_ms / 1e3 + (0.3 if i == 0 else 0) for i, s in enumerate(d.plan.stages)))
+
+
+def _drafting_readings(plan: Plan, drafting: float) -> tuple[list[Reading], Plan]:
+    """A minute of readings of `plan` whose stages run at their planned speed, the head also
+    drafting `drafting` seconds a step: the pipeline steps at the head's pace."""
+    period = plan.stages[0].est_ms / 1e3 + drafting
+    drafts = [drafting] + [0.0] * (len(plan.stages) - 1)
+    waits = [max(0.0, period - s.est_ms / 1e3 - a) for s, a in zip(plan.stages, drafts)]
+    return [Reading(t, plan.plan_hash, tuple(
+        StageReading(s.node, s.est_ms / 1e3 * t, t, steps=t / period, wait_seconds=w * t,
+                     wait_steps=t, draft_seconds=a * t / period)
+        for s, w, a in zip(plan.stages, waits, drafts))) for t in range(0, 62, 2)], plan
 
 
 def test_memory_pressure_sheds_layers():

@@ -4,17 +4,20 @@ at a time gives, and sampled rows keep the target's distribution."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
+from prometheus_client import generate_latest
 
+from omlx_coordinator.telemetry.rebalancer import parse_stage
 from omlx_node import speculation
 from omlx_node.batcher import Batcher
 from omlx_node.kv_cache import PrefixCache
-from omlx_node.metrics import NodeMetrics
+from omlx_node.metrics import PROFILE_EVERY, NodeMetrics
 from omlx_node.sampling import SamplingParams
 from omlx_node.sequence import SeqRequest
 from omlx_node.speculation import (
@@ -30,6 +33,7 @@ from omlx_node.speculation import (
     verify_sampled,
 )
 from omlx_node.stage import StageRunner
+from omlx_shared.prometheus import labelled
 from omlx_shared.speculative_modes import check_mode
 from tests.helpers.engine import assert_logprobs_match, drain, reference
 from tests.helpers.speculation import FLAT, TEXT, mixed_requests, run_one
@@ -77,6 +81,36 @@ def test_proposers_read_on_where_they_matched():
         check_mode("draft")
 
 
+def test_lookup_finds_what_a_plain_scan_finds():
+    """Prompt lookup against the definition, scanned by hand: on a small alphabet (many
+    repeats), every suffix length, cursor and k; and a proposer fed a growing row (its tokens
+    converted only as they come) drafts what a fresh one drafts from the whole row."""
+    rng = np.random.default_rng(3)
+
+    def scan(corpus: list[int], suffix: list[int], k: int, after: int) -> tuple[list[int], int]:
+        n, end = len(suffix), len(corpus)
+        hits = [i + n for i in range(end - n) if corpus[i:i + n] == suffix]  # a token after
+        if not n or not hits:
+            return [], 0
+        start = next((h for h in hits if h >= after), hits[-1])
+        return corpus[start:start + k], start
+
+    for _ in range(300):
+        corpus = rng.integers(0, 4, int(rng.integers(1, 40))).tolist()
+        n, k = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        after = int(rng.integers(0, len(corpus) + 2))
+        suffix = corpus[-n:]
+        assert speculation.lookup(np.array(corpus), len(corpus), np.array(suffix), k,
+                                  after) == scan(corpus, suffix, k, after), (corpus, n, after)
+    row = rng.integers(0, 6, 30).tolist()
+    growing = NgramProposer()
+    for _ in range(60):
+        fresh = NgramProposer()
+        fresh.cursor = growing.cursor
+        assert growing.propose(row, [], 4) == fresh.propose(row, [], 4)
+        row = row + rng.integers(0, 6, int(rng.integers(1, 4))).tolist()
+
+
 @pytest.mark.parametrize("source", ["ngram", "prediction"])
 def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
     model, tok = mlx_lm_model
@@ -93,6 +127,35 @@ def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
         assert 0 < seq.spec.predicted_accepted <= seq.spec.accepted
     # Fewer forward passes than tokens: that is the point.
     assert batcher.metrics.profile._steps["decode"]._value.get() < n - seq.spec.accepted / 2
+
+
+def test_drafting_is_timed_apart_from_the_layers(model_path, mlx_lm_model):
+    """The stage exports its drafting time, which the rebalancer reads from its /metrics and
+    takes off its step time (omlx_coordinator.planning.rebalance_policy); without drafts, 0."""
+    _, tok = mlx_lm_model
+    identity = {"node": "n0", "model": "m", "plan": "p1", "stage": "0", "layers": "0-2"}
+    for mode in ("ngram", "off"):
+        batcher = engine(model_path, mode)
+        _, _, seq = run_one(batcher, SeqRequest("a", tok.encode(TEXT), 30))
+        text = generate_latest(labelled(batcher.metrics.registry, identity)).decode()
+        plan, reading = parse_stage(text)
+        assert (plan, reading.node) == ("p1", "n0")
+        assert (reading.draft_seconds > 0) is (mode == "ngram") and (seq.spec.drafted > 0) is (
+            mode == "ngram")
+
+
+def test_a_timed_step_waits_for_the_input_read_before_it():
+    """A pipeline head that drafts reads the tail's tokens on the host before it builds the
+    step they feed (omlx_node.pipeline): that read is the timed step's wait for its input, not
+    time of its own."""
+    profile = NodeMetrics().profile
+    profile.peer_inputs = frozenset({"decode"})
+    x = mx.zeros((1, 1))
+    for _ in range(2 * PROFILE_EVERY):
+        profile.receive(lambda: time.sleep(0.02))
+        profile.run("decode", x, lambda: x + 1)
+    wait = profile._wait["decode"]
+    assert wait._sum.get() >= 2 * 0.02 and profile._compute["decode"]._sum.get() < 0.02
 
 
 def test_eight_streams_mix_speculating_and_plain_rows(model_path, mlx_lm_model):

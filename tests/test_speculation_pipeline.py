@@ -17,6 +17,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from omlx_coordinator.telemetry.rebalancer import parse_stage
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.engine import assert_logprobs_match
@@ -103,6 +104,11 @@ def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
             assert (len(tokens), reason) == (N, "length")
             metrics = metrics_at(port)
             assert (drafted(metrics, "draft") > before) is (mode == SPECULATE)
+            # What the rebalancer reads: the head's drafting apart from its layers' time, and
+            # its timed steps' wait for the tail's tokens (read on the host when it drafts).
+            _, head = parse_stage(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+            assert (head.draft_seconds > 0) is (mode == SPECULATE)
+            assert head.wait_steps > 0 and head.wait_seconds > 0
         if mode == SPECULATE:
             assert drafted(metrics, "accepted") > 0, metrics
             assert drafted(metrics, "draft") >= drafted(metrics, "accepted")

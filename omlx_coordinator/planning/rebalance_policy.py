@@ -74,6 +74,7 @@ class StageReading:
     steps: float = 0.0  # omlx_node_stage_steps_total{kind="decode"}: every step
     wait_seconds: float = 0.0  # omlx_node_stage_receive_wait_seconds_sum{kind="decode"}
     wait_steps: float = 0.0  # ..._count
+    draft_seconds: float = 0.0  # omlx_node_stage_draft_seconds_total{kind="decode"}
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,25 @@ def read_seconds(layout: ModelLayout, plan: Plan, nodes: Mapping[str, NodeState]
     return out
 
 
-def _compute_seconds(step: float, reading: float) -> float:
-    """A stage's step time less its disk reads: what its speed is derived from."""
-    return max(step - reading, MIN_COMPUTE_SHARE * step)
+def _compute_seconds(step: float, aside: float) -> float:
+    """A stage's step time less what is not its layers' compute (`aside`: its disk reads and
+    its drafting): what its speed is derived from."""
+    return max(step - aside, MIN_COMPUTE_SHARE * step)
+
+
+def _speeds(step_s: Mapping[str, float], nbytes: Mapping[str, float],
+            reads: Mapping[str, float], head: str, drafting: float) -> dict[str, float]:
+    """GB/s each stage's node ran at, in the planner's units: its bytes over its step time
+    (`step_s`) less its disk reads and, on the `head`, its drafting."""
+    return {n: nbytes[n] / _compute_seconds(t, reads[n] + (drafting if n == head else 0.0))
+            / 1e9 for n, t in step_s.items()}
+
+
+def _bottleneck(plan: Plan, stage_s: Mapping[str, float], drafting: float) -> float:
+    """The slowest stage of `plan`, each taking `stage_s` seconds a step (layers and reads),
+    its head `drafting` seconds more."""
+    return max(stage_s[s.node] + (drafting if i == 0 else 0.0)
+               for i, s in enumerate(plan.stages))
 
 
 def _covering(readings: Sequence[Reading], now: float, span: float) -> list[Reading] | None:
@@ -198,6 +215,7 @@ class Delta:
     wait: float = 0.0  # seconds waiting for its input
     waited: float = 0.0  # steps that waited
     steps: float = 0.0  # every decode step
+    draft: float = 0.0  # seconds drafting
 
     def __add__(self, other: Delta) -> Delta:
         return Delta(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Delta)))
@@ -215,6 +233,13 @@ class Delta:
             own = max(own, self.seconds / self.steps - (self.wait / self.waited if self.waited else 0.0))
         return own
 
+    def drafting(self) -> float:
+        """Seconds a decode step spent drafting tokens (speculative decoding: a pipeline's
+        head drafts for every row). The stage's own time holds them, but they are no part of
+        its layers: its speed is derived without them, and they stay with whichever node heads
+        a split the current one is compared with."""
+        return self.draft / self.steps if self.steps > 0 else 0.0
+
 
 def _deltas(a: Reading, b: Reading) -> dict[str, Delta] | None:
     """Each stage's counters between two readings; None when a counter went back (its worker
@@ -226,7 +251,8 @@ def _deltas(a: Reading, b: Reading) -> dict[str, Delta] | None:
         if p is None:
             return None
         d = Delta(b.at - a.at, s.decode_seconds - p.decode_seconds, s.decode_steps - p.decode_steps,
-                  s.wait_seconds - p.wait_seconds, s.wait_steps - p.wait_steps, s.steps - p.steps)
+                  s.wait_seconds - p.wait_seconds, s.wait_steps - p.wait_steps, s.steps - p.steps,
+                  s.draft_seconds - p.draft_seconds)
         if min(getattr(d, f.name) for f in fields(Delta)) < 0:
             return None
         out[s.node] = d
@@ -251,6 +277,7 @@ class _Measured:
     intervals: list[dict[str, Delta] | None]  # between consecutive readings of the window
     nbytes: dict[str, float]  # each stage's bytes a step in the planner's cost model
     reads: dict[str, float]  # seconds each stage reads its streamed layers a step
+    drafting: float  # seconds the head drafts a step
     step_s: dict[str, float]  # measured seconds a step, per stage with enough steps
     speeds: dict[str, float]  # GB/s each node is planned at
     measured: tuple[str, ...]
@@ -273,10 +300,11 @@ def _measure(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequen
     intervals = [_deltas(a, b) for a, b in itertools.pairwise(span)]
     nbytes = stage_bytes(layout, plan)
     reads = read_seconds(layout, plan, {n.name: n for n in nodes})
-    step_s = {node: t for node, d in _summed(intervals).items()
-              if (t := d.own_seconds()) is not None}
-    speeds = {node: nbytes[node] / _compute_seconds(t, reads[node]) / 1e9
-              for node, t in step_s.items()}
+    summed = _summed(intervals)
+    step_s = {node: t for node, d in summed.items() if (t := d.own_seconds()) is not None}
+    head = plan.stages[0].node
+    drafting = summed[head].drafting() if head in summed else 0.0
+    speeds = _speeds(step_s, nbytes, reads, head, drafting)
     measured = tuple(s.node for s in plan.stages if s.node in speeds)
     calibrated = {n.name: n.speed for n in nodes}
     ratios = [speeds[n] / calibrated[n] for n in measured if n in calibrated]
@@ -286,8 +314,8 @@ def _measure(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequen
             speeds[n.name] = (remembered or {}).get(n.name) or n.speed * scale
     held = {s.node for s in plan.stages}
     current_s = max(step_s.values()) if len(measured) == len(held) else None
-    return _Measured(plan, ours, window, intervals, nbytes, reads, step_s, speeds, measured,
-                     scale, current_s)
+    return _Measured(plan, ours, window, intervals, nbytes, reads, drafting, step_s, speeds,
+                     measured, scale, current_s)
 
 
 def _best_plan(layout: ModelLayout, nodes: Sequence[NodeState], speeds: Mapping[str, float],
@@ -486,7 +514,7 @@ def _imbalance(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], no
         target = _best_plan(layout, nodes, m.speeds, budgets)
     except PlanError as e:
         return Decision(False, "", f"no split fits: {str(e).splitlines()[0]}", **base)
-    best_s = target.bottleneck_ms / 1e3
+    best_s = _bottleneck(target, {s.node: s.est_ms / 1e3 for s in target.stages}, m.drafting)
     found = dict(base, plan=target, best_bottleneck_s=best_s)
     gain = 1 - best_s / m.current_s
     numbers = (f"bottleneck {m.current_s * 1e3:.2f} ms now, {best_s * 1e3:.2f} ms predicted for "
@@ -524,12 +552,13 @@ def _sustained(m: _Measured, layout: ModelLayout, nodes: Sequence[NodeState], ta
         own = {n: part[n].own_seconds() if n in part else None for n in held}
         if any(t is None for t in own.values()):
             return f"too few decode steps {when}"
+        head = held[0]
+        drafting = part[head].drafting()
         at = dict(m.speeds)
-        at.update({n: m.nbytes[n] / _compute_seconds(t, m.reads[n]) / 1e9
-                   for n, t in own.items()})
+        at.update(_speeds(own, m.nbytes, m.reads, head, drafting))
         now_s = max(own.values())
-        then_s = max(target_bytes[s.node] / at[s.node] / 1e9 + target_reads[s.node]
-                     for s in target.stages)
+        then_s = _bottleneck(target, {s.node: target_bytes[s.node] / at[s.node] / 1e9
+                                      + target_reads[s.node] for s in target.stages}, drafting)
         if 1 - then_s / now_s <= threshold:
             return f"{1 - then_s / now_s:+.0%} {when} (needs > {threshold:.0%})"
     return None

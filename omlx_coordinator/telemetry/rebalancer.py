@@ -20,7 +20,9 @@ best split over those speeds is comparable to it. A stage that streams layers fr
 (their bytes at the node's measured disk speed) is taken off its measured time before its
 speed is derived, and the splits it is compared with are planned with each node's cap and disk,
 read time included, so a streaming stage is not mistaken for a slow one, nor given layers its
-cap cannot hold. A node with no stage in the plan keeps the
+cap cannot hold. The same for a pipeline's head that drafts tokens (speculative decoding):
+its drafting time (`omlx_node_stage_draft_seconds_total`) is taken off its step before its
+speed is derived, and added to the head of every split it is compared with. A node with no stage in the plan keeps the
 speed it was last measured at; one never measured is planned at its calibrated speed scaled as
 the measured nodes' are (measured / calibrated), so units do not mix. In mode auto the
 model's re-plans after a loss or a join split by these speeds too (recorded in the model's
@@ -81,10 +83,12 @@ MODES: tuple[Mode, ...] = ("auto", "advise", "off")
 COMPUTE = "omlx_node_stage_compute_seconds"
 WAIT = "omlx_node_stage_receive_wait_seconds"
 STEPS = "omlx_node_stage_steps_total"
+DRAFT = "omlx_node_stage_draft_seconds_total"
 FOOTPRINT = "omlx_node_process_footprint_bytes"
 PRESSURE = "omlx_node_memory_pressure"
 # The series read by kind (decode only).
-DECODE_SERIES = (COMPUTE + "_sum", COMPUTE + "_count", WAIT + "_sum", WAIT + "_count", STEPS)
+DECODE_SERIES = (COMPUTE + "_sum", COMPUTE + "_count", WAIT + "_sum", WAIT + "_count", STEPS,
+                 DRAFT)
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ def _stage(values: Mapping[str, float], labels: Mapping[str, str]) -> tuple[str,
     return labels.get("plan", ""), StageReading(
         labels["node"], values[COMPUTE + "_sum"], values.get(COMPUTE + "_count", 0.0),
         values.get(FOOTPRINT), values.get(PRESSURE), labels.get("source", ""),
-        values.get(STEPS, 0.0), values.get(WAIT + "_sum", 0.0), values.get(WAIT + "_count", 0.0))
+        values.get(STEPS, 0.0), values.get(WAIT + "_sum", 0.0), values.get(WAIT + "_count", 0.0),
+        values.get(DRAFT, 0.0))
 
 
 class Rebalancer:
