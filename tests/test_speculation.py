@@ -152,10 +152,11 @@ def test_a_timed_step_waits_for_the_input_read_before_it():
     profile.peer_inputs = frozenset({"decode"})
     x = mx.zeros((1, 1))
     for _ in range(2 * PROFILE_EVERY):
-        profile.receive(lambda: time.sleep(0.02))
+        profile.receive(lambda: time.sleep(0.1))
         profile.run("decode", x, lambda: x + 1)
+    # Two timed steps: both reads are wait; counted as compute they would be 0.2 s of it.
     wait = profile._wait["decode"]
-    assert wait._sum.get() >= 2 * 0.02 and profile._compute["decode"]._sum.get() < 0.02
+    assert wait._sum.get() >= 2 * 0.1 and profile._compute["decode"]._sum.get() < 0.1
 
 
 def test_eight_streams_mix_speculating_and_plain_rows(model_path, mlx_lm_model):
