@@ -26,7 +26,10 @@ An embedding batch or a transcription is work a person does not watch token by t
 model's decode is. Their workers run at ENCODE_NICE (env OMLX_ENCODE_NICE) from their start,
 every thread of them (BLAS's pool does most of an encoder's work, and it exists before any
 load): beside a decoding model they take about a tenth of the cores it wants, and all of them
-when it is idle. Nothing of theirs is ever raised back.
+when it is idle. Not 19, although nobody watches a bulk batch: one pool of BLAS threads runs
+a RAG query (which a chat user waits for) and a bulk batch alike, and at 19 such a query took
+1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nothing of theirs
+is ever raised back.
 
 Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
 whole process's) the work runs as before.
