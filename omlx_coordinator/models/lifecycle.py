@@ -236,11 +236,11 @@ class ModelManager:
             for d in ds:  # one replica at a time: one load per node and disk
                 await d.load(reason)  # the model serves once all have loaded
         except BaseException as e:
-            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            model.state, model.error = UNLOADED, reason
+            error = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            model.state, model.error = UNLOADED, error
             if not isinstance(e, asyncio.CancelledError):
-                log.error("could not load %s: %s", model.name, reason)
-                ds[0].status = f"failed: {reason}"
+                log.error("could not load %s: %s", model.name, error)
+                ds[0].status = f"failed: {error}"
             for d in ds:
                 if not d.ready:
                     d.placed = None
