@@ -146,6 +146,13 @@ def predicted(url: str, model: str) -> float:
 def rate_during(url: str, model: str, seconds_of, streams: int = 8) -> tuple[float, float]:
     """tok/s of `model` under `streams` looping requests while `seconds_of()` runs, from the
     gateway's own token counter over that window; and the window's length."""
+    return rates_during(url, model, [(None, seconds_of)], streams)[0]
+
+
+def rates_during(url: str, model: str, steps, streams: int = 8) -> list[tuple[float, float]]:
+    """rate_during's (tok/s, window) of each `(setup, work)` of `steps` in turn under one
+    set of streams (one warm-up for them all): a window spans `work()`, not `setup()`
+    (None: no setup)."""
     done = threading.Event()
 
     def loop(i: int) -> None:
@@ -157,13 +164,20 @@ def rate_during(url: str, model: str, seconds_of, streams: int = 8) -> tuple[flo
     for t in threads:
         t.start()
     time.sleep(3)  # every stream running
-    t0, before = time.monotonic(), predicted(url, model)
-    seconds_of()
-    t1, after = time.monotonic(), predicted(url, model)
-    done.set()
-    for t in threads:
-        t.join(120)
-    return (after - before) / (t1 - t0), t1 - t0
+    out = []
+    try:
+        for setup, work in steps:
+            if setup is not None:
+                setup()
+            t0, before = time.monotonic(), predicted(url, model)
+            work()
+            t1, after = time.monotonic(), predicted(url, model)
+            out.append(((after - before) / (t1 - t0), t1 - t0))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(120)
+    return out
 
 
 def part_loading_beside(work: Path, a: Path, b: Path, runs: int) -> dict:

@@ -442,7 +442,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             rdma_devices=request.rdma_devices_json if world > 1 else "",
             plan_hash=request.plan_hash, micro_batches=request.micro_batches, host=self.host,
             node_id=self.node_id, metrics_port=self._free_metrics_port(),
-            kind=request.kind or "chat", engine=engine)
+            kind=request.kind or "chat", load_reason=request.load_reason, engine=engine)
         # Its callers must present the same session, over TLS with these credentials.
         env = {auth.SESSION_ENV: self.session} if self.session else {}
         if self.tls is not None:
@@ -469,6 +469,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             model_id=model_id, layer_start=info["layer_start"], layer_end=info["layer_end"],
             num_layers=info["num_layers"], dtype=info["dtype"],
             load_seconds=info["load_seconds"], worker_pid=info["pid"],
+            load_nice=info.get("load_nice", 0),
             worker_address=f"{self.host}:{info['port']}" if info["port"] else ""),
             info.get("metrics_port") or 0)
         worker.probe(self.host)  # the first Health after LoadShard already shows its memory

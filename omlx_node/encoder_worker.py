@@ -27,7 +27,8 @@ from pathlib import Path
 import grpc
 
 from omlx_node.encoders import Encoder
-from omlx_node.load_priority import at_low_priority, encode_nice, lower_this_process
+from omlx_node.load_priority import (at_low_priority, encode_nice, load_nice,
+                                     lower_this_process, reason_name, thread_nice)
 from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import write_ready
@@ -203,12 +204,21 @@ def start_server(service: EncoderService, host: str) -> tuple[grpc.Server, int]:
 
 
 def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
-                       ready_file: Path | None) -> int:
-    """Loads the model, serves Encode until SIGTERM; returns the exit code."""
+                       ready_file: Path | None, load_reason: int = pb.LOAD_REQUESTED) -> int:
+    """Loads the model (at the priority `load_reason`, a pb.LoadReason, sets), serves Encode
+    until SIGTERM; returns the exit code."""
     lower_this_process(encode_nice())  # below a chat model's decode, its BLAS threads too
     t0 = time.monotonic()
-    model = at_low_priority(lambda: Transcriber(model_path) if kind == TRANSCRIBE
-                            else Encoder(model_path, kind_of(model_path, kind)))
+    nice = load_nice(load_reason)
+    log.info("loading %s at nice %d (%s)", model_id, nice, reason_name(load_reason))
+    niced: list[int] = []  # as the loading thread reads it
+
+    def load() -> Encoder | Transcriber:
+        niced.append(thread_nice())
+        return (Transcriber(model_path) if kind == TRANSCRIBE
+                else Encoder(model_path, kind_of(model_path, kind)))
+
+    model = at_low_priority(load, nice=nice)
     load_seconds = time.monotonic() - t0
     log.info("%s (%s) loaded in %.1fs", model_id, kind, load_seconds)
     freeze_startup_heap()
@@ -221,7 +231,7 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
         write_ready(ready_file, {"pid": os.getpid(), "dtype": dtype,
                                  "load_seconds": load_seconds, "layer_start": 0,
                                  "layer_end": 1, "num_layers": 1, "port": port,
-                                 "metrics_port": 0})
+                                 "metrics_port": 0, "load_nice": niced[0]})
     service.serve()
     server.stop(grace=2).wait(5)
     return 0

@@ -1,23 +1,35 @@
-"""A worker's load at the lowest CPU priority, so that the models a node serves keep their speed
+"""A worker's load at a low CPU priority, so that the models a node serves keep their speed
 while another one loads beside them; and an embedding, reranking or Whisper worker's passes
 below a chat model's decode.
 
 A load (reading and copying gigabytes of weights, then the warm-up's passes) competes for the
 cores with the workers that decode: on a 2-core CPU a neighbour's load cost a decoding model 38%
 of its tok/s (bench/results/models-cpu.md). So the load runs on a thread of its own whose nice
-value is raised to LOAD_NICE (env OMLX_LOAD_NICE; 0: the worker's own), and so are the threads
-it starts (MLX's file readers, the stream its warm-up runs on), which inherit it: beside
-decoding workers they take about a tenth of the cores (nice 19 would take a seventieth, and a
-failover's reload on a busy node would wait for everyone else), and an idle node loads as fast
-as before. The serving
-threads never had their priority lowered, so nothing needs restoring once the load is done,
-which an unprivileged process could not do (lowering a nice value needs CAP_SYS_NICE).
+value is raised, and so are the threads it starts (MLX's file readers, the stream its warm-up
+runs on), which inherit it. How far depends on why it loads (LoadShardRequest.load_reason):
+
+- a load nobody waits for (a model preloaded at start or by /load, a replica added while the
+  others serve, make before break's next plan while the current one serves) runs at
+  BACKGROUND_LOAD_NICE (19; env OMLX_BACKGROUND_LOAD_NICE): beside decoding workers it takes
+  about a seventieth of the cores, and an idle node's cores all the same;
+- a load that requests wait for (a model a request named, a re-plan while the model serves
+  nowhere, a coordinator that does not say) runs at LOAD_NICE (10; env OMLX_LOAD_NICE): about
+  a tenth of the cores beside busy workers, so that a failover's reload does not crawl behind
+  them.
+
+0 is the worker's own priority. The serving threads never had theirs lowered, so nothing needs
+restoring once the load is done, which an unprivileged process could not do (lowering a nice
+value needs CAP_SYS_NICE); for the same reason a load cannot be hurried once it started: a
+request for a model that is being preloaded waits for the preload at its priority.
 
 An embedding batch or a transcription is work a person does not watch token by token; a chat
 model's decode is. Their workers run at ENCODE_NICE (env OMLX_ENCODE_NICE) from their start,
 every thread of them (BLAS's pool does most of an encoder's work, and it exists before any
 load): beside a decoding model they take about a tenth of the cores it wants, and all of them
-when it is idle. Nothing of theirs is ever raised back.
+when it is idle. Not 19, although nobody watches a bulk batch: one pool of BLAS threads runs
+a RAG query (which a chat user waits for) and a bulk batch alike, and at 19 such a query took
+1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nothing of theirs
+is ever raised back.
 
 Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
 whole process's) the work runs as before.
@@ -32,12 +44,17 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from proto import omlx_pb2 as pb
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LOAD_NICE = 10
+LOAD_NICE = 10  # a load requests wait for
+BACKGROUND_LOAD_NICE = 19  # a load nobody waits for
 ENCODE_NICE = 10
+# The reasons nobody waits on; any other (a newer coordinator's too) is waited for.
+BACKGROUND_REASONS = frozenset({pb.LOAD_PRELOAD, pb.LOAD_REPLICA, pb.LOAD_MOVE})
 
 
 def nice_from_env(name: str, default: int) -> int:
@@ -53,9 +70,22 @@ def nice_from_env(name: str, default: int) -> int:
         return default
 
 
-def load_nice() -> int:
-    """The nice value loads run at."""
+def load_nice(reason: int = pb.LOAD_REQUESTED) -> int:
+    """The nice value a load for `reason` (a pb.LoadReason) runs at."""
+    if reason in BACKGROUND_REASONS:
+        return nice_from_env("OMLX_BACKGROUND_LOAD_NICE", BACKGROUND_LOAD_NICE)
     return nice_from_env("OMLX_LOAD_NICE", LOAD_NICE)
+
+
+def thread_nice() -> int:
+    """The calling thread's nice value (elsewhere than on Linux: its process's)."""
+    linux = sys.platform.startswith("linux")
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id() if linux else 0)
+
+
+def reason_name(reason: int) -> str:
+    """`reason`'s name in the contract (for logs), its number where this node lacks it."""
+    return pb.LoadReason.Name(reason) if reason in pb.LoadReason.values() else str(reason)
 
 
 def encode_nice() -> int:
@@ -77,7 +107,8 @@ def lower_this_process(nice: int) -> None:
 
 def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
                     nice: int | None = None) -> T:
-    """`work()`'s result (or its exception), run on a thread at `nice` (default `load_nice()`)
+    """`work()`'s result (or its exception), run on a thread at `nice` (default: a requested
+    load's, `load_nice()`)
     and on an MLX stream that thread made (its compute thread inherits the nice value); on this
     thread as it is where that is 0 or the work must stay on this thread (not `elsewhere`).
     Blocks until the work is done."""
@@ -90,8 +121,7 @@ def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
 
     def run() -> None:
         try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
             if mx.default_device() == mx.cpu:  # a GPU's work is not a CPU thread's
                 with mx.stream(mx.new_stream(mx.cpu)):
                     out["result"] = _materialized(work())

@@ -34,7 +34,7 @@ from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
-from omlx_node.load_priority import at_low_priority
+from omlx_node.load_priority import at_low_priority, load_nice, reason_name, thread_nice
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
@@ -254,7 +254,7 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     if config.kind not in ("", "chat"):
         from omlx_node.encoder_worker import run_encoder_worker
         return run_encoder_worker(config.model_path, config.model_id, config.kind, config.host,
-                                  ready_file)
+                                  ready_file, config.load_reason)
     grammars = Grammars(config.model_path)
     if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
         # The head checks grammars at submit, the tail applies them: their tokenizer is built
@@ -267,10 +267,13 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
+    nice = load_nice(config.load_reason)
+    log.info("rank %d: loading at nice %d (%s)", config.rank, nice,
+             reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,
         streamed=config.streamed_layers, tensor_group=tensor_group),
-        elsewhere=tensor_group is None)
+        elsewhere=tensor_group is None, nice=nice)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics, tensor_group)
     try:
@@ -312,11 +315,18 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
              else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
+    niced: list[int] = []  # as the warm-up's thread reads it, at the load's priority
+
+    def warm() -> float:
+        niced.append(thread_nice())
+        return warm_up(stage)
+
     log.info("rank %d: warmed up in %.2fs", config.rank,
-             at_low_priority(lambda: warm_up(stage), elsewhere=tensor_group is None))
+             at_low_priority(warm, elsewhere=tensor_group is None,
+                             nice=load_nice(config.load_reason)))
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,
-             "num_layers": info.num_layers, "port": 0}
+             "num_layers": info.num_layers, "port": 0, "load_nice": niced[0]}
     plan = plan_int(config.plan_hash)
     # Every stage exports, labelled with which one it is: a pipeline's slowest stage shows.
     if group is not None:

@@ -38,6 +38,9 @@ class WorkerConfig:
     node_id: str = ""  # the agent's, a label on every metric
     init_timeout: float = 60.0
     kind: str = "chat"  # omlx_shared.model_kinds: the other kinds run encoder_worker's
+    # A pb.LoadReason: whether requests wait for this load, which sets its CPU priority
+    # (omlx_node/load_priority.py). 0: unspecified, as a requested load.
+    load_reason: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property

@@ -1,10 +1,26 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoadReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOAD_REASON_UNSPECIFIED: _ClassVar[LoadReason]
+    LOAD_REQUESTED: _ClassVar[LoadReason]
+    LOAD_RECOVERY: _ClassVar[LoadReason]
+    LOAD_PRELOAD: _ClassVar[LoadReason]
+    LOAD_REPLICA: _ClassVar[LoadReason]
+    LOAD_MOVE: _ClassVar[LoadReason]
+LOAD_REASON_UNSPECIFIED: LoadReason
+LOAD_REQUESTED: LoadReason
+LOAD_RECOVERY: LoadReason
+LOAD_PRELOAD: LoadReason
+LOAD_REPLICA: LoadReason
+LOAD_MOVE: LoadReason
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("coordinator_nonce", "version")
@@ -63,7 +79,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving", "stage_ranks")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving", "stage_ranks", "load_reason")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +97,7 @@ class LoadShardRequest(_message.Message):
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     KEEP_SERVING_FIELD_NUMBER: _ClassVar[int]
     STAGE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_REASON_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_id: str
     layer_start: int
@@ -98,10 +115,11 @@ class LoadShardRequest(_message.Message):
     tensor: bool
     keep_serving: bool
     stage_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ..., stage_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    load_reason: LoadReason
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ..., stage_ranks: _Optional[_Iterable[int]] = ..., load_reason: _Optional[_Union[LoadReason, str]] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
-    __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid")
+    __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid", "load_nice")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +128,7 @@ class LoadShardReply(_message.Message):
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_NICE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layer_start: int
     layer_end: int
@@ -118,7 +137,8 @@ class LoadShardReply(_message.Message):
     load_seconds: float
     worker_address: str
     worker_pid: int
-    def __init__(self, model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., worker_address: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
+    load_nice: int
+    def __init__(self, model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., worker_address: _Optional[str] = ..., worker_pid: _Optional[int] = ..., load_nice: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

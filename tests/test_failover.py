@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -100,6 +101,10 @@ def test_killed_shard_worker_mid_stream(model, tmp_path):
         assert outs == refs
         assert status["epoch"] == 2 and status["last_recovery"]["seconds"] < 30
         assert all(n["healthy"] for n in status["nodes"])  # restarted by their agents
+        # The streams waited for this load: it ran at nice 10, not at a preload's 19 (Linux).
+        assert status["models"][0]["replicas"][0]["load"] == {
+            "reason": "recovery",
+            "nice": max(10 if sys.platform == "linux" else 0, os.getpriority(os.PRIO_PROCESS, 0))}
         # Both nodes serve again; the split follows the speeds measured so far, which a loaded
         # machine can tilt (CI saw [[0, 3], [3, 4]]), so it is not pinned.
         layers = [n["layers"] for n in status["nodes"]]

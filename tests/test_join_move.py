@@ -6,7 +6,9 @@ tokens, and no request is refused or fails."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -95,6 +97,10 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
         assert not streaming.is_alive()
         stages = [s["node"] for s in main_replica(url)["stages"]]
         assert sorted(stages) == ["a", "b"], stages
+        # Nobody waited for the new plan: its stages loaded at the lowest priority (Linux).
+        assert main_replica(url)["load"]["reason"] == "move"
+        assert main_replica(url)["load"]["nice"] == max(
+            19 if sys.platform == "linux" else 0, os.getpriority(os.PRIO_PROCESS, 0))
         assert out["text"] == reference
         assert out["ended_at"] > moved_at, "the stream ended before the switch"
         assert answers and all(a == short for a in answers)

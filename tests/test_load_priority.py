@@ -1,5 +1,6 @@
-"""A worker's load runs at nice 10 on a thread of its own (Linux), and the caller's priority,
-on which the worker serves, is never lowered."""
+"""A worker's load runs on a thread of its own (Linux) at the nice value its reason sets: 19
+where nobody waits for it, 10 where requests do; and the caller's priority, on which the
+worker serves, is never lowered."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from omlx_node.load_priority import LOAD_NICE, at_low_priority, encode_nice, load_nice
+from omlx_node.load_priority import (
+    BACKGROUND_LOAD_NICE,
+    LOAD_NICE,
+    at_low_priority,
+    encode_nice,
+    load_nice,
+    thread_nice,
+)
+from proto import omlx_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,8 +28,37 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="a nice value is a thread's only on Linux")
 
 
+# What each reason is for: whether requests wait for its load.
+NOBODY_WAITS = {"LOAD_PRELOAD", "LOAD_REPLICA", "LOAD_MOVE"}
+REQUESTS_WAIT = {"LOAD_REASON_UNSPECIFIED", "LOAD_REQUESTED", "LOAD_RECOVERY"}
+
+
 def nice_of_this_thread() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_each_reason_maps_to_its_priority(monkeypatch):
+    monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    assert set(pb.LoadReason.keys()) == NOBODY_WAITS | REQUESTS_WAIT  # a new one is placed
+    assert {r: load_nice(pb.LoadReason.Value(r)) for r in pb.LoadReason.keys()} == {
+        **{r: BACKGROUND_LOAD_NICE for r in NOBODY_WAITS}, **{r: LOAD_NICE for r in REQUESTS_WAIT}}
+    assert (BACKGROUND_LOAD_NICE, LOAD_NICE) == (19, 10)
+    assert load_nice(99) == LOAD_NICE  # a newer coordinator's reason: as if requests wait
+    assert load_nice() == LOAD_NICE
+    monkeypatch.setenv("OMLX_BACKGROUND_LOAD_NICE", "15")
+    monkeypatch.setenv("OMLX_LOAD_NICE", "0")
+    assert (load_nice(pb.LOAD_MOVE), load_nice(pb.LOAD_RECOVERY)) == (15, 0)
+
+
+@pytest.mark.parametrize("reason", sorted(NOBODY_WAITS | REQUESTS_WAIT))
+def test_the_loading_thread_runs_at_its_reasons_nice(monkeypatch, reason):
+    monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    mine = thread_nice()
+    seen = at_low_priority(thread_nice, nice=load_nice(pb.LoadReason.Value(reason)))
+    assert seen == max(mine, BACKGROUND_LOAD_NICE if reason in NOBODY_WAITS else LOAD_NICE)
+    assert thread_nice() == mine == nice_of_this_thread()
 
 
 def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
@@ -100,3 +138,35 @@ def test_models_loaded_there_run_here(tmp_path, monkeypatch):
     there = at_low_priority(lambda: Transcriber(whisper)).run(audio, language="en",
                                                              temperature=0.0)
     assert there.text == Transcriber(whisper).run(audio, language="en", temperature=0.0).text
+
+
+@pytest.mark.slow  # a node agent starting real shard workers
+def test_a_worker_loads_at_its_reasons_nice(tmp_path, monkeypatch):
+    """Through the contract: LoadShardRequest.load_reason reaches the worker process, whose
+    loading thread reads its own nice value (LoadShardReply.load_nice); the worker serves on
+    at the priority it started with."""
+    from tests.helpers.node import running_node
+    from tests.tiny_encoders import build_encoder
+    from tests.tiny_models import build_model
+
+    for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE", "OMLX_ENCODE_NICE"):
+        monkeypatch.delenv(var, raising=False)
+    chat = build_model(tmp_path / "chat", "llama", num_layers=2)
+    embed = build_encoder(tmp_path / "embed", "bert")
+    mine = thread_nice()
+    (tmp_path / "node").mkdir()
+    with running_node(tmp_path / "node") as (_, agent):
+        def load(path, name: str, reason: int, kind: str = "") -> pb.LoadShardReply:
+            return agent.LoadShard(pb.LoadShardRequest(model_path=str(path), model_id=name,
+                                                       kind=kind, load_reason=reason),
+                                   timeout=180)
+
+        preloaded = load(chat, "chat", pb.LOAD_PRELOAD)
+        assert preloaded.load_nice == max(mine, BACKGROUND_LOAD_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, preloaded.worker_pid) == mine  # serves at it
+        assert load(chat, "chat", pb.LOAD_RECOVERY).load_nice == max(mine, LOAD_NICE)
+        assert load(chat, "chat", 0).load_nice == max(mine, LOAD_NICE)  # an older coordinator
+        # An encoder worker runs at nice 10 whole; a load nobody waits for lower still.
+        assert load(embed, "e", pb.LOAD_REPLICA, "embed").load_nice == max(
+            mine, BACKGROUND_LOAD_NICE)
+        assert load(embed, "e", pb.LOAD_REQUESTED, "embed").load_nice == max(mine, LOAD_NICE)

@@ -34,6 +34,19 @@ from tests.helpers.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 
+def loaded_for(reason: str) -> dict:
+    """A replica's `load` in /cluster/status when it loaded for `reason` (on Linux a nice
+    value of 19 where nobody waited for it, 10 where requests did)."""
+    waited = reason in ("requested", "recovery")
+    nice = (10 if waited else 19) if sys.platform == "linux" else 0
+    return {"reason": reason, "nice": max(nice, os.getpriority(os.PRIO_PROCESS, 0))}
+
+
+def load_of(url: str, model: str) -> dict:
+    status = httpx.get(url + "/cluster/status", timeout=10).json()
+    return next(m for m in status["models"] if m["id"] == model)["replicas"][0]["load"]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     return two_models(tmp_path_factory.mktemp("served-models"))
@@ -64,6 +77,9 @@ def test_two_models_at_once_each_as_mlx_lm(models, tmp_path):
         assert 'omlx_model_loaded{model="beta"} 1.0' in metrics
         assert 'omlx_requests_total{endpoint="completions",model="beta",outcome="ok"}' in metrics
         status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        # The main model loads for the requests that wait; beta, beside it, ahead of any.
+        assert {m["id"]: m["replicas"][0]["load"] for m in status["models"]} == {
+            "alpha": loaded_for("requested"), "beta": loaded_for("preload")}
         stages = {m["id"]: m["replicas"][0]["stages"] for m in status["models"]}
         assert all(s[0]["footprint_bytes"] > 0 for s in stages.values()), stages
         shown = subprocess.run([sys.executable, "-m", "omlx_cluster", "status", "--url",
@@ -88,6 +104,7 @@ def test_a_budget_for_one_evicts_the_least_recently_used(models, tmp_path):
         assert complete(server.url, "beta", pb[0])["choices"][0]["text"] == want_b
         assert (card(server.url, "alpha")["state"], card(server.url, "beta")["state"]) == (
             "unloaded", "loaded")
+        assert load_of(server.url, "beta") == loaded_for("requested")  # a request waited
         assert complete(server.url, "alpha", pa[0])["choices"][0]["text"] == want_a
         assert card(server.url, "beta")["state"] == "unloaded"
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
@@ -169,6 +186,8 @@ def test_two_loads_on_one_node_run_one_after_the_other(models, tmp_path):
                 f"{server.url}/cluster/models/{n}/load", timeout=300).json(),
                 ["alpha", "beta"]))
         assert all(c["state"] == "loaded" for c in cards), cards
+        # /load is a preload: nobody waits for it yet.
+        assert [load_of(server.url, n) for n in ("alpha", "beta")] == [loaded_for("preload")] * 2
         spans = sorted((c["loaded_at"] - c["load_seconds"], c["loaded_at"]) for c in cards)
         assert spans[0][1] <= spans[1][0] + 0.05, spans  # the second began after the first
 
@@ -208,6 +227,16 @@ def test_replicas_follow_their_prefix_and_survive_a_lost_replica(models, tmp_pat
             os.kill(victim, signal.SIGKILL)
             outs = [f.result(timeout=300)[0] for f in futures]
         assert outs == want
+        # Its sibling served meanwhile: the lost replica reloaded as nobody's wait.
+        def replicas() -> list[dict]:
+            return httpx.get(server.url + "/cluster/status", timeout=10).json()[
+                "models"][0]["replicas"]
+
+        wait_for(lambda: any(r["epoch"] > 1 for r in replicas())
+                 and all(r["ready"] for r in replicas()), 120, "the lost replica back")
+        loads = [r["load"] for r in replicas()]
+        assert sorted(loads, key=lambda x: x["reason"]) == [loaded_for("replica"),
+                                                             loaded_for("requested")]
 
 
 def test_bad_model_requests(models, tmp_path):

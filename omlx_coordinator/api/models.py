@@ -15,6 +15,7 @@ from omlx_coordinator.errors import APIError
 from omlx_coordinator.models.lifecycle import ModelBusy, ModelManager
 from omlx_coordinator.models.served_model import ServedModel
 from omlx_coordinator.nodes.cluster import NoCapacity
+from proto import omlx_pb2 as pb
 
 
 def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> None:
@@ -32,7 +33,7 @@ def add_routes(app: FastAPI, manager: ModelManager, keyed: list[Depends]) -> Non
         is short); answers once it serves."""
         model = find(name)
         try:
-            await manager.load_task(model)
+            await manager.load_task(model, pb.LOAD_PRELOAD)  # ahead of use: nobody waits yet
         except NoCapacity as e:
             raise APIError(503, f"the model {model.name} cannot be loaded: {e}",
                            type="server_error", code="no_capacity") from None

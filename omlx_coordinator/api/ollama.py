@@ -77,6 +77,7 @@ from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import CallEnd, Item, ToolCallStream, call_input
 from omlx_shared.token_ids import outside_vocabulary
+from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +376,7 @@ def add_routes(app: FastAPI, manager: ModelManager, metrics_of: dict[str, Gatewa
                     pass
         else:
             try:
-                await manager.load_task(served)
+                await manager.load_task(served, pb.LOAD_PRELOAD)  # Ollama's preload
             except NoCapacity as e:
                 raise APIError(503, f"the model {served.name} cannot be loaded: {e}",
                                type="server_error", code="no_capacity") from None

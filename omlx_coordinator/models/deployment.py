@@ -90,6 +90,9 @@ class Deployment:
         self.capacity_error = ""
         self.last_recovery: dict | None = None
         self.load_seconds = 0.0  # the slowest stage's weight load in the last plan
+        # Why the last plan loaded (a pb.LoadReason), and the highest nice value a stage's
+        # load ran at (omlx_node/load_priority.py).
+        self.load_reason, self.load_nice = pb.LOAD_REASON_UNSPECIFIED, 0
         self.backend: BackendChoice | None = None  # the data plane of the active plan
         self.inflight = 0  # requests on it now: what routing balances
         self.requests = 0  # attempts it has run (a resumed request counts again)
@@ -192,17 +195,19 @@ class Deployment:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    async def load(self) -> None:
-        """Loads its placed plan (or a new one); raises NoCapacity, or the failed load's error."""
+    async def load(self, reason: int = pb.LOAD_REQUESTED) -> None:
+        """Loads its placed plan (or a new one) for `reason` (a pb.LoadReason: whether
+        requests wait for it); raises NoCapacity, or the failed load's error."""
         self.unloaded = False
-        await self._load_plan(self.placed)
+        await self._load_plan(self.placed, reason)
 
-    async def _load_plan(self, plan: Plan | None = None, keep_serving: bool = False) -> None:
+    async def _load_plan(self, plan: Plan | None, reason: int) -> None:
         """Has each member of `plan` (default: a new plan over the usable members) load its
         range; every agent at once, since the data-plane group forms only when all ranks have
         joined. A jaccl group chosen automatically that fails to form is loaded again over
-        ring: RDMA that misbehaves must not leave the model down. `keep_serving`: each node's
-        worker of the current plan serves until its new one is ready."""
+        ring: RDMA that misbehaves must not leave the model down. `reason` (a pb.LoadReason)
+        sets the nodes' CPU priority for the load; LOAD_MOVE: each node's worker of the
+        current plan serves until its new one is ready."""
         members, plan = self._staged(plan)
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
@@ -219,7 +224,7 @@ class Deployment:
         self.status = f"loading {self.name} (plan {plan.plan_hash})"
         async with self.plan_loads:
             try:
-                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, reason)
             except grpc.aio.AioRpcError as e:
                 if choice.backend != "jaccl" or self.cluster.options.backend != "auto":
                     raise
@@ -228,7 +233,7 @@ class Deployment:
                             "ring", plan.plan_hash, error)
                 self.jaccl_failures.record([(m.name, m.admissions) for m in members], error)
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
-                replies = await self._load_stages(plan, members, folders, choice, keep_serving)
+                replies = await self._load_stages(plan, members, folders, choice, reason)
         if self.node is not None:
             await self.node.close()
         self.node = members[0].agent.worker(replies[0].worker_address)
@@ -236,6 +241,7 @@ class Deployment:
             m.health = await m.agent.health()
         self.plan, self.backend, self.capacity_error = plan, choice, ""
         self.load_seconds = max(r.load_seconds for r in replies)
+        self.load_reason, self.load_nice = reason, max(r.load_nice for r in replies)
         log.info("serving %s on %d stage(s) over %s (%s), split %s (plan %s, epoch %d)",
                  self.name, len(members), choice.backend, choice.reason, plan.split,
                  plan.plan_hash, self.epoch + 1)
@@ -262,8 +268,7 @@ class Deployment:
                               [m.name for m in members])
 
     async def _load_stages(self, plan: Plan, members: list[Member], folders: Folders,
-                           choice: BackendChoice, keep_serving: bool = False
-                           ) -> list[pb.LoadShardReply]:
+                           choice: BackendChoice, reason: int) -> list[pb.LoadShardReply]:
         """Has every stage load its range over `choice`'s backend. Waits for every agent to
         answer before raising: a retry must not find an agent still busy with this attempt, nor
         name a data port it is about to replace. Raises the first failure, usually the cause:
@@ -289,7 +294,8 @@ class Deployment:
                                  else self.model.config.speculative),
                     kind=self.model.kind.kind,
                     streamed_layers=stage.streamed_layers,
-                    tensor=plan.parallel == "tensor", keep_serving=keep_serving,
+                    tensor=plan.parallel == "tensor", load_reason=reason,
+                    keep_serving=reason == pb.LOAD_MOVE,
                     stage_ranks=plan.stage_ranks if plan.parallel == "tensor-pipeline" else ()))
             except BaseException as e:
                 failures.append(e)
@@ -424,7 +430,7 @@ class Deployment:
             delay = 1.0
             while True:
                 try:
-                    await self._load_plan(plan)
+                    await self._load_plan(plan, self._recovery_reason())
                     break
                 except NoCapacity as e:
                     log.error("cannot serve %s: %s", self.name, e)
@@ -464,7 +470,7 @@ class Deployment:
         log.warning("moving %s while it serves: %s", self.name, reason)
         t0, started_at = time.monotonic(), time.time()
         try:
-            await self._load_plan(next_plan, keep_serving=True)
+            await self._load_plan(next_plan, pb.LOAD_MOVE)
         except (NoCapacity, grpc.aio.AioRpcError, OSError) as e:
             why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("moving %s failed (%s): re-planning it", self.name, _error_line(why or ""))
@@ -481,6 +487,12 @@ class Deployment:
         await asyncio.gather(*(m.agent.unload_shard(self.model.name, UNLOAD_GRACE_SECONDS)
                                for m in left), return_exceptions=True)
         return True
+
+    def _recovery_reason(self) -> int:
+        """Why a re-plan loads: a replica's while another serves the model meanwhile (requests
+        go there), else a recovery that the model's requests wait for."""
+        return (pb.LOAD_REPLICA if any(d.ready for d in self.siblings)
+                else pb.LOAD_RECOVERY)
 
     def replan_changes(self) -> bool:
         """Whether a new plan over the usable members would differ from the one serving, in

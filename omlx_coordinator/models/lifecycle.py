@@ -32,6 +32,7 @@ from omlx_coordinator.planning.planner import NodeSpec, Plan, PlanError
 from omlx_shared.block_hashes import DEFAULT_BLOCK_SIZE, block_hashes
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.model_kinds import ENDPOINTS
+from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,10 @@ class ModelManager:
                          m.name)
                 continue
             try:
-                await self.ensure_loaded(m, evict=False)
+                # The main model is what requests wait for; the others load beside it ahead
+                # of any request (one that comes meanwhile waits for that slower load).
+                await self.ensure_loaded(m, evict=False,
+                                         reason=pb.LOAD_PRELOAD if i else pb.LOAD_REQUESTED)
             except NoCapacity as e:
                 if i == 0:
                     raise
@@ -202,26 +206,31 @@ class ModelManager:
 
     # ---- loading and unloading ----------------------------------------------------------------
 
-    def load_task(self, model: ServedModel) -> asyncio.Task:
+    def load_task(self, model: ServedModel, reason: int = pb.LOAD_REQUESTED) -> asyncio.Task:
         """The load of `model` requests wait for (shielded: a client that goes away must not
-        cancel a load half done), one per model at a time."""
+        cancel a load half done), one per model at a time. `reason` (a pb.LoadReason): a
+        request's, or LOAD_PRELOAD where nobody waits for it yet (its priority stays that of
+        the caller that started it: a load cannot be hurried once it runs)."""
         task = self._loads.get(model.name)
         if task is None or task.done():
-            task = self._loads[model.name] = asyncio.create_task(self.ensure_loaded(model))
+            task = self._loads[model.name] = asyncio.create_task(
+                self.ensure_loaded(model, reason=reason))
             # Its failure reaches the requests that wait for it, not the event loop's log.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def ensure_loaded(self, model: ServedModel, evict: bool = True) -> None:
-        """Returns once `model` serves; loads it (evicting others if `evict`) when it does
-        not. Raises NoCapacity when it fits nowhere even after eviction."""
+    async def ensure_loaded(self, model: ServedModel, evict: bool = True,
+                            reason: int = pb.LOAD_REQUESTED) -> None:
+        """Returns once `model` serves; loads it (evicting others if `evict`) for `reason`
+        (a pb.LoadReason) when it does not. Raises NoCapacity when it fits nowhere even
+        after eviction."""
         while model.state != LOADED:
             async with self.loading:
                 if model.state == LOADED:
                     return
-                await self._load(model, evict)
+                await self._load(model, evict, reason)
 
-    async def _load(self, model: ServedModel, evict: bool) -> None:
+    async def _load(self, model: ServedModel, evict: bool, reason: int) -> None:
         t0 = time.monotonic()
         model.state, model.error = LOADING, ""
         ds = self.replicas[model.name]
@@ -244,13 +253,13 @@ class ModelManager:
                 d.placed = plan
             self._sync_holders()
             for d in ds:  # one replica at a time: one load per node and disk
-                await d.load()
+                await d.load(reason)  # the model serves once all have loaded
         except BaseException as e:
-            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            model.state, model.error = UNLOADED, reason
+            error = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            model.state, model.error = UNLOADED, error
             if not isinstance(e, asyncio.CancelledError):
-                log.error("could not load %s: %s", model.name, reason)
-                ds[0].status = f"failed: {reason}"
+                log.error("could not load %s: %s", model.name, error)
+                ds[0].status = f"failed: {error}"
             for d in ds:
                 if not d.ready:
                     d.placed = None
@@ -556,6 +565,8 @@ class ModelManager:
             "replicas": [{"replica": d.replica, "ready": d.ready, "status": d.status,
                           "epoch": d.epoch, "inflight": d.inflight, "requests": d.requests,
                           **d.layout_status(),
+                          "load": {"reason": pb.LoadReason.Name(d.load_reason)
+                                   .removeprefix("LOAD_").lower(), "nice": d.load_nice},
                           "stages": [{"node": s.node, "layers": [s.layer_start, s.layer_end],
                                       "planned_bytes": s.memory_bytes,
                                       **footprints.get(s.node, {})}
