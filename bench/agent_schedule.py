@@ -130,7 +130,8 @@ class WorkClock:
 def replay(path: Path, policy: str, args, vocab: int) -> tuple[list[TurnResult], list[float]]:
     """One run of every session under `policy`; returns its turns and sessions' times (in
     work time with --work-clock)."""
-    cache = PrefixCache("m", (0, 2), block_size=16, hot_max_bytes=1 << 31)
+    layers = RANDOM_LLAMAS[args.size][2]["num_hidden_layers"]
+    cache = PrefixCache("m", (0, layers), block_size=16, hot_max_bytes=1 << 31)
     batcher = Batcher(StageRunner(path), NodeMetrics(), prefix_cache=cache)
     POLICIES[policy](batcher)
     clock = WorkClock(batcher, args.work_clock[0] / 1e3, args.work_clock[1] / 1e3) \

@@ -84,7 +84,8 @@ class StepPace:
             return chunk
         cap = fixed + per * chunk  # never save up for more than one whole chunk
         self.credit = min(self.credit + self.share * self.decode_s, cap)
-        fits = int((self.credit - fixed) / per)
+        # At the cap a whole chunk is paid for (rounding must not leave it a token short).
+        fits = chunk if self.credit >= cap else int((self.credit - fixed) / per)
         worth = max(self.min_tokens, int(EFFICIENT * fixed / per))
         need = min(worth, chunk, wanted if wanted is not None else chunk)
         return min(chunk, fits) if fits >= need else 0
