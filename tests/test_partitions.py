@@ -153,8 +153,11 @@ class Processes:
         return p
 
     def coordinator(self, ns: str, host: str, models: dict[str, Path], *flags: str) -> None:
+        # Rebalancing off: a plan taking b back then splits by the nodes' calibrated speeds.
+        # Measured on a loaded machine (a node timed while resumed streams prefill on it), they
+        # once put main on b alone when b came back, no plan over a and b.
         self.launch(ns, "coordinator", "coordinator", "--host", host, "--port", str(PORT),
-                    "--no-discovery", "--os-reserve", "1GiB", *flags,
+                    "--no-discovery", "--os-reserve", "1GiB", "--rebalance", "off", *flags,
                     *(f for name, path in models.items() for f in ("--model", f"{name}={path}")))
 
     def join(self, ns: str, name: str, host: str, coordinator_at: str = "") -> subprocess.Popen:
