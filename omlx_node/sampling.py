@@ -298,7 +298,7 @@ def filter_candidates(logits: mx.array, params: list[SamplingParams]
     top_k = [max(0, p.top_k) for p in params]
     ranked = any(top_k) or any(0.0 < p.top_p < 1.0 for p in params)
     if all(top_k):
-        ids, x = _top_candidates(logits, max(top_k))
+        ids, x = _top_candidates(logits, candidate_width(max(top_k), vocab))
     elif ranked:
         ids, x = _ranked(logits)
     else:
@@ -309,6 +309,15 @@ def filter_candidates(logits: mx.array, params: list[SamplingParams]
     min_p = (mx.array([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
              if any(p.min_p > 0.0 for p in params) else None)
     return ids, x, (*ranks, min_p)
+
+
+def candidate_width(k: int, vocab: int) -> int:
+    """How many candidates a batch whose largest top-k is `k` ranks: `k` rounded up to a power
+    of two (at most the vocabulary). A compiled function keeps a trace for every width it is
+    called with, for as long as the worker runs: clients' top-k values, one width each, grew a
+    worker's memory with every new value, where these are at most log2(vocab) + 1. Each row
+    still keeps only its own top-k of them (`keep_candidates`)."""
+    return min(1 << (k - 1).bit_length(), vocab)
 
 
 # Candidates for top-k are found through groups of this many logits: the k groups with the

@@ -210,3 +210,21 @@ def test_top_k_past_every_group_and_an_odd_vocabulary():
         assert all(len(s) <= k and max(s) < vocab for s in kept)
         tokens = sample_batch(logits, [RowSampler(p) for p in params])[0].tolist()
         assert all(t in s for t, s in zip(tokens, kept))
+
+
+def test_every_top_k_ranks_one_of_few_candidate_widths():
+    """A compiled sampler keeps a trace for every candidate width it meets, as long as the
+    worker runs: the top-k values clients may send map to at most log2(vocab) + 1 widths, each
+    wide enough for the row's own top-k (which alone it keeps, as mlx-lm does)."""
+    logits = logits_for(2)
+    widths = set()
+    for k in range(1, VOCAB):
+        params = [SamplingParams(temperature=1.0, top_k=k)] * 2
+        _, x, _ = filter_candidates(logits, params)
+        assert x.shape[-1] >= k
+        widths.add(x.shape[-1])
+    assert len(widths) <= VOCAB.bit_length() + 1, sorted(widths)
+    for k in (3, 37, 700):
+        params = [SamplingParams(temperature=1.0, top_k=k)] * 2
+        assert batched_kept(logits, params) == [mlx_lm_kept(logits[i], params[i])
+                                                for i in range(2)]

@@ -517,15 +517,15 @@ class Deployment:
 
     async def apply_plan(self, plan: Plan, budgets: dict[str, int], reason: str) -> bool:
         """Moves to `plan` (the rebalancer's) through the re-plan path: weights first while
-        the current plan serves, then the switch, in-flight requests resuming on it. (Not yet
-        make before break as a join's move is: with it, the rebalancer's live test failed
-        intermittently on what a returning node is planned at.) `budgets` lowered below a
-        node's room (a node short of memory) stay as this model's caps for its later plans, not
-        the node's for every model; whether `plan` serves."""
+        the current plan serves, then the new plan loads while the current one still serves
+        where the nodes hold both (make before break, `_move`), then the switch, in-flight
+        requests resuming on it. `budgets` lowered below a node's room (a node short of
+        memory) stay as this model's caps for its later plans, not the node's for every model;
+        whether `plan` serves."""
         for node, budget in budgets.items():
             if budget < self.room(node):
                 self.caps[node] = budget
-        await self.recover(reason, always=True, plan=plan)
+        await self.recover(reason, always=True, plan=plan, move=True)
         return self.plan is not None and self.plan.plan_hash == plan.plan_hash
 
     async def _prefetch_weights(self, plan: Plan | None = None) -> None:

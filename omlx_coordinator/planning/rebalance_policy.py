@@ -82,6 +82,10 @@ class Reading:
     at: float  # seconds, one clock for every reading
     plan_hash: str
     stages: tuple[StageReading, ...]
+    # Requests were on the plan when it was read. Only an interval between two busy readings
+    # measures: one in which the load ended (or began) counts idle wall time as step time, and
+    # a node measured that way looks slower than it is to every later plan.
+    busy: bool = True
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,8 @@ def _measure(ours: list[Reading], plan: Plan, layout: ModelLayout, nodes: Sequen
              now: float, policy: Policy, remembered: Mapping[str, float] | None) -> _Measured:
     window = _covering(ours, now, policy.window)
     span = window or ours  # not a full window yet: what there is, to show and to apply by hand
-    intervals = [_deltas(a, b) for a, b in itertools.pairwise(span)]
+    intervals = [_deltas(a, b) if a.busy and b.busy else {}
+                 for a, b in itertools.pairwise(span)]
     nbytes = stage_bytes(layout, plan)
     reads = read_seconds(layout, plan, {n.name: n for n in nodes})
     summed = _summed(intervals)

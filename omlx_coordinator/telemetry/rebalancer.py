@@ -15,7 +15,10 @@ reading's own timing does not matter). The planner costs a stage as the bytes it
 the node's speed; dividing the stage's bytes in that model by the measured time gives the
 node's speed in the planner's own units (GB/s of weights under the current load, overheads
 included), so the planner's prediction for the current split is what was measured, and its
-best split over those speeds is comparable to it. A stage that streams layers from its disk
+best split over those speeds is comparable to it. Only the intervals between two readings
+with requests on the model count: the wall time of one in which the load ended is idle time,
+not steps, and a node remembered at a speed so measured is planned below what it does. A
+stage that streams layers from its disk
 (`--weights-memory`) spends part of its step reading them: the planner's read time for them
 (their bytes at the node's measured disk speed) is taken off its measured time before its
 speed is derived, and the splits it is compared with are planned with each node's cap and disk,
@@ -267,7 +270,7 @@ class Rebalancer:
 
     async def read(self, plan: Plan) -> Reading | None:
         """Every stage of `plan` now, or None when one did not answer for it."""
-        at = time.time()
+        at, busy = time.time(), self.deployment.inflight > 0
         try:
             stages = await (self._query(plan) if self.prometheus_url else self._scrape(plan))
         except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -275,7 +278,7 @@ class Rebalancer:
             return None
         if set(stages) != {s.node for s in plan.stages}:
             return None
-        return Reading(at, plan.plan_hash, tuple(stages[s.node] for s in plan.stages))
+        return Reading(at, plan.plan_hash, tuple(stages[s.node] for s in plan.stages), busy)
 
     async def _scrape(self, plan: Plan) -> dict[str, StageReading]:
         model = self.deployment.model.name
