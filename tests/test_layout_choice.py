@@ -7,26 +7,9 @@ from __future__ import annotations
 import pytest
 
 from omlx_coordinator.planning.layout_choice import candidates, plan_layout
-from omlx_coordinator.planning.model_layout import ModelLayout
-from omlx_coordinator.planning.planner import GiB, NodeSpec, Plan, PlanError
+from omlx_coordinator.planning.planner import GiB, Plan, PlanError
 from omlx_coordinator.planning.tensor_plan import make_tensor_plan
-
-LLAMA_8B = (("model_type", "llama"), ("hidden_size", 4096), ("num_attention_heads", 32),
-            ("num_key_value_heads", 8), ("intermediate_size", 14336))
-
-
-def layout(layer_gib: float = 0.5, layers: int = 32, shape=LLAMA_8B) -> ModelLayout:
-    return ModelLayout("m", layers, (int(layer_gib * GiB),) * layers, embed_bytes=1 << 29,
-                       head_bytes=1 << 29, norm_bytes=1 << 13, tied_embeddings=False,
-                       kv_bytes_per_token_per_layer=1 << 12, shape=shape)
-
-
-def macs(n: int, memory_gib: int, link_ms: float, speed: float = 400.0) -> list[NodeSpec]:
-    return [NodeSpec(f"mac{i}", memory_gib * GiB, speed=speed, link_ms=link_ms,
-                     link_gbps=5.0) for i in range(n)]
-
-
-SETTINGS = dict(os_reserve_bytes=4 * GiB, context_tokens=4096, max_sequences=4)
+from tests.helpers.layouts import LLAMA_8B, SETTINGS, layout, macs
 
 
 def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():

@@ -18,7 +18,7 @@ from omlx_coordinator.planning.rebalance_policy import (
 )
 from omlx_coordinator.planning.tensor_plan import make_tensor_plan
 from omlx_shared.link_probe import LinkMeasurement
-from tests.test_layout_choice import layout
+from tests.helpers.layouts import layout
 
 LAYOUT = layout()  # a llama of 32 layers, 16 GiB of them
 POLICY = Policy(threshold=0.15, window=30, cooldown=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from omlx_cluster.client import ranks_lines
 from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.tensor_plan import rank_heads
-from tests.test_layout_choice import LLAMA_8B, SETTINGS, layout, macs
+from tests.helpers.layouts import LLAMA_8B, SETTINGS, layout, macs
 
 
 def test_three_ranks_of_32_heads_and_8_kv_heads():

@@ -8,7 +8,7 @@ from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.links import link_key, with_links
 from omlx_coordinator.planning.planner import GiB, NodeSpec
 from omlx_shared.link_probe import LinkMeasurement
-from tests.test_layout_choice import SETTINGS, layout
+from tests.helpers.layouts import SETTINGS, layout
 
 
 def macs(n: int) -> list[NodeSpec]:

@@ -12,7 +12,7 @@ import pytest
 from omlx_coordinator.planning.layout_choice import plan_layout
 from omlx_coordinator.planning.model_layout import read_layout
 from omlx_coordinator.planning.planner import PlanError
-from tests.test_layout_choice import SETTINGS, layout, macs
+from tests.helpers.layouts import SETTINGS, layout, macs
 from tests.tiny_models import build_model
 
 

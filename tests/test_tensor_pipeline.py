@@ -12,10 +12,11 @@ from mlx_lm import load
 
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
-from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
+from tests.helpers.failover import run_and_kill
+from tests.helpers.pipeline import PROMPTS, pipeline
 from tests.helpers.session import generate_chunks
-from tests.test_failover import run_and_kill
-from tests.test_tensor_parallel import TOKENS, assert_matches, reference, shard_bytes
+from tests.helpers.tensor_reference import (TOKENS, assert_matches, assert_serves_like_mlx_lm,
+                                            reference, shard_bytes)
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -38,21 +39,7 @@ def test_two_stages_of_two_ranks_match_mlx_lm(model):
         for w in workers:  # a quarter of the layers and the embedding or the head, no more
             held = shard_bytes(w.wait_ready(1)["metrics_port"])
             assert held < whole * 0.6, (held, whole)
-        alone, reason = generate(stub, tok.encode(PROMPTS[0]), TOKENS)
-        assert reason == "length"
-        assert_matches(alone, refs[PROMPTS[0]], PROMPTS[0])
-        outs = run_concurrently(lambda p: generate(stub, tok.encode(p), TOKENS), PROMPTS * 2)
-        for p, (tokens, _) in zip(PROMPTS * 2, outs):
-            assert_matches(tokens, refs[p], p)
-        chunks = generate_chunks(stub, pb.GenerateRequest(
-            request_id="lp", prompt_tokens=tok.encode(PROMPTS[1]), max_tokens=TOKENS,
-            logprobs=True, top_logprobs=2, ignore_eos=True))
-        got = [(t, lp.logprob) for c in chunks for t, lp in zip(c.tokens, c.logprobs)]
-        assert_matches([t for t, _ in got], refs[PROMPTS[1]], PROMPTS[1])
-        for (t, logprob), (ref_t, _, ref_logprob) in zip(got, refs[PROMPTS[1]]):
-            if t != ref_t:
-                break
-            assert abs(logprob - ref_logprob) < 1e-4, (t, logprob, ref_logprob)
+        assert_serves_like_mlx_lm(stub, tok, refs)
         chunks = generate_chunks(stub, pb.GenerateRequest(
             request_id="again", prompt_tokens=tok.encode(PROMPTS[4]), max_tokens=TOKENS))
         assert max(c.cached_tokens for c in chunks) > 0  # restored on every rank

@@ -9,7 +9,7 @@ import pytest
 from omlx_coordinator.planning.layout_choice import candidates, plan_layout
 from omlx_coordinator.planning.planner import GiB, NodeSpec, Plan, PlanError
 from omlx_coordinator.planning.tensor_pipeline_plan import cuts, make_tensor_pipeline_plan
-from tests.test_layout_choice import SETTINGS, layout
+from tests.helpers.layouts import SETTINGS, layout
 
 FAST, SLOW = 0.02, 1.0  # ms: Thunderbolt 5 RDMA, and Ethernet across a switch
 
