@@ -61,6 +61,7 @@ from omlx_coordinator.planning.disk_layers import (
     streamed_layers,
 )
 from omlx_coordinator.planning.model_layout import ModelLayout
+from omlx_shared.progress import human_bytes
 
 GiB = 1 << 30
 GB = 1e9
@@ -788,8 +789,10 @@ def _explain(
     if split is not None:
         if optimum is not None:
             ratio = bottleneck / optimum[1] if optimum[1] > 0 else 1.0
+            counts = {j: b - a for j, a, b in optimum[0]}
             out.append(
-                f"The optimal split {_counts_str(c, optimum[0])} would reach {optimum[1]:.3f} ms "
+                f"The optimal split {_split_str([counts.get(j, 0) for j in range(len(c.nodes))])}"
+                f" would reach {optimum[1]:.3f} ms "
                 f"(this split is {ratio:.2f}x)."
             )
     else:
@@ -841,19 +844,6 @@ def _explain(
     return out
 
 
-def _counts_str(c: _Costs, ranges: _Ranges) -> str:
-    counts = {j: b - a for j, a, b in ranges}
-    return _split_str([counts.get(j, 0) for j in range(len(c.nodes))])
-
-
 def _split_str(split: Sequence[int]) -> str:
     return "[" + ", ".join(str(x) for x in split) + "]"
 
-
-def human_bytes(n: float) -> str:
-    """Human bytes: GiB/MiB/KiB with two decimals (binary units, as memory is sold)."""
-    n = float(n)
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
