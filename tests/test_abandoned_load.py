@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import descendants, start_server
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,6 @@ def test_a_load_over_a_node_lost_meanwhile_is_abandoned(tiny_model_path, tmp_pat
         if side_state["loaded"]:  # it fit at start: unload it to load it again
             r = httpx.post(server.url + "/cluster/models/side/unload", timeout=60)
             assert r.status_code == 200, r.text
-        local1 = next(n for n in status["nodes"] if n["id"] == "local1")
         answer: dict = {}
 
         def load() -> None:
@@ -36,6 +35,17 @@ def test_a_load_over_a_node_lost_meanwhile_is_abandoned(tiny_model_path, tmp_pat
                                             timeout=300)
             answer["seconds"] = time.monotonic() - t0
 
+        # local1's standby worker, stopped, holds its LoadShard open: a tiny model loads in
+        # less time than the test takes to see the load start.
+        status = httpx.get(server.url + "/cluster/status", timeout=10).json()
+        local1 = next(n for n in status["nodes"] if n["id"] == "local1")
+        serving = {w["pid"] for w in local1["workers"]}
+        serving |= {c for pid in serving for c in descendants(pid)}
+        standby = descendants(local1["agent_pid"]) - serving
+        assert standby, "local1 has no standby worker to hold its load open"
+        frozen = [local1["agent_pid"], *standby]
+        for pid in standby:
+            os.kill(pid, signal.SIGSTOP)
         loader = threading.Thread(target=load)
         loader.start()
         deadline = time.monotonic() + 60
@@ -61,4 +71,5 @@ def test_a_load_over_a_node_lost_meanwhile_is_abandoned(tiny_model_path, tmp_pat
             log = server.log_path.read_text()
             assert "were lost while it loaded" in log
         finally:
-            os.kill(local1["agent_pid"], signal.SIGCONT)
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
