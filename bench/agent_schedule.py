@@ -66,6 +66,19 @@ class PerTokenPace(StepPace):
         return (0.0, s / n) if n else (0.0, 0.0)
 
 
+def unpadded(b: Batcher) -> None:
+    """Passes shared only by pieces at one offset and of one length (before padded passes):
+    agents' turns, each with its own history and suffix, then prefill one pass each."""
+    def groups(plan: list[tuple[Sequence, int, int]]) -> list[list[tuple[Sequence, int, int]]]:
+        by_shape: dict[tuple[int, int], list[tuple[Sequence, int, int]]] = {}
+        for piece in plan:
+            if piece[2] > 0:
+                by_shape.setdefault(piece[1:] if b.state.batchable else (id(piece), 0),
+                                    []).append(piece)
+        return list(by_shape.values())
+    b._prefill_groups = groups  # type: ignore[method-assign]
+
+
 # The policies compared (docs/scheduling.md): how each sets up an engine.
 POLICIES: dict[str, Callable[[Batcher], None]] = {
     "engine": lambda b: None,  # the engine as it is
@@ -75,6 +88,7 @@ POLICIES: dict[str, Callable[[Batcher], None]] = {
     "share2": share(2.0),
     "share4": share(4.0),
     "per-token": lambda b: setattr(b, "pace", PerTokenPace()),
+    "unpadded": unpadded,
 }
 
 

@@ -12,10 +12,13 @@ stream keeps about half its rate however long the prompts that arrive (docs/sche
 A sequence's prompt, all but its last token, is prefilled into its own KV cache, merged into
 the batch's left-padded `BatchKVCache`, and its last prompt token becomes its first decode
 input, exactly as mlx-lm's BatchGenerator does, so greedy outputs match mlx-lm's
-single-sequence generation. Pieces of a chunk that start
-at one offset and run as many tokens (prompts of one length arriving together) share one forward
-pass where every layer keeps a plain KVCache (`StageState.prefill_rows`): unpadded, so each row
-computes what it would alone, and on a GPU the weights are read once for them all.
+single-sequence generation. Where every layer keeps a plain KVCache, the pieces of a chunk share
+forward passes (`StageState.prefill_rows`): pieces that start at one offset and run as many
+tokens (prompts of one length arriving together) unpadded, so each row computes what it would
+alone; and where a pass has a fixed cost (a GPU: every weight read and every kernel launched
+once whatever its tokens), pieces of other offsets and lengths too, padded as mlx-lm's
+BatchGenerator pads a batch's prompts, while the padding costs less than the passes it saves.
+Agents' turns arrive together with different histories and suffixes: one pass for them all.
 
 Decoding overlaps Python with compute: step n+1 is built and scheduled before step n's tokens are
 read. The way to a first token overlaps as well. A prompt's last chunk is left computing while
@@ -622,16 +625,21 @@ class Batcher(Engine):
         plan = self._take_prefill(self.max_batch - len(self._batch))
         self._feed_proposers(plan)
         for group in self._prefill_groups(plan):
-            x = mx.array([seq.to_prefill[start:start + n] for seq, start, n in group])
             if len(group) == 1:
                 seq, start, n = group[0]
+                x = mx.array([seq.to_prefill[start:start + n]])
                 # A prompt's last chunk is left computing: the next step, its first, is built
                 # meanwhile (on a GPU, where building a step's graph takes longer than a small
                 # batch's compute, ~3 ms of a 1.1B model's first token on an H200).
                 last = start + n == len(seq.to_prefill) and self.state.defer_stores
                 self.state.prefill(seq.sid, x, wait=not last)
             else:
-                self.state.prefill_rows([seq.sid for seq, _, _ in group], x)
+                lengths = [n for _, _, n in group]
+                width = max(lengths)
+                x = mx.array([seq.to_prefill[start:start + n] + [0] * (width - n)
+                              for seq, start, n in group])
+                self.state.prefill_rows([seq.sid for seq, _, _ in group], x,
+                                        lengths if min(lengths) < width else None)
         ready = []
         for seq, _, n in plan:
             seq.prefilled += n
@@ -656,16 +664,23 @@ class Batcher(Engine):
 
     def _prefill_groups(self, plan: list[tuple[Sequence, int, int]]
                         ) -> list[list[tuple[Sequence, int, int]]]:
-        """The plan's pieces with tokens to run, in forward passes: pieces that start at the
-        same offset and run as many tokens share one when the caches allow it (one weight read
-        for them all instead of one each)."""
+        """The plan's pieces with tokens to run, in forward passes, where the caches allow
+        several in one (one weight read, one launch of every kernel for them all): pieces that
+        start at one offset and run as many tokens, and, where a pass has a fixed cost (a GPU),
+        pieces whose padding to the longest of their pass costs less than the pass it saves."""
+        pieces = [piece for piece in plan if piece[2] > 0]
         if not self.state.batchable:
-            return [[piece] for piece in plan if piece[2] > 0]
-        groups: dict[tuple[int, int], list[tuple[Sequence, int, int]]] = {}
-        for piece in plan:
-            if piece[2] > 0:
-                groups.setdefault(piece[1:], []).append(piece)
-        return list(groups.values())
+            return [[piece] for piece in pieces]
+        fixed, per = self.pace.pass_s, self.pace.token_s
+        groups: list[list[tuple[Sequence, int, int]]] = []
+        for piece in sorted(pieces, key=lambda p: -p[2]):  # a group's first is its longest
+            group = next((g for g in groups if g[0][1:] == piece[1:]
+                          or (fixed > 0 and per * (g[0][2] - piece[2]) <= fixed)), None)
+            if group is None:
+                groups.append([piece])
+            else:
+                group.append(piece)
+        return groups
 
     def _decode_step(self) -> None:
         """Schedules the next step, then streams the tokens of the one before while it

@@ -129,20 +129,41 @@ class StageState:
             self._chunk_computing = False
             mx.clear_cache()
 
-    def prefill_rows(self, seq_ids: list[int], x: mx.array) -> None:
-        """Runs one prompt chunk of each of `seq_ids` (row i of `x`, all of one length) in one
-        forward pass; their caches must hold equally many tokens and be plain KVCaches
-        (`batchable`). Each sequence then keeps its own row of the result, as `prefill` leaves
-        it: no padding, so each row's attention is exactly a batch of one's."""
-        held = [self.prefilling.get(s) for s in seq_ids]
-        cache = [KVCache() for _ in self.stage.make_cache()]
-        if held[0] is not None:
-            for layer, c in enumerate(cache):
-                keys, values = zip(*(h[layer].keys_and_values() for h in held))
-                c.state = (mx.concatenate(keys), mx.concatenate(values), held[0][layer].offset)
+    def prefill_rows(self, seq_ids: list[int], x: mx.array,
+                     lengths: list[int] | None = None) -> None:
+        """Runs one prompt chunk of each of `seq_ids` in one forward pass: row i of `x` holds
+        lengths[i] tokens (default: all of `x`'s width), right-padded. Every layer's cache must
+        be a plain KVCache (`batchable`). Each sequence then keeps its own row of the result, as
+        `prefill` leaves it.
+
+        Rows that hold equally many tokens and run as many run unpadded, so each row's attention
+        is exactly a batch of one's. Others run as mlx-lm's BatchGenerator prefills a batch:
+        their caches merged left-padded, their chunks right-padded, the padding masked, then
+        rolled to the left and cut off (`BatchKVCache.finalize`, `extract`)."""
+        width = x.shape[1]
+        lengths = lengths or [width] * len(seq_ids)
+        held = [self.prefilling.get(s) or self.stage.make_cache() for s in seq_ids]
+        if len({h[0].offset for h in held}) == 1 and min(lengths) == width:
+            cache = [KVCache() for _ in held[0]]
+            if held[0][0].offset:
+                for layer, c in enumerate(cache):
+                    keys, values = zip(*(h[layer].keys_and_values() for h in held))
+                    c.state = (mx.concatenate(keys), mx.concatenate(values),
+                               held[0][layer].offset)
+            padded = False
+        else:
+            cache = [BatchKVCache.merge(list(layer)) for layer in zip(*held)]
+            for c in cache:
+                c.prepare(right_padding=[width - n for n in lengths])
+            padded = True
         self.profile.run("prefill", x, lambda: self.stage(x, cache, last_only=True),
                          self._prefill_results(cache))
-        rows = {s: [_row(c, r) for c in cache] for r, s in enumerate(seq_ids)}
+        if padded:
+            for c in cache:
+                c.finalize()
+            rows = {s: [c.extract(r) for c in cache] for r, s in enumerate(seq_ids)}
+        else:
+            rows = {s: [_row(c, r) for c in cache] for r, s in enumerate(seq_ids)}
         mx.eval([c.keys_and_values() for kv in rows.values() for c in kv])
         mx.clear_cache()
         for s, kv in rows.items():

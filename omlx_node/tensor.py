@@ -90,10 +90,12 @@ class TensorState(StageState):
         x = self.send(wire.Step(wire.PREFILL, target=seq_id, rows=1, tokens=x.shape[1]), x)
         return super().prefill(seq_id, x, wait)
 
-    def prefill_rows(self, seq_ids: list[int], x: mx.array) -> None:
+    def prefill_rows(self, seq_ids: list[int], x: mx.array,
+                     lengths: list[int] | None = None) -> None:
         x = self.send(wire.Step(wire.PREFILL, target=seq_ids[0], rows=len(seq_ids),
-                                tokens=x.shape[1], seqs=list(seq_ids)), x)
-        super().prefill_rows(seq_ids, x)
+                                tokens=x.shape[1], seqs=list(seq_ids),
+                                lengths=list(lengths or [])), x)
+        super().prefill_rows(seq_ids, x, lengths)
 
     def free(self, seq_ids: list[int]) -> None:
         self.send(wire.Step(wire.FREE, freed=list(seq_ids)))
@@ -201,7 +203,7 @@ class TensorFollower:
         elif step.op == wire.PREFILL:
             x = self._receive((step.rows, step.tokens))
             if step.seqs:
-                state.prefill_rows(step.seqs, x)
+                state.prefill_rows(step.seqs, x, step.lengths or None)
             else:
                 state.prefill(step.target, x)
         elif step.op == wire.DECODE and step.rows:

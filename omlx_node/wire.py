@@ -82,7 +82,8 @@ Admitted sequences join the end of the micro-batch, taking over the KV their PRE
 in each stage.
 FREE payload: sequence ids whose prefill KV must be dropped (cancelled while prefilling).
 PREFILL payload: empty for one row (the pipeline's); a tensor-parallel stage's chunk of several
-rows lists their sequence ids (`omlx_node.tensor`).
+rows lists their sequence ids, then each row's token count where the rows are right-padded to
+`tokens` (`omlx_node.tensor`).
 LOOKUP payload: [held, the sequence's prompt tokens but the last...]: each stage restores the
 longest prefix its prefix cache holds, lowers `held` to it and passes the step on; the tail
 answers the minimum, the prefix every stage holds. The stages keep the tokens to store the
@@ -220,6 +221,7 @@ class Step:
     held: int = 0  # LOOKUP: the prefix every stage so far holds; TRIM: the one to keep
     prompt: list[int] = field(default_factory=list)  # LOOKUP
     seqs: list[int] = field(default_factory=list)  # PREFILL of several rows: their sequences
+    lengths: list[int] = field(default_factory=list)  # and each row's tokens, right-padded
 
     def payload(self) -> list[int]:
         if self.op == DECODE:
@@ -232,7 +234,7 @@ class Step:
         if self.op == FREE:
             return list(self.freed)
         if self.op == PREFILL:
-            return list(self.seqs)
+            return [*self.seqs, *self.lengths]
         if self.op == LOOKUP:
             return [self.held, *self.prompt]
         if self.op == TRIM:
@@ -256,7 +258,7 @@ class Step:
         elif self.op == FREE:
             self.freed = payload
         elif self.op == PREFILL:
-            self.seqs = payload
+            self.seqs, self.lengths = payload[:self.rows], payload[self.rows:]
         elif self.op == LOOKUP:
             self.held, self.prompt = payload[0], payload[1:]
         elif self.op == TRIM:

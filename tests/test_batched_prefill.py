@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
+from omlx_node import wire
 from omlx_node.batcher import Batcher
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
@@ -75,6 +76,62 @@ def test_grouped_prefill_after_a_restored_prefix(tmp_path):
         assert drain(batcher, [again])[0][0] == refs[2]
         assert again.cached == len(branches[1]) - 1
 
+
+
+def costly_passes(batcher: Batcher) -> None:
+    """The engine's pace has measured a pass's fixed part at about a second and a token at a
+    millisecond (a GPU's shape, exaggerated): padding to share a pass always pays."""
+    batcher.pace.fit = (0.0,) * 5  # what it measured so far, forgotten
+    batcher.pace.observe(1.01, False, 10)
+    batcher.pace.observe(1.02, False, 20)
+    assert batcher.pace.pass_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_prompts_of_other_lengths_and_offsets_share_a_pass_padded(tmp_path, family):
+    """Where a pass has a fixed cost, prompts of different lengths that restored prefixes of
+    different lengths (and none) prefill in one padded pass, and every stream decodes exactly
+    what mlx-lm does alone, many at different offsets."""
+    path = build_model(tmp_path / "m", family, num_layers=3)
+    model, _ = load(str(path))
+    vocab = model.args.vocab_size
+    head = prompts_of([8], vocab)[0]
+    tails = prompts_of([3, 11, 6, 17, 2], vocab)
+    prompts = [head + tails[0], head[:4] + tails[1], head + tails[2], tails[3], tails[4], [42]]
+    refs = [reference(model, p, 12) for p in [head + [3], *prompts]]
+    with PrefixCache(f"tiny/{family}", (0, 3), block_size=4) as cache:
+        metrics = NodeMetrics()
+        batcher = Batcher(StageRunner(path), metrics, prefill_chunk=512, prefix_cache=cache)
+        first = batcher.submit(SeqRequest("first", head + [3], 12))
+        assert drain(batcher, [first])[0][0] == refs[0]
+        passes = prefill_passes(metrics)
+        costly_passes(batcher)
+        seqs = [batcher.submit(SeqRequest(str(i), p, 12)) for i, p in enumerate(prompts)]
+        results = drain(batcher, seqs)
+        assert [s.cached for s in seqs] == [8, 4, 8, 0, 0, 0]
+        for (toks, fin), ref in zip(results, refs[1:]):
+            assert toks == ref
+            assert fin.reason == "length"
+        assert prefill_passes(metrics) == passes + 1
+        # Each kept its own blocks, padding cut off: a copy restores all but its last token.
+        again = batcher.submit(SeqRequest("again", prompts[3], 12))
+        assert drain(batcher, [again])[0][0] == refs[4]
+        assert again.cached == len(prompts[3]) - 1
+
+
+def test_a_padded_prefill_step_carries_each_rows_length():
+    """A tensor-parallel stage's other ranks run the same padded pass: the step tells them
+    every row's sequence and length."""
+    step = wire.Step(wire.PREFILL, target=4, rows=3, tokens=9, seqs=[4, 7, 2],
+                     lengths=[9, 3, 5])
+    header, payload = wire.encode_header(step, plan=77)
+    got, rest = wire.decode_header(header, 77, "rank 0")
+    if rest:
+        got.load(payload)
+    assert (got.seqs, got.lengths, got.rows, got.tokens) == ([4, 7, 2], [9, 3, 5], 3, 9)
+    one = wire.Step(wire.PREFILL, target=4, rows=1, tokens=9)
+    got, _ = wire.decode_header(wire.encode_header(one, 77)[0], 77, "rank 0")
+    assert (got.seqs, got.lengths) == ([], [])
 
 
 def test_a_prompt_done_before_the_one_ahead_of_it_is_not_lost(tmp_path):
