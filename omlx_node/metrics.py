@@ -123,6 +123,7 @@ class StageProfile:
         self._prefill = _Window(2)  # prompt tokens, compute seconds
         self._pending: tuple[str, int, float, list] | None = None  # see `settle`
         self._received = 0.0  # seconds the next decode step's input took to read (`receive`)
+        self.prefill_s = 0.0  # seconds of the last timed prefill chunk
 
     def run(self, kind: str, x: mx.array, compute: Callable[[], mx.array],
             results: Callable[[mx.array], list] = lambda out: [out],
@@ -193,6 +194,8 @@ class StageProfile:
         self._record(kind, tokens, time.perf_counter() - t1)
 
     def _record(self, kind: str, tokens: int, seconds: float) -> None:
+        if kind == "prefill":
+            self.prefill_s = seconds
         self._compute[kind].observe(seconds)
         self._busy.add(seconds)
         if kind == "decode":  # the mean of the first 16 timed steps, then a moving one

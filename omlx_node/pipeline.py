@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -137,6 +138,12 @@ class PipelineHead(Engine):
         self._replies: deque[MicroBatch | Sequence] = deque()
         self._step_no = 0
         self.broken = False
+        # The pace (step_pace.py) on a pipeline: its steps are asynchronous, so a decode step
+        # is the time between two micro-batches' tokens coming back with no prefill between,
+        # and an iteration that may prefill is one per tokens come back while rows decode.
+        self._decoded_at = 0.0  # when tokens last came back (0: nobody decoded since)
+        self._prefilled = False  # a prefill chunk went out since then
+        self._stepped = False  # tokens came back since the last prefill was planned
         self._speculate(speculative, speculative_rows)
 
     def running_seqs(self) -> list[Sequence]:
@@ -175,18 +182,29 @@ class PipelineHead(Engine):
             for seq in itertools.islice(self._in_order(), max(room, 0) + LOOKUP_AHEAD):
                 if not seq.lookup_sent:
                     self._send_lookup(seq)
-        if self._waiting and room > 0:
+        if self._waiting and room > 0 and (self._stepped or not self.running_seqs()):
+            self._stepped = False
             self._prefill_step(room)
         if self._replies:
             reply = self._replies.popleft()
             if isinstance(reply, MicroBatch):
                 self._collect(reply)
+                self._tokens_back()
             else:
                 self._collect_lookup(reply)
         if self.idle and not self.doorbell.asleep:
             # Nothing in flight: the other stages may stop waiting on the data plane, which
             # spins a core per posted receive.
             self._send(wire.Step(wire.IDLE), None)
+
+    def _tokens_back(self) -> None:
+        """A micro-batch's tokens came back: one decode step for the pace, timed unless a
+        prefill chunk ran since the last tokens (or nobody decoded until now)."""
+        now = time.perf_counter()
+        if self._decoded_at and not self._prefilled:
+            self.pace.decode_step(now - self._decoded_at)
+        self._decoded_at = now if self.running_seqs() else 0.0
+        self._prefilled, self._stepped = False, True
 
     def _looked_up(self, seq: Sequence) -> bool:
         if self.state.prefix_cache is None:
@@ -211,11 +229,15 @@ class PipelineHead(Engine):
     def _prefill_step(self, room: int) -> None:
         plan = self._take_prefill(room)
         self._feed_proposers(plan)
+        decoding, seconds, tokens = bool(self.running_seqs()), 0.0, 0
         for seq, start, n in plan:
             if n > 0:
                 self._compute(wire.Step(wire.PREFILL, target=seq.sid, rows=1, tokens=n),
                               mx.array([seq.to_prefill[start:start + n]]),
                               lambda x, s=seq: self.state.prefill(s.sid, x))
+                # Every stage runs the chunk; this one's time stands for each one's (a
+                # balanced split), the time every decoding row waits for it.
+                seconds, tokens = seconds + self.metrics.profile.prefill_s, tokens + n
             seq.prefilled += n
             if seq.prefilled == len(seq.to_prefill):
                 # Not always the first one waiting: a chunk cut short at a block boundary
@@ -225,6 +247,9 @@ class PipelineHead(Engine):
                 self._give_proposer(seq)
                 min(self.mbs[:self._worth()],
                     key=lambda m: len(m.seqs) + len(m.pending)).pending.append(seq)
+        if tokens:
+            self.pace.prefill_pass(seconds, tokens, decoding)
+            self._prefilled = True
 
     def _compute(self, step: wire.Step, x: mx.array, run) -> None:
         """Sends `step` with this rank's output of `run(x)`; with `relay`, with its input `x`

@@ -44,14 +44,23 @@ class StepPace:
     def observe(self, seconds: float, decoded: bool, prefilled: int) -> None:
         """One iteration took `seconds`: a decode step if `decoded`, and `prefilled` tokens."""
         if decoded and not prefilled:
-            self.decode_s = _average(self.decode_s, seconds)
+            self.decode_step(seconds)
         elif prefilled:
-            rest = max(seconds - (self.decode_s if decoded else 0.0), 0.0)
-            keep = 1 - SMOOTHING if self.fit[0] else 0.0
-            self.fit = tuple(keep * old + new for old, new in zip(
-                self.fit, (1.0, prefilled, rest, prefilled * prefilled, prefilled * rest)))
-            if decoded:
-                self.credit = max(self.credit - rest, 0.0)
+            self.prefill_pass(max(seconds - (self.decode_s if decoded else 0.0), 0.0),
+                              prefilled, decoded)
+
+    def decode_step(self, seconds: float) -> None:
+        """A decode step of the running rows took `seconds`, with no prefill in it."""
+        self.decode_s = _average(self.decode_s, seconds)
+
+    def prefill_pass(self, seconds: float, tokens: int, decoding: bool) -> None:
+        """A prefill of `tokens` took `seconds`; `decoding`: it spent the credit that rows
+        decoding meanwhile earned."""
+        keep = 1 - SMOOTHING if self.fit[0] else 0.0
+        self.fit = tuple(keep * old + new for old, new in zip(
+            self.fit, (1.0, tokens, seconds, tokens * tokens, tokens * seconds)))
+        if decoding:
+            self.credit = max(self.credit - seconds, 0.0)
 
     @property
     def pass_s(self) -> float:

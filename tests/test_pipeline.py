@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -17,8 +19,9 @@ from omlx_shared.child import ChildError, omlx_command
 from proto import omlx_pb2 as pb
 from tests.conftest import free_port, start_server
 from tests.helpers.pipeline import PROMPTS, generate, pipeline, run_concurrently
-from tests.helpers.session import SessionClient, wait_idle
+from tests.helpers.session import SessionClient, wait_idle, worker_load
 from tests.helpers.workers import stage_worker
+from tests.tiny_models import build_model
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +146,36 @@ def test_bad_split_is_refused(model, flags, message):
                                     *flags), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert message in r.stderr
+
+
+@pytest.mark.slow
+def test_a_prompt_prefills_between_the_steps_of_a_decoding_stream(tmp_path):
+    """A pipeline's head paces its prefill as one node's engine does (step_pace.py): a long
+    prompt that arrives while a stream decodes is prefilled in chunks between that stream's
+    steps, not in one `--prefill-chunk` pass that every decoding row waits for; both streams'
+    greedy tokens stay mlx-lm's. (A wider model than the tiny one: its prompt tokens cost more
+    than a pass's fixed part, as a real model's do.)"""
+    model = build_model(tmp_path / "wide", "llama", num_layers=4, hidden_size=512)
+    ref_model, tok = load(str(model))
+    stream_ids, long_ids = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[4] * 2)
+    refs = [[int(t) for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=n)]
+            for ids, n in ((stream_ids, 400), (long_ids, 8))]
+    mx.synchronize()
+    assert len(long_ids) < 512
+    passes = 'omlx_node_stage_steps_total{kind="prefill"}'
+    with pipeline(model, [2, 2], 2, extra=("--prefill-chunk", "512")) as (stub, _):
+        generate(stub, long_ids[:40], max_tokens=4)  # the pace's first measurements
+        out: dict = {}
+        streaming = threading.Thread(target=lambda: out.update(
+            stream=generate(stub, stream_ids, max_tokens=400)))
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while worker_load(stub)["omlx_node_tokens_predicted_total"] < 60:
+            assert time.monotonic() < deadline and streaming.is_alive()
+            time.sleep(0.02)
+        before = worker_load(stub)[passes]
+        assert generate(stub, long_ids, max_tokens=8) == (refs[1], "length")
+        during = worker_load(stub)[passes] - before
+        streaming.join(120)
+        assert out["stream"] == (refs[0], "length")
+    assert during > 1, "the prompt went in one pass while the stream decoded"
