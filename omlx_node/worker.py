@@ -234,6 +234,13 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
                           else engine.device_cache_bytes), layout=layout)
 
 
+def any_rank(flag: bool, group) -> bool:
+    """Whether `flag` holds on any rank of `group`: a collective, which each of them calls."""
+    import mlx.core as mx
+
+    return bool(mx.distributed.all_sum(mx.array([int(flag)]), group=group).item())
+
+
 def tensor_stage_group(config: WorkerConfig, group):
     """The group this rank's tensor-parallel stage computes over: the plan's whole group for
     one tensor stage, this rank's run of it in a pipeline of tensor stages
@@ -340,8 +347,10 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     # The head's stage sets the cost of a step's extra positions for its drafts: where it is
     # tensor-parallel (alone, or first of a pipeline's), every rank of it measures at once,
     # before the others wait for steps: the sharded MLP's all_sums need them all.
+    # Whether to is agreed first: nodes that joined with other --speculative flags (and no
+    # model's own mode) would otherwise leave some ranks measuring while the others wait.
     head_stage = config.tensor or (tensor_group is not None and config.tensor_stage()[0] == 0)
-    if head_stage and config.engine.speculative != "off":
+    if head_stage and any_rank(config.engine.speculative != "off", tensor_group):
         tensor_costs = collective_position_costs(stage)
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would

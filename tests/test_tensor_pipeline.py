@@ -64,11 +64,13 @@ def test_two_stages_of_two_ranks_speculate_as_mlx_lm(model, drafter):
     of them stopped inside a run of drafts) and plain rows, over two micro-batches: the head
     stage's rank 0 drafts, the last stage's last rank verifies, and all four ranks trim what
     did not stand; every row's tokens and logprobs are mlx-lm's, and drafts stood (rank 0's
-    /metrics, and a prediction's rows' usage)."""
+    /metrics, and a prediction's rows' usage). Rank 1 runs with `--speculative off`, as a node
+    joined with other flags may: the head's stage still agrees to measure its costs."""
     reqs, expected, refs = requests(model)
     mode = SPECULATE if drafter == "ngram" else ("--speculative", f"draft={model}",
                                                   *SPECULATE[2:])
-    with pipeline(model, [2, 2], ranks=2, extra=mode) as (stub, workers):
+    with pipeline(model, [2, 2], ranks=2, extra=mode,
+                  rank_flags={1: ("--speculative", "off")}) as (stub, workers):
         results = run_all(stub, reqs)
         metrics = metrics_at(workers[0].wait_ready(1)["metrics_port"])
         for w in workers:  # every rank still agrees with rank 0: a clean stop ends them all
