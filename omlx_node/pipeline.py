@@ -117,7 +117,7 @@ class PipelineHead(Engine):
                  max_batch: int = 64, prefix_cache: PrefixCache | None = None,
                  row_costs: dict[int, float] | None = None, grammars: Grammars | None = None,
                  speculative: str = "off", speculative_rows: int | None = None,
-                 relay: bool = False):
+                 relay: bool = False, spec_costs: dict[int, float] | None = None):
         """`doorbell`: rank 1's, rung when a step follows an IDLE one. Up to `micro_batches` in
         flight; with `row_costs` (the measured cost of a step by rows) only as many as pay off
         for the rows in flight, else always all of them. `grammars` checks constrained requests
@@ -125,7 +125,9 @@ class PipelineHead(Engine):
         single-node engine's; the drafts are made here (a draft model's too) and verified on
         the tail. `relay`: rank 1 is a rank of this tensor-parallel stage
         (omlx_node/sub_group.py): it gets each step's input token ids, not this rank's output,
-        and computes beside it."""
+        and computes beside it. `spec_costs`: the drafts' cost curve by positions, which such
+        a stage's ranks measure together (speculation.collective_position_costs); None: this
+        rank measures it alone."""
         super().__init__(stage, metrics, prefill_chunk, max_batch,
                          stage.embed_tokens.weight.shape[0], prefix_cache, grammars)
         self.group, self.plan, self.doorbell = group, plan, doorbell
@@ -144,7 +146,7 @@ class PipelineHead(Engine):
         self._decoded_at = 0.0  # when tokens last came back (0: nobody decoded since)
         self._prefilled = False  # a prefill chunk went out since then
         self._stepped = False  # tokens came back since the last prefill was planned
-        self._speculate(speculative, speculative_rows)
+        self._speculate(speculative, speculative_rows, spec_costs)
 
     def running_seqs(self) -> list[Sequence]:
         return [s for m in self.mbs for s in (*m.seqs, *m.pending) if not s.finished]

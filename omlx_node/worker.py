@@ -234,6 +234,13 @@ def make_prefix_cache(config: WorkerConfig, stage: StageRunner, metrics: NodeMet
                           else engine.device_cache_bytes), layout=layout)
 
 
+def any_rank(flag: bool, group) -> bool:
+    """Whether `flag` holds on any rank of `group`: a collective, which each of them calls."""
+    import mlx.core as mx
+
+    return bool(mx.distributed.all_sum(mx.array([int(flag)]), group=group).item())
+
+
 def tensor_stage_group(config: WorkerConfig, group):
     """The group this rank's tensor-parallel stage computes over: the plan's whole group for
     one tensor stage, this rank's run of it in a pipeline of tensor stages
@@ -337,8 +344,13 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
 
     freeze_startup_heap()  # the loaded model and every module: no full collection walks them
     tensor_costs = None
-    if config.tensor and config.engine.speculative != "off":
-        # Every rank at once: the sharded MLP's all_sums need them all.
+    # The head's stage sets the cost of a step's extra positions for its drafts: where it is
+    # tensor-parallel (alone, or first of a pipeline's), every rank of it measures at once,
+    # before the others wait for steps: the sharded MLP's all_sums need them all.
+    # Whether to is agreed first: nodes that joined with other --speculative flags (and no
+    # model's own mode) would otherwise leave some ranks measuring while the others wait.
+    head_stage = config.tensor or (tensor_group is not None and config.tensor_stage()[0] == 0)
+    if head_stage and any_rank(config.engine.speculative != "off", tensor_group):
         tensor_costs = collective_position_costs(stage)
     if config.rank > 0:
         # The head's STOP ends this stage: a SIGTERM (its agent stopping with the head's) would
@@ -366,15 +378,14 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
         engine = Batcher(stage, metrics, settings.prefill_chunk, settings.max_batch,
                          prefix_cache, grammars, settings.speculative, settings.speculative_rows)
     elif tensor_group is not None:
-        # Rank 0 of a pipeline of tensor stages: its own layers' cost curves would need its
-        # stage's other ranks, which wait for steps; so every micro-batch is used, and drafts
-        # are not verified (docs/tensor-parallel.md).
-        if settings.speculative != "off":
-            log.info("speculative decoding is off in a pipeline of tensor-parallel stages")
+        # Rank 0 of a pipeline of tensor stages: the micro-batches' cost curve by rows would
+        # need its stage's other ranks, which wait for steps, so every micro-batch is used;
+        # its drafts' curve they measured with it above (docs/cluster.md).
         engine = PipelineHead(stage, metrics, group, plan, doorbells[1],
                               config.micro_batches or len(config.stage_ranks),
                               settings.prefill_chunk, settings.max_batch, prefix_cache, None,
-                              grammars, relay=True)
+                              grammars, settings.speculative, settings.speculative_rows,
+                              relay=True, spec_costs=tensor_costs)
     else:
         costs = None
         stages = len(config.stage_ranks) or config.world_size

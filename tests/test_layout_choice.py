@@ -4,6 +4,8 @@ tensor over a fast link, a pipeline over a slow one, one node when the model fit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from omlx_coordinator.planning.layout_choice import candidates, plan_layout
@@ -22,6 +24,21 @@ def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():
     assert rank.kv_bytes == 32 * (1 << 12) * 4096 * 4 // 2
     # The hash names the layout: a pipeline's ranges never collide with it, and it round-trips.
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_tensor_plan_counts_the_draft_model_on_rank_0_alone():
+    """A draft model (speculative decoding) is loaded on rank 0 only: counted there, and a
+    rank 0 that cannot hold it beside its share is short by what it lacks."""
+    plain = make_tensor_plan(layout(), macs(2, 64, 0.05), **SETTINGS)
+    drafting = make_tensor_plan(replace(layout(), draft_bytes=GiB), macs(2, 64, 0.05),
+                                **SETTINGS)
+    assert [d.weight_bytes - p.weight_bytes for d, p in zip(drafting.stages, plain.stages)] == [
+        GiB, 0]
+    assert "rank 0 also the draft model, 1.07 GB" in drafting.explanation[0]
+    free = 60 * GiB - plain.stages[0].memory_bytes  # 64 GiB less the 4 GiB reserve
+    with pytest.raises(PlanError, match="rank 0 also the draft model") as err:
+        make_tensor_plan(replace(layout(), draft_bytes=free + 1), macs(2, 64, 0.05), **SETTINGS)
+    assert err.value.missing_by_node == {"mac0": 1}
 
 
 @pytest.mark.parametrize("shape, nodes, why", [

@@ -21,69 +21,21 @@ from omlx_coordinator.telemetry.rebalancer import parse_stage
 from proto import omlx_pb2 as pb
 from tests.conftest import start_server
 from tests.helpers.engine import assert_logprobs_match
-from tests.helpers.pipeline import pipeline, run_concurrently, tensor_stage
-from tests.helpers.session import generate_chunks
-from tests.helpers.speculation import TEXT, mixed_requests
+from tests.helpers.pipeline import pipeline, tensor_stage
+from tests.helpers.speculation import (
+    N,
+    SPECULATE,
+    TEXT,
+    assert_answered,
+    drafted,
+    metrics_at,
+    requests,
+    run_all,
+)
 
 pytestmark = pytest.mark.slow
 
-N = 40  # tokens of each reference
 SPLIT = [1, 3]  # uneven: the head holds one layer of four
-# The mode, and a crossover that lets a step of all eight rows draft (a CPU's measured one
-# drafts one row at a time): the mix this test is about.
-SPECULATE = ("--speculative", "ngram", "--speculative-rows", "8")
-
-
-def stop_inside(ref: list[int]) -> int:
-    """A position well into the output whose token comes there first: on a row whose
-    prediction is its output, a stop token there ends the row inside a run of drafts."""
-    return next(k for k in range(8, len(ref)) if ref[k] not in ref[:k])
-
-
-def requests(model_path) -> tuple[list[pb.GenerateRequest], list[list[int]], list]:
-    """The mixed set (tests.helpers.speculation) as GenerateRequests, each asking fewer
-    tokens than the last, row 1 (a prediction's) with a stop token; with what each must give
-    (tokens), and mlx-lm's (token, logprobs) for every row."""
-    model, tok = load(str(model_path))
-    _, refs, reqs = mixed_requests(model, tok, N)
-    out, expected = [], []
-    for i, (r, ref) in enumerate(zip(reqs, refs)):
-        tokens = [t for t, _ in ref][:N - 2 * i]
-        stop = []
-        if i == 1:
-            k = stop_inside(tokens)
-            stop, tokens = [tokens[k]], tokens[:k]
-        p = r.sampling
-        out.append(pb.GenerateRequest(
-            request_id=r.request_id, prompt_tokens=r.prompt, max_tokens=N - 2 * i,
-            ignore_eos=True, stop_token_ids=stop, prediction_tokens=list(r.prediction),
-            logprobs=p.logprobs is not None, top_logprobs=p.logprobs or 0,
-            sampling=pb.SamplingParams(repetition_penalty=p.repetition_penalty)))
-        expected.append(tokens)
-    return out, expected, refs
-
-
-def run_all(stub, reqs: list[pb.GenerateRequest]) -> list[tuple[list[int], list, str, int]]:
-    """Every request at once: (tokens, logprobs, finish reason, accepted prediction tokens)."""
-    def one(req):
-        chunks = generate_chunks(stub, req)
-        return ([t for c in chunks for t in c.tokens],
-                [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
-                 for c in chunks for lp in c.logprobs],
-                chunks[-1].finish_reason, chunks[-1].accepted_prediction_tokens)
-    return run_concurrently(one, reqs)
-
-
-def metrics_at(port: int) -> dict[str, float]:
-    """A worker's /metrics, series by name and labels."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
-                                        if line and not line.startswith("#"))}
-
-
-def drafted(metrics: dict[str, float], what: str) -> float:
-    return sum(v for k, v in metrics.items()
-               if k.startswith(f"omlx_node_speculative_{what}_tokens_total"))
 
 
 def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
@@ -117,20 +69,13 @@ def test_mixed_streams_match_mlx_lm_and_the_plain_pipeline(model):
         else:
             assert drafted(metrics, "draft") == 0
     spec, plain = results[SPECULATE], results[("--speculative", "off")]
-    for i, (req, want) in enumerate(zip(reqs, expected)):
-        tokens, logprobs, reason, accepted = spec[i]
-        assert tokens == want, i
-        assert reason == ("stop" if req.stop_token_ids else "length"), i
-        assert (plain[i][0], plain[i][2]) == (tokens, reason), i
+    # A prediction's tokens stood: read on the head, verified on the tail.
+    assert_answered(spec, reqs, expected, refs)
+    for i, req in enumerate(reqs):
+        assert (plain[i][0], plain[i][2]) == (spec[i][0], spec[i][2]), i
         if req.logprobs:
-            got = [(t, *lp) for t, lp in zip(tokens, logprobs)]
-            assert_logprobs_match(got, refs[i][:len(tokens)], req.top_logprobs)
-            assert_logprobs_match([(t, *lp) for t, lp in zip(tokens, plain[i][1])],
-                                  refs[i][:len(tokens)], req.top_logprobs)
-        if req.prediction_tokens:
-            assert accepted > 0, i  # read from the prediction, verified on the tail
-        else:
-            assert accepted == 0
+            assert_logprobs_match([(t, *lp) for t, lp in zip(plain[i][0], plain[i][1])],
+                                  refs[i][:len(plain[i][0])], req.top_logprobs)
 
 
 def test_tensor_stage_drafts_on_rank_0(model):
@@ -141,13 +86,7 @@ def test_tensor_stage_drafts_on_rank_0(model):
         results = run_all(stub, reqs)
         metrics = metrics_at(infos[0]["metrics_port"])
     assert drafted(metrics, "accepted") > 0, metrics
-    for i, (req, want) in enumerate(zip(reqs, expected)):
-        tokens, logprobs, reason, accepted = results[i]
-        assert tokens == want, i
-        assert reason == ("stop" if req.stop_token_ids else "length"), i
-        if req.logprobs:
-            assert_logprobs_match([(t, *lp) for t, lp in zip(tokens, logprobs)],
-                                  refs[i][:len(tokens)], req.top_logprobs)
+    assert_answered(results, reqs, expected, refs)
 
 
 def test_gateway_over_a_speculating_pipeline(model, tmp_path):

@@ -15,6 +15,14 @@ from tests.conftest import start_server
 from tests.helpers.failover import run_and_kill
 from tests.helpers.pipeline import PROMPTS, pipeline
 from tests.helpers.session import generate_chunks
+from tests.helpers.speculation import (
+    SPECULATE,
+    assert_answered,
+    drafted,
+    metrics_at,
+    requests,
+    run_all,
+)
 from tests.helpers.tensor_reference import (TOKENS, assert_matches, assert_serves_like_mlx_lm,
                                             reference, shard_bytes)
 from tests.tiny_models import build_model
@@ -47,6 +55,33 @@ def test_two_stages_of_two_ranks_match_mlx_lm(model):
         for w in workers:  # a clean stop: rank 0's STOP ends every other rank
             w.stop()
             assert w.proc.returncode == 0, w.log_tail()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_two_stages_of_two_ranks_speculate_as_mlx_lm(model, drafter):
+    """Eight streams at once mixing rows that draft (by prompt lookup, or a draft model on
+    rank 0: the model itself, whose drafts all stand), rows that draft from a prediction (one
+    of them stopped inside a run of drafts) and plain rows, over two micro-batches: the head
+    stage's rank 0 drafts, the last stage's last rank verifies, and all four ranks trim what
+    did not stand; every row's tokens and logprobs are mlx-lm's, and drafts stood (rank 0's
+    /metrics, and a prediction's rows' usage). Rank 1 runs with `--speculative off`, as a node
+    joined with other flags may: the head's stage still agrees to measure its costs."""
+    reqs, expected, refs = requests(model)
+    mode = SPECULATE if drafter == "ngram" else ("--speculative", f"draft={model}",
+                                                  *SPECULATE[2:])
+    with pipeline(model, [2, 2], ranks=2, extra=mode,
+                  rank_flags={1: ("--speculative", "off")}) as (stub, workers):
+        results = run_all(stub, reqs)
+        metrics = metrics_at(workers[0].wait_ready(1)["metrics_port"])
+        for w in workers:  # every rank still agrees with rank 0: a clean stop ends them all
+            w.stop()
+            assert w.proc.returncode == 0, w.log_tail()
+    assert drafted(metrics, "accepted") > 0, metrics
+    assert drafted(metrics, "draft") >= drafted(metrics, "accepted")
+    by_source = {k.partition('source="')[2].partition('"')[0] for k, v in metrics.items()
+                 if k.startswith("omlx_node_speculative_accepted_tokens_total") and v > 0}
+    assert by_source == {drafter, "prediction"}, metrics
+    assert_answered(results, reqs, expected, refs)
 
 
 @pytest.mark.parametrize("victim", ["worker", "agent"])

@@ -4,6 +4,8 @@ clusters: two islands of two Macs each, fast inside, a slow link between them.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from omlx_coordinator.planning.layout_choice import candidates, plan_layout
@@ -73,3 +75,22 @@ def test_explicit_tensor_pipeline_and_its_limits():
     gpt_oss = layout(shape=(("model_type", "gpt_oss"), ("num_attention_heads", 5)))
     with pytest.raises(PlanError, match="5 attention heads .* which do not divide over"):
         make_tensor_pipeline_plan(gpt_oss, islands(), **SETTINGS)
+
+
+def test_the_draft_model_is_held_by_rank_0_alone():
+    """A draft model (speculative decoding) is loaded on the head stage's rank 0 only: the plan
+    counts it on a0 and nowhere else, moves layers off the head stage when a0 cannot hold it
+    beside its share, and says so when no cut can."""
+    lay = layout()
+    plain = make_tensor_pipeline_plan(lay, islands(), **SETTINGS)
+    small = make_tensor_pipeline_plan(replace(lay, draft_bytes=GiB), islands(), **SETTINGS)
+    assert [s.weight_bytes - p.weight_bytes for s, p in zip(small.stages, plain.stages)] == [
+        GiB, 0, 0, 0]
+    assert "(rank 0 also the draft model, 1.00 GiB)" in small.explanation[1]
+    large = make_tensor_pipeline_plan(replace(lay, draft_bytes=4 * GiB), islands(), **SETTINGS)
+    a0, a1 = large.stages[:2]
+    assert a0.layer_end == a1.layer_end < plain.stages[0].layer_end
+    assert a0.memory_bytes - a1.memory_bytes == 4 * GiB
+    assert a0.weight_bytes + a0.kv_bytes <= 8 * GiB  # its 12 GiB less the 4 GiB reserve
+    with pytest.raises(PlanError, match=r"rank 0 also the draft model \(12.00 GiB\)"):
+        make_tensor_pipeline_plan(replace(lay, draft_bytes=12 * GiB), islands(), **SETTINGS)

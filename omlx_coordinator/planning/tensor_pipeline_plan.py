@@ -10,7 +10,8 @@ each a hop over the run's own links (the slowest of them): two all-reduces a lay
 their parts at once: one hop; k > 2 pass a running sum up the run and back: 2(k - 1) hops), and
 the step relayed from its first rank to the others (k - 1 hops); then its link to the next run.
 Every rank of a run holds its share of the layers and of their KV, the embedding where the run
-is first and the norm and head where it is last, whole.
+is first and the norm and head where it is last, whole; rank 0 (the first run's first node)
+also the draft model, where one drafts (`ModelLayout.draft_bytes`).
 
 Every cut of the nodes into runs with at least two runs and one of two or more ranks is tried
 (2^(n-1) cuts: n is a handful of Macs); each cut's layers are split by the planner's own exact
@@ -84,8 +85,11 @@ class _RunCosts:
             self.kv_prefix.append(self.kv_prefix[-1]
                                   + layout.kv_bytes(i, context_tokens) * max_sequences)
         self.shares = [layout.tensor_share(len(r)) if len(r) > 1 else (1.0, 1.0) for r in runs]
-        self.budgets = [min(nd.memory_bytes - os_reserve_bytes - nd.cache_bytes for nd in r)
-                        for r in runs]
+        budgets = [[nd.memory_bytes - os_reserve_bytes - nd.cache_bytes for nd in r]
+                   for r in runs]
+        self.budgets = [min(b) for b in budgets]
+        # What a run's first node holds beside the draft model, where the run is first.
+        self.draft_budgets = [b[0] - layout.draft_bytes for b in budgets]
         self.head = layout.embed_bytes if layout.tied_embeddings else layout.head_bytes
         self.single = len(runs) == 1
 
@@ -103,7 +107,8 @@ class _RunCosts:
         return math.ceil((self.kv_prefix[k] - self.kv_prefix[i]) * self.shares[j][1])
 
     def fits(self, j: int, i: int, k: int) -> bool:
-        return self.weights(j, i, k) + self.kv(j, i, k) <= self.budgets[j]
+        need = self.weights(j, i, k) + self.kv(j, i, k)
+        return need <= self.budgets[j] and (i > 0 or need <= self.draft_budgets[j])
 
     def compute_ms(self, j: int, i: int, k: int) -> float:
         run = self.runs[j]
@@ -169,15 +174,17 @@ def make_tensor_pipeline_plan(layout: ModelLayout, nodes: list[NodeSpec],
         why = (refusals[0] if refusals and not short else
                "no cut of the nodes into tensor-parallel runs holds the model: each rank of a "
                "run holds its share of its layers and their KV, and the embedding or the head "
-               "whole")
+               "whole" + (f"; rank 0 also the draft model ({human_bytes(layout.draft_bytes)})"
+                          if layout.draft_bytes else ""))
         raise PlanError(f"{layout.model_id} cannot run as a pipeline of tensor-parallel "
                         f"stages over {n} nodes: {why}")
     total, sizes, c, ranges = best
     stages = []
     for j, a, b in ranges:
-        for nd in c.runs[j]:
+        for r, nd in enumerate(c.runs[j]):
+            draft = layout.draft_bytes if a == 0 and r == 0 else 0
             stages.append(Stage(node=nd.name, layer_start=a, layer_end=b,
-                                weight_bytes=c.weights(j, a, b), kv_bytes=c.kv(j, a, b),
+                                weight_bytes=c.weights(j, a, b) + draft, kv_bytes=c.kv(j, a, b),
                                 memory_budget=c.budgets[j] + nd.cache_bytes,
                                 est_ms=c.ms(j, a, b), cache_bytes=nd.cache_bytes))
     bottleneck = max(s.est_ms for s in stages)
@@ -191,6 +198,8 @@ def _explain(c: _RunCosts, ranges: list[tuple[int, int, int]], total: float) -> 
     lines = [f"Pipeline of {len(ranges)} tensor-parallel stages over "
              f"{sum(len(r) for r in c.runs)} nodes (the fastest cut of the nodes, in ring "
              f"order, into runs of neighbours):"]
+    draft = c.layout.draft_bytes
+    draft_note = f" (rank 0 also the draft model, {human_bytes(draft)})" if draft else ""
     for s, (j, a, b) in enumerate(ranges):
         run = c.runs[j]
         names = ", ".join(nd.name for nd in run)
@@ -200,7 +209,8 @@ def _explain(c: _RunCosts, ranges: list[tuple[int, int, int]], total: float) -> 
                 f"({c.collectives_ms(j, a, b):.2f} ms)" if len(run) > 1 else "")
         lines.append(
             f"  Stage {s}: {kind}, layers [{a}, {b}): each rank holds "
-            f"{human_bytes(c.weights(j, a, b) + c.kv(j, a, b))} with its KV; est "
+            f"{human_bytes(c.weights(j, a, b) + c.kv(j, a, b))} with its KV"
+            f"{draft_note if a == 0 else ''}; est "
             f"{c.ms(j, a, b):.3f} ms = {c.compute_ms(j, a, b):.3f} ms streaming{comm} + "
             f"{c.link(j, a, b):g} ms link to the next stage")
     lines.append(f"A token at batch 1 goes through every stage: {total:.3f} ms "

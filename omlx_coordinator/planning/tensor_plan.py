@@ -12,7 +12,8 @@ omlx_node/tensor.py), each a ring all_sum: 2(N-1) messages one after the other, 
 latency plus its 1/N share of the hidden state over the link's bandwidth.
 
 Memory per rank: its share of the layers' weights and of their KV (each rank keeps its own
-heads'), the whole embedding, norm and head, and its worker's prefix cache.
+heads'), the whole embedding, norm and head, and its worker's prefix cache; rank 0 also the
+draft model, where one drafts (`ModelLayout.draft_bytes`, loaded there alone).
 """
 
 from __future__ import annotations
@@ -109,11 +110,12 @@ def make_tensor_plan(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_byte
         nodes, layout.hidden_size * ACTIVATION_BYTES)
     stream = rank_stream_bytes(layout, n)
     stages, short = [], {}
-    for nd in nodes:
+    for r, nd in enumerate(nodes):
         budget = nd.memory_bytes - os_reserve_bytes - nd.cache_bytes
-        if weights + kv > budget:
-            short[nd.name] = weights + kv - budget
-        stages.append(Stage(node=nd.name, layer_start=0, layer_end=L, weight_bytes=weights,
+        held = weights + (layout.draft_bytes if r == 0 else 0)
+        if held + kv > budget:
+            short[nd.name] = held + kv - budget
+        stages.append(Stage(node=nd.name, layer_start=0, layer_end=L, weight_bytes=held,
                             kv_bytes=kv, memory_budget=budget + nd.cache_bytes,
                             est_ms=stream / (nd.speed * GB) * 1e3 + comm,
                             cache_bytes=nd.cache_bytes))
@@ -121,15 +123,19 @@ def make_tensor_plan(layout: ModelLayout, nodes: list[NodeSpec], os_reserve_byte
         raise PlanError(
             f"{layout.model_id} does not fit tensor-parallel over {n} nodes: each rank holds "
             f"{(weights + kv) / GB:.2f} GB ({_share(share, n)} of the layers and KV, the whole "
-            f"embedding and "
-            f"head); short: " + ", ".join(f"{k} by {v / GB:.2f} GB" for k, v in short.items()),
+            f"embedding and head"
+            + (f"; rank 0 also the draft model, {layout.draft_bytes / GB:.2f} GB"
+               if layout.draft_bytes else "")
+            + "); short: " + ", ".join(f"{k} by {v / GB:.2f} GB" for k, v in short.items()),
             missing_bytes=sum(short.values()), missing_by_node=short)
     bottleneck = max(s.est_ms for s in stages)
     plan_hash = compute_plan_hash(layout.model_id, [(nd.name, 0, L) for nd in nodes], "tensor")
     explanation = [
         f"Tensor parallel over {n} nodes ({', '.join(nd.name for nd in nodes)}): each rank "
         f"holds {_share(share, n)} of every layer (attention by heads, MLP by width) and the whole "
-        f"embedding and head, {(weights + kv) / GB:.2f} GB with its KV.",
+        f"embedding and head, {(weights + kv) / GB:.2f} GB with its KV"
+        + (f"; rank 0 also the draft model, {layout.draft_bytes / GB:.2f} GB."
+           if layout.draft_bytes else "."),
         f"A token: each rank streams {stream / GB:.3f} GB, then "
         f"{collectives_per_token(layout)} all-reduces of {comm / collectives_per_token(layout):.3f}"
         f" ms each ({comm:.2f} ms); the slowest rank takes {bottleneck:.3f} ms.",

@@ -32,14 +32,17 @@ PROMPTS = [
 
 @contextmanager
 def pipeline(model: Path, split: list[int], micro_batches: int = 0, init_timeout: float = 60,
-             extra: tuple[str, ...] = (), ranks: int = 1):
-    """Starts one shard worker per stage (its engine with `extra` flags), or `ranks` per stage
-    where each is a tensor-parallel stage; yields the head's ShardWorker stub."""
+             extra: tuple[str, ...] = (), ranks: int = 1,
+             rank_flags: dict[int, tuple[str, ...]] | None = None):
+    """Starts one shard worker per stage (its engine with `extra` flags, then a rank's own
+    `rank_flags`), or `ranks` per stage where each is a tensor-parallel stage; yields the
+    head's ShardWorker stub."""
     peers = tuple(f"127.0.0.1:{free_port()}" for _ in range(len(split) * ranks))
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
     tensor = {"stage_ranks": (ranks,) * len(split)} if ranks > 1 else {}
     workers = [stage_worker(model, r, (bounds[r // ranks], bounds[r // ranks + 1]), peers,
-                            ("--prefill-chunk", "8", *extra), micro_batches=micro_batches,
+                            ("--prefill-chunk", "8", *extra, *(rank_flags or {}).get(r, ())),
+                            micro_batches=micro_batches,
                             init_timeout=init_timeout, **tensor)
                for r in range(len(peers))]
     try:
