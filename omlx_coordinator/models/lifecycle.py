@@ -288,8 +288,8 @@ class ModelManager:
     async def _place(self, model: ServedModel, loaded: list[placement.LoadedModel]
                      ) -> tuple[list[Plan], list[str]]:
         """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
-        at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
-        would pause every stream the gateway serves."""
+        with many nodes and `replicas=auto` the planner takes long enough that on the event
+        loop it would pause every stream the gateway serves."""
         nodes = with_links([NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
                                      weights_cap=m.weights_cap, disk_gbps=m.disk_speed,
                                      dequantizes=m.dequantizes)
