@@ -288,6 +288,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
                              link_probe=not args.no_link_probe,
+                             link_max_age_s=args.link_max_age,
                              discovery_interfaces=default_interfaces(args.host),
                              stall_seconds=args.stall_timeout)
     return _run_gateway(args, _manager(args, models, options), keys)
