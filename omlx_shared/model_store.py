@@ -93,7 +93,7 @@ def read_shard_record(folder: Path) -> ShardRecord | None:
 
 def write_shard_record(folder: Path, record: ShardRecord) -> None:
     """Atomic and durable: a crash leaves the old record or the new one, never half of one."""
-    write_private(Path(folder) / SHARD_RECORD, record.to_json())
+    write_private(Path(folder) / SHARD_RECORD, record.to_json(), durable=True)
 
 
 def content_fingerprint(model_dir: Path) -> str:

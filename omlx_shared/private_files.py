@@ -53,19 +53,22 @@ def private_opener(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
-def write_private(path: Path, data: str | bytes) -> None:
-    """Replaces `path` with `data` atomically (a crash leaves the old file or the new one, never
-    half of one), mode 0600 from its first byte in a folder made 0700: private whatever the
-    process's umask, since a chmod after the write would leave it readable meanwhile. Its
-    temporary file is its own (other writers, threads included, use theirs)."""
+def write_private(path: Path, data: str | bytes, durable: bool = False) -> None:
+    """Replaces `path` with `data` atomically (a process killed meanwhile leaves the old file or
+    the new one, never half of one), mode 0600 from its first byte in a folder made 0700:
+    private whatever the process's umask, since a chmod after the write would leave it readable
+    meanwhile. `durable`: on disk before it replaces the old one, a machine's crash included (an
+    fsync, which may block for a while on a slow disk). Its temporary file is its own (other
+    writers, threads included, use theirs)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
