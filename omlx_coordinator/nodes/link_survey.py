@@ -141,4 +141,7 @@ async def keep_fresh(ring: Callable[[], list[Member]], busy: Callable[[], bool],
                 since = None
                 continue
             a, b = (members[n] for n in sorted(pair))
-            await measure(a, b)
+            try:
+                await measure(a, b)
+            except Exception:  # the next reading is worth trying all the same
+                log.warning("link %s <-> %s: the probe failed", a.name, b.name, exc_info=True)
