@@ -21,6 +21,7 @@ from omlx_cluster.flags import (
     add_ssh_flags,
     add_url_flag,
 )
+from omlx_coordinator.nodes.link_freshness import DEFAULT_MAX_AGE_SECONDS
 from omlx_shared import __version__
 from omlx_shared.parallel_modes import PARALLEL
 
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--no-link-probe", action="store_true",
                              help="do not measure a joining node's links to the others (the "
                                   "planner then counts every link as free)")
+    coordinator.add_argument("--link-max-age", type=validators.seconds,
+                             default=DEFAULT_MAX_AGE_SECONDS, metavar="SECONDS",
+                             help="measure a link again once its reading is this old, while "
+                                  "no request or load has run for a while (default: "
+                                  f"{DEFAULT_MAX_AGE_SECONDS:g}; 0: only when a node joins)")
     add_pipeline_flags(coordinator)
     add_rebalance_flags(coordinator)
 

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -140,6 +141,13 @@ def _log_to_file(path: Path) -> None:
     """Every log line of this process to `path` too: the root logger's and uvicorn's, which
     do not propagate to it (so this runs after uvicorn.Config has set them up)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # as all it writes
+    # The log holds what clients ask for: a file that existed keeps its mode through the open.
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode) and mode & 0o077:
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError as e:  # another account's file we may append to
+            log.warning("the log file %s stays readable by others: %s", path, e.strerror)
     handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("", "uvicorn", "uvicorn.access"):
@@ -280,6 +288,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
                              context_tokens=args.context, max_sequences=args.sequences,
                              discovery=not args.no_discovery,
                              link_probe=not args.no_link_probe,
+                             link_max_age_s=args.link_max_age,
                              discovery_interfaces=default_interfaces(args.host),
                              stall_seconds=args.stall_timeout)
     return _run_gateway(args, _manager(args, models, options), keys)

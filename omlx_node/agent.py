@@ -44,7 +44,7 @@ UNLOAD_GRACE_SECONDS = 10.0  # UnloadShard's default between SIGTERM and SIGKILL
 REPLACE_GRACE_SECONDS = 1.0
 # How often Health's view of each worker's memory is refreshed. Each probe walks the worker's
 # page tables (PSS): every second, with the worker's full /metrics read as well, that kept an
-# idle H200 host's agent and 8B worker at ~5% of a core each.
+# idle host's agent and a large model's worker busy (bench/results/idle-cpu-h200.md).
 PROBE_SECONDS = 5.0
 PROBE_TIMEOUT_SECONDS = 0.5  # a worker whose /metrics is slower keeps its last reading
 # The gauge the worker exports MLX's active memory as (omlx_node/metrics.py: importing that

@@ -3,7 +3,8 @@
 Encoders (BERT, XLM-RoBERTa, ModernBERT) are mlx-embeddings' models; decoders (Qwen3-Embedding,
 Qwen3-Reranker) mlx-lm's. A request's inputs are sorted by length and cut into forward passes
 of similar lengths, each padded to its longest input (sorted, the padding stays small; a fixed
-bucket such as a multiple of 16 tokens cost short inputs up to 3x on a CPU) and at most
+bucket such as a multiple of 16 tokens cost short inputs several times as much on a CPU:
+bench/results/embeddings-cpu.md) and at most
 PASS_TOKENS tokens. Padding changes nothing of an input's result: an
 encoder masks it out of attention and pooling; a decoder pads on the right, where causal
 attention keeps the real tokens from seeing it.

@@ -2,10 +2,10 @@
 while another one loads beside them; and an embedding, reranking or Whisper worker's passes
 below a chat model's decode.
 
-A load (reading and copying gigabytes of weights, then the warm-up's passes) competes for the
-cores with the workers that decode: on a 2-core CPU a neighbour's load cost a decoding model 38%
-of its tok/s (bench/results/models-cpu.md). So the load runs on a thread of its own whose nice
-value is raised, and so are the threads it starts (MLX's file readers, the stream its warm-up
+A load (reading and copying gigabytes of weights, then the warm-up's passes) competes for the cores
+with the workers that decode: on a small CPU a neighbour's load cost a decoding model a large part
+of its decode rate (bench/results/models-cpu.md). So the load runs on a thread of its own whose
+nice value is raised, and so are the threads it starts (MLX's file readers, the stream its warm-up
 runs on), which inherit it. How far depends on why it loads (LoadShardRequest.load_reason):
 
 - a load nobody waits for (a model preloaded at start or by /load, a replica added while the

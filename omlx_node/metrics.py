@@ -26,9 +26,9 @@ IDENTITY_LABELS = ("node", "model", "plan", "stage", "layers")
 # every stage times the same steps, one in PROFILE_EVERY: a timed step drains the stages before
 # it, so each one's wait for its input is the previous stages' own time, which the rebalancer
 # tells compute from (timed at different steps, a stage next to a slow one looked as slow). A
-# single stage times one step a PROFILE_SECONDS: one in 8 cost ~8% of an 8B model's batch-1
-# decode on an H200 (a timed step costs ~0.6 of another), so one in 0.25 s (~33 steps) still
-# cost ~2% of it; one a second, ~0.5%, and 30 over the busy share's window.
+# single stage times one step a PROFILE_SECONDS: on a GPU a timed step costs a good part of
+# another, so one in 8 cost a large model's batch-1 decode visibly, and even several a second
+# did; one a second costs little and still gives 30 over the busy share's window.
 PROFILE_EVERY = 8
 PROFILE_SECONDS = 1.0
 # The engine's gauges read from MLX (KV bytes, active and peak memory) are refreshed at most

@@ -5,14 +5,14 @@ step's events of all of them to the session's outbox as one list (`sequence.Outb
 call's handler thread sends them as one SessionEvents message. A call per sequence costs
 a message, a handler thread's wake-up and the gRPC server's completion work per token, each under
 the GIL that the engine thread builds its steps with; where a device computes a step faster than
-Python builds it (small models on a GPU) that GIL time was the engine's: on an H200, at 32
-streams of a 1.1B model the streaming threads held the GIL more than the engine did.
+Python builds it (small models on a GPU) that GIL time was the engine's: at many streams of a
+small model the streaming threads held the GIL longer than the engine did (commit 9d97cf4).
 
 Where the engine's steps come faster than the session's stream interval (a small model on a
 fast device), the handler holds them and sends the steps of one interval as one message: fewer
 messages, fewer wake-ups of the handler and gRPC's threads in the worker, fewer events for the
-gateway to read and stream (on an H200 at batch 1, a third less gateway CPU a token:
-bench/stream_interval.py). A sequence's first token and its end are never held
+gateway to read and stream (less gateway CPU a token: bench/stream_interval.py,
+bench/results/stream-interval-1b-h200.md). A sequence's first token and its end are never held
 (`Outbox.urgent`): a client waits for those.
 
 While its sequences have nothing to send (a long prompt being prefilled), the handler sends an

@@ -218,7 +218,8 @@ class StageRunner:
         kept = len(layers) - streamed
         inner.layers = layers[:kept]
         if mx.default_device() == mx.cpu:
-            # Quantized matmul on a CPU runs ~1 tok/s: dequantize there, keep it elsewhere.
+            # Quantized matmul on a CPU is far too slow to serve: dequantize there, keep it
+            # elsewhere.
             dequantize_model(model)
             model.set_dtype(target)
         if ranks > 1:

@@ -1,11 +1,11 @@
 """How many prompt tokens an engine iteration may prefill while other sequences decode.
 
 An iteration runs one decode step for the running rows and then one prefill chunk. With a fixed
-chunk (512 tokens on a CPU) every decoding stream waited for the whole chunk each step: on the
-2-core CPU a 512-token chunk took 10-40 decode steps' time, and a session decoding while others
-prefilled kept 4-9% of its plain decode rate (bench/agent_sessions.py, before pacing). An agent
-waits for its whole turn, the first token and then every other one, so the prefill of one turn
-must not stop the decoding of the others.
+chunk every decoding stream waited for the whole chunk each step: a full chunk costs many decode
+steps' time, so a session decoding while others prefilled kept a small fraction of its plain
+decode rate (bench/agent_sessions.py; bench/results/agent-sessions-cpu.md). An agent waits for
+its whole turn, the first token and then every other one, so the prefill of one turn must not
+stop the decoding of the others.
 
 `StepPace` measures, on the engine's own iterations, what a decode step costs (its rows and
 their context as they are now) and what a prefill pass costs: a fixed part for the pass (every

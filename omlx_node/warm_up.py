@@ -1,9 +1,8 @@
 """A fresh shard worker's warm-up: what its first requests run, once, before it says it is ready.
 
 MLX builds a kernel the first time a process runs it (on CUDA it compiles it, unless the
-machine's kernel cache holds it already). A fresh engine's first burst of 8 streams on an H200
-waited ~1.2 s for its first tokens, the next bursts ~40 ms; on a 2-core CPU a fresh worker's
-first request waited ~15 ms more than its next ones, ~3 ms once warmed up
+machine's kernel cache holds it already), so a fresh engine's first requests wait longer for
+their first tokens than the ones after them, most of all on a GPU
 (bench/results/first-request-cpu.md).
 Unpaid at load, that lands on whoever sends the first request after a load, a re-plan or a
 failover: an agent's next turn.

@@ -5,7 +5,7 @@ Every pipeline step travels down the ring as up to three messages, in this order
 1. the step header: int32[HEADER_INTS], fixed shape, so a stage can always post its receive. Its
    first HEADER_FIELDS ints are the fields below; a payload of at most INLINE_PAYLOAD ints (every
    steady decode step's) rides in the rest, so such a step costs one message less: each message
-   costs a fixed ~0.1-0.3 ms per hop, whatever its size;
+   costs a fixed latency per hop, whatever its size;
 2. the payload: int32[header.payload_len], only when it is longer than INLINE_PAYLOAD;
 3. the hidden states: dtype of the model, shape (rows, tokens, hidden), only for PREFILL and
    DECODE steps with rows > 0. A stage receives them lazily: it builds its step's graph as soon

@@ -1,7 +1,7 @@
 """The BLAS a process that runs MLX on a Linux CPU should load: the environment to start it with.
 
-MLX's CPU wheel ships reference BLAS (~5 GFLOP/s fp32); Debian's OpenBLAS measured ~26x faster
-here (bench/results). The library must be preloaded when the process starts, so whoever starts
+MLX's CPU wheel ships reference BLAS; Debian's OpenBLAS is many times faster (bench/results/,
+e.g. single-node-cpu.md). The library must be preloaded when the process starts, so whoever starts
 a shard worker (the node agent, for `serve`'s nodes and `join`'s alike) passes this environment.
 OMLX_BLAS=reference keeps the wheel's own.
 """

@@ -419,7 +419,8 @@ def judge_sleep(out: Output, ctx: Context) -> CheckResult:
 
 def judge_blas(out: Output, ctx: Context) -> CheckResult:
     """Where MLX computes on the CPU (Linux without a CUDA GPU), whether a node preloads an
-    optimised BLAS: MLX's wheel ships a reference one, prefill ~6x slower."""
+    optimised BLAS: MLX's wheel ships a reference one, on which prefill is several times
+    slower."""
     found = set(out.stdout.split())
     if "metal" in found:
         return CheckResult("blas", PASS, "Metal: MLX computes on the GPU")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omlx_shared.model_store import data_home
+from omlx_shared.private_files import write_private
 
 LOGS_KEPT = 100
 KILL_WAIT_SECONDS = 10.0  # how long a stop waits for a killed child to be gone
@@ -33,9 +34,7 @@ class ChildError(RuntimeError):
 
 def write_ready(path: Path, info: dict) -> None:
     """Called by the child once it is ready; readers never see a half-written file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
+    write_private(path, json.dumps(info))
 
 
 def omlx_command(*args: str) -> list[str]:
@@ -123,7 +122,7 @@ def logs_dir() -> Path:
 
 def _new_log(what: str) -> Path:
     folder = logs_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # logs hold what clients sent
     logs = []
     for p in folder.glob("*.log"):
         try:
@@ -133,7 +132,7 @@ def _new_log(what: str) -> Path:
     for _, p in sorted(logs)[:max(0, len(logs) + 1 - LOGS_KEPT)]:
         p.unlink(missing_ok=True)
     path = _log_name(folder, what)
-    path.touch()
+    path.touch(mode=0o600)
     return path
 
 

@@ -62,10 +62,10 @@ def host_name(identity: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def stretched(secret: str) -> bytes:
-    """The key every use of the secret derives from: scrypt (32 MiB, ~0.1 s) rather than the
-    secret itself, because what the secret yields can be seen (a node's certificate names its
-    CA's key; a registration carries an HMAC), and a guess at a human-chosen secret could
-    otherwise be checked against it ~26,000 times a second a core. Once per process."""
+    """The key every use of the secret derives from: scrypt (32 MiB, slow on purpose) rather
+    than the secret itself, because what the secret yields can be seen (a node's certificate
+    names its CA's key; a registration carries an HMAC), and a guess at a human-chosen secret
+    could otherwise be checked against it at a plain hash's speed. Once per process."""
     return hashlib.scrypt(secret.encode(), salt=b"omlx-cluster secret v1", n=1 << 15, r=8,
                           p=1, maxmem=64 << 20, dklen=32)
 
@@ -192,7 +192,7 @@ def peer_fingerprint(context: grpc.ServicerContext) -> str:
 @functools.lru_cache(maxsize=64)
 def _pem_fingerprint(pem: bytes) -> str:
     # Every call to a worker checks its caller's session against this: parsing the same
-    # certificate each time cost ~0.1 ms of every request's first token.
+    # certificate each time added to every request's first token.
     return fingerprint(x509.load_pem_x509_certificate(pem))
 
 

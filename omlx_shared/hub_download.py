@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from omlx_shared.private_files import private_opener
+
 # Attempts per file within one run before giving up (a later run resumes from the same .part).
 ATTEMPTS = 5
 CHUNK = 1 << 20
@@ -66,7 +68,7 @@ def _download_file(repo_id: str, revision: str, name: str, size: int, target: Pa
 
     url = hf_hub_url(repo_id, name, revision=revision, endpoint=endpoint)
     part = _part(target)
-    part.parent.mkdir(parents=True, exist_ok=True)
+    part.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a private repo's weights
     error: Exception | None = None
     for attempt in range(ATTEMPTS):
         if attempt:
@@ -84,7 +86,7 @@ def _download_file(repo_id: str, revision: str, name: str, size: int, target: Pa
                 if response.status_code != 206 and start:
                     bar.update(-start)  # the server ignored the range: it sends all again
                     start = 0
-                with part.open("ab" if start else "wb") as out:
+                with open(part, "ab" if start else "wb", opener=private_opener) as out:
                     for chunk in response.iter_bytes(CHUNK):
                         out.write(chunk)
                         bar.update(len(chunk))

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omlx_shared.private_files import write_private
 from omlx_shared.safetensors_header import read_header, tensor_range, weight_files
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -92,13 +93,7 @@ def read_shard_record(folder: Path) -> ShardRecord | None:
 
 def write_shard_record(folder: Path, record: ShardRecord) -> None:
     """Atomic and durable: a crash leaves the old record or the new one, never half of one."""
-    path = Path(folder) / SHARD_RECORD
-    tmp = path.with_name(f".{SHARD_RECORD}.tmp")
-    with open(tmp, "w") as f:
-        f.write(record.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_private(Path(folder) / SHARD_RECORD, record.to_json(), durable=True)
 
 
 def content_fingerprint(model_dir: Path) -> str:

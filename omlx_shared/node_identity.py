@@ -3,11 +3,11 @@ restarts and unique even when an office has five Macs called "MacBook-Pro"."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 
 from omlx_shared.model_store import data_home
+from omlx_shared.private_files import write_private
 
 KEY_FILE = "node-key"
 
@@ -21,14 +21,8 @@ def node_key() -> str:
             return key
     except FileNotFoundError:
         pass
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    key = secrets.token_hex(8)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    # Private from its first byte: a chmod after the write would leave it readable meanwhile.
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(key + "\n")
-    os.replace(tmp, path)
-    return path.read_text().strip()
+    write_private(path, secrets.token_hex(8) + "\n")
+    return path.read_text().strip()  # a process that raced this one may have replaced it
 
 
 def default_node_id() -> str:

@@ -5,13 +5,17 @@ What the service keeps on disk is as sensitive as what it serves: a KV block is 
 be a private fine-tune, and the node key, secret and API key files are credentials. So every
 long-running process starts with a umask of 077 (new files 0600, new folders 0700, whatever
 code writes them), and tightens what an older version left readable by others in its home.
-Files a user hands in (--secret-file, --api-key-file) are refused when others can read them.
+What holds a user's data or a secret is written 0600 by its own code as well (`write_private`,
+`private_opener`, the KV tier's and the weight store's explicit modes), so it stays private in a
+process that did not start through the CLI. Files a user hands in (--secret-file,
+--api-key-file) are refused when others can read them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -41,6 +45,34 @@ def read_private(path: Path, what: str) -> str:
     if not text:
         raise PrivateFileError(f"the {what} file {path} is empty")
     return text
+
+
+def private_opener(path: str, flags: int) -> int:
+    """`open(path, mode, opener=private_opener)`: a file it creates is 0600 whatever the umask
+    (one that exists keeps its mode)."""
+    return os.open(path, flags, 0o600)
+
+
+def write_private(path: Path, data: str | bytes, durable: bool = False) -> None:
+    """Replaces `path` with `data` atomically (a process killed meanwhile leaves the old file or
+    the new one, never half of one), mode 0600 from its first byte in a folder made 0700:
+    private whatever the process's umask, since a chmod after the write would leave it readable
+    meanwhile. `durable`: on disk before it replaces the old one, a machine's crash included (an
+    fsync, which may block for a while on a slow disk). Its temporary file is its own (other
+    writers, threads included, use theirs)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def tighten(root: Path) -> list[tuple[Path, int]]:

@@ -462,10 +462,11 @@ class ShardWorkerServicer:
         """Every sequence over one call, as the gateway sends them: each engine step's tokens of every
         sequence of the session come back as one SessionEvents message. A stream per sequence costs
         the worker a message, a handler thread's wake-up and the GIL time of both per token, which
-        on a GPU is taken from the engine's own Python (at 32 streams of a 1.1B model on an H200,
-        the streaming threads held the GIL more than the engine did). Ending the call (the gateway
-        went away), or its requests (a half-close), cancels every sequence of the session; a
-        worker that stops ends its sessions once their sequences' last events ("aborted") are out.
+        on a GPU is taken from the engine's own Python: at many streams the streaming threads can
+        hold the GIL longer than the engine does (profiled in commit 9d97cf4). Ending the call
+        (the gateway went away), or its requests (a half-close), cancels every sequence of the
+        session; a worker that stops ends its sessions once their sequences' last events
+        ("aborted") are out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

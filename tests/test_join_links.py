@@ -1,6 +1,7 @@
 """A node's links measured at `join` (omlx_coordinator/nodes/link_survey.py): two nodes join a
 coordinator over loopback; /cluster/status carries the measured link between them and each
-one's round trip to the coordinator, `status` prints them, and the plan counts the link."""
+one's round trip to the coordinator, `status` prints them, and the plan counts the link. Once
+the reading is older than --link-max-age and the cluster is quiet, it is measured again."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_join_measures_the_link_between_nodes(tmp_path):
                       tmp_path / f"{name}.log")
 
     procs = [launch(["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
-                     "1GiB", "--model", f"main={model}"], tmp_path / "home-coordinator",
+                     "1GiB", "--link-max-age", "2", "--model", f"main={model}"], tmp_path / "home-coordinator",
                     tmp_path / "coordinator.log"), join("a")]
     try:
         wait_for(lambda: any(n["id"] == "a" for n in status(url).get("nodes") or []), 120,
@@ -62,5 +63,17 @@ def test_join_measures_the_link_between_nodes(tmp_path):
                  "a plan over a and b")
         explanation = "\n".join(status(url)["plan"]["explanation"])
         assert "+ 0 ms link" not in explanation, explanation
+
+        # No request, no load: the 2 s old reading is taken again (after the quiet the policy
+        # waits for), still one link on both nodes.
+        def remeasured() -> dict | None:
+            nodes = {n["id"]: n for n in status(url).get("nodes") or []}
+            again = nodes["b"]["links"]["a"]
+            return nodes if again.get("measured_at", 0) > link["measured_at"] else None
+
+        nodes = wait_for(remeasured, 90, "the link measured again while the cluster is quiet")
+        again = nodes["b"]["links"]["a"]
+        assert "error" not in again and again["gb_per_s"] > 0, again
+        assert nodes["a"]["links"]["b"] == again
     finally:
         stop_all(procs)

@@ -97,6 +97,9 @@ def test_a_node_receives_only_its_range_and_keeps_it(small, tmp_path, monkeypatc
                                    "model-layer-00002.safetensors",
                                    "model-layer-00003.safetensors", "model-norm.safetensors"]
     assert_holds_exactly(folder, source.files_for(1, 4))
+    # Weights may be a private fine-tune: folder 0700, every file (the shard record too) 0600.
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in [folder, *folder.iterdir()]} == {
+        p.name: "0o700" if p.is_dir() else "0o600" for p in [folder, *folder.iterdir()]}
 
     # The store lists the shard; it is never served as a model of its own.
     monkeypatch.setenv("OMLX_CLUSTER_HOME", str(tmp_path / "home"))

@@ -126,7 +126,7 @@ def sse(obj: dict, event: str | None = None) -> str:
 class Primed:
     """An async generator whose first step starts now, in a task of its own. A streamed reply's
     call to the node then goes out while Starlette sends the headers and sets up the stream
-    (~0.5-1 ms of a 2048-token prompt's first token on a CPU), not after. Iterate it once;
+    (time a prompt's first token would wait for otherwise), not after. Iterate it once;
     `aclose()` ends it however far it got."""
 
     def __init__(self, gen: AsyncGenerator):

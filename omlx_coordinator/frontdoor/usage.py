@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omlx_coordinator.frontdoor.keys import Key
+from omlx_shared.private_files import write_private
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,7 @@ class Usage:
                                for key, models in keys.items()}
                          for day, keys in self.days.items()}}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(body))
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self.path)
+            write_private(self.path, json.dumps(body))
         except OSError as e:
             self._dirty = True
             log.warning("cannot write usage to %s: %s", self.path, e)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from omlx_shared.private_files import write_private
 
 DIR_NAME = "gateway-tls"
 VALID_DAYS = 3650  # a pinned certificate is replaced by hand, not by expiry
@@ -62,7 +63,6 @@ def self_signed(home: Path, host: str) -> ServingCert:
     cert, key = folder / "cert.pem", folder / "key.pem"
     if cert.exists() and key.exists():
         return checked(cert, key)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     private = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     name = socket.gethostname()
@@ -78,12 +78,10 @@ def self_signed(home: Path, host: str) -> ServingCert:
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
                        critical=False)
         .sign(private, hashes.SHA256()))
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(private.private_bytes(serialization.Encoding.PEM,
-                                      serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    write_private(key, private.private_bytes(serialization.Encoding.PEM,
+                                             serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()))
+    write_private(cert, certificate.public_bytes(serialization.Encoding.PEM))
     return checked(cert, key)
 
 

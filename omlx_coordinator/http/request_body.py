@@ -27,12 +27,13 @@ from omlx_coordinator.errors import APIError
 
 MAX_BODY_BYTES = 32 << 20  # as Anthropic's API
 # A body with at most these braces and commas (upper bounds of its objects, arrays and values: a
-# brace or comma inside a string counts too) parses inline in a few ms, however long its
-# strings; counting them costs ~1 ms a MB. Agents' bodies hold a few hundred of each.
+# brace or comma inside a string counts too) parses inline quickly, however long its strings;
+# counting them is a cheap scan of the bytes. Agents' bodies hold a few hundred of each.
 LIGHT_CONTAINERS = 10_000
 LIGHT_ITEMS = 100_000
 # What no request needs: the parser process refuses more. The request models validate what
-# comes back on the event loop, ~4 us an object or array (more where each is an error).
+# comes back on the event loop, at a cost per object or array (more where each is an error).
+# (bench/results/body-parsing-cpu.md)
 MAX_CONTAINERS = 20_000
 MAX_VALUES = 200_000
 

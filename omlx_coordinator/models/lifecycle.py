@@ -84,6 +84,7 @@ class ModelManager:
         self._task: asyncio.Task | None = None
         self._sync_holders()
         cluster.on_lost, cluster.on_joined = self._on_lost, self._on_joined
+        cluster.busy = self.busy
 
     @property
     def main(self) -> Deployment:
@@ -97,6 +98,13 @@ class ModelManager:
                           plan_loads=self.plan_loads,
                           jaccl_failures=self.jaccl_failures,
                           weight_counters=self.weight_counters)
+
+    def busy(self) -> bool:
+        """Whether the nodes are in use: a request admitted and not finished, or a load (its
+        weights may be crossing the links). Links are measured again only while not."""
+        return (self.loading.locked() or self.plan_loads.locked()
+                or any(m.leases for m in self.models)
+                or any(d.inflight for d in self.deployments()))
 
     def deployments(self) -> list[Deployment]:
         return [d for ds in self.replicas.values() for d in ds]
@@ -288,8 +296,8 @@ class ModelManager:
     async def _place(self, model: ServedModel, loaded: list[placement.LoadedModel]
                      ) -> tuple[list[Plan], list[str]]:
         """Where `model` goes beside `loaded`, and which of them to evict first. On a thread:
-        at 8 nodes with `replicas=auto` the planner takes up to ~2 s, which on the event loop
-        would pause every stream the gateway serves."""
+        with many nodes and `replicas=auto` the planner takes long enough that on the event
+        loop it would pause every stream the gateway serves."""
         nodes = with_links([NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
                                      weights_cap=m.weights_cap, disk_gbps=m.disk_speed,
                                      dequantizes=m.dequantizes)

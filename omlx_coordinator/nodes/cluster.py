@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from omlx_coordinator.nodes.known_nodes import FILE_NAME, REJOIN_SECONDS, KnownNodes
-from omlx_coordinator.nodes.link_survey import survey
+from omlx_coordinator.nodes.link_freshness import (
+    DEFAULT_MAX_AGE_SECONDS,
+    FreshnessPolicy,
+    LinkAge,
+)
+from omlx_coordinator.nodes.link_survey import keep_fresh, survey
 from omlx_coordinator.nodes.membership import DiscoveryBridge
 from omlx_coordinator.nodes.node_client import AdmissionError, AgentClient
 from omlx_coordinator.nodes.status_log import LoggedStatus
@@ -72,6 +77,8 @@ class ClusterOptions:
     max_sequences: int = 8  # ... for this many sequences at once
     discovery: bool = False  # admit nodes Bonjour announces (coordinator mode)
     link_probe: bool = True  # measure a joining node's links (link_survey.py)
+    # ... and again while the cluster is quiet, once a reading is this old (0: never).
+    link_max_age_s: float = DEFAULT_MAX_AGE_SECONDS
     discovery_interfaces: list[str] | None = None
     node_args: tuple[str, ...] = ()  # for every node agent
     # Local node i's shard worker exports /metrics on this port + i (0: each on any free one).
@@ -109,9 +116,11 @@ class Member:
     # it joins again.
     weights_error: str = ""
     admissions: int = 0  # times it was admitted over the network, each a new session
-    # Its links to the other members, measured when it or they joined (link_survey.py): a
-    # measurement, or why there is none.
+    # Its links to the other members, measured when it or they joined (link_survey.py), and
+    # again once old while the cluster is quiet (link_freshness.py): a measurement, or why
+    # there is none; and when each was taken.
     links: dict[str, LinkMeasurement | str] = field(default_factory=dict)
+    link_ages: dict[str, LinkAge] = field(default_factory=dict)
     control_rtt_ms: float = 0.0  # the coordinator's Health round trip to it (0: not measured)
 
     @property
@@ -141,6 +150,10 @@ class Cluster:
         self.status = "starting"
         self.on_lost: Callable[[set[str]], Awaitable[None]] | None = None
         self.on_joined: Callable[[Member], Awaitable[None]] | None = None
+        # Whether anything uses the nodes now (a request in flight, a load): links are
+        # measured again only while it says no for a while. None: never measured again.
+        self.busy: Callable[[], bool] | None = None
+        self._freshness_task: asyncio.Task | None = None
         # on_joined calls under way, replaced clients to close
         self._reactions: set[asyncio.Task] = set()
         self._monitor_task: asyncio.Task | None = None
@@ -190,9 +203,10 @@ class Cluster:
                 "memory_pressure": (h.memory_pressure or None) if h else None,
                 "weights_error": m.weights_error or None,
                 "rdma_devices": [p.device for p in m.rdma_ports],
-                # Measured at join (link_survey.py); the planner counts the data-plane ones.
-                "links": {peer: link.to_dict() if isinstance(link, LinkMeasurement)
-                          else {"error": link} for peer, link in m.links.items()},
+                # Measured at join, again once old (link_survey.py); the planner counts the
+                # data-plane ones.
+                "links": {peer: _link_status(link, m.link_ages.get(peer))
+                          for peer, link in m.links.items()},
                 "coordinator_rtt_ms": m.control_rtt_ms or None,
                 # Each model's shard worker on it: where Prometheus scrapes it
                 # (/cluster/prometheus-targets), and its real memory.
@@ -237,6 +251,7 @@ class Cluster:
             log.info("waiting for nodes to join (Bonjour discovery %s)",
                      "on" if self.options.discovery else "off")
             self._monitor_task = asyncio.create_task(self._monitor())
+            self._keep_links_fresh()
             if self.options.discovery:
                 self._discovery = DiscoveryBridge(self.add_remote,
                                                   self.options.discovery_interfaces)
@@ -259,6 +274,7 @@ class Cluster:
                 m.disk_gbps, m.dequantizes = hello.disk_gbps, hello.dequantizes
                 m.health = await m.agent.health()
             self._monitor_task = asyncio.create_task(self._monitor())
+            self._keep_links_fresh()
             self.ready, self.status = True, "ready"
         except Exception as e:
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
@@ -330,12 +346,19 @@ class Cluster:
         """Measures the links of `member`, admitted just now, before any plan counts it."""
         for m in self.members:  # what it measured before it left may no longer hold
             m.links.pop(member.name, None)
-        member.links = {}
+            m.link_ages.pop(member.name, None)
+        member.links, member.link_ages = {}, {}
         if not self.options.link_probe:
             return
         async with self._surveying:
             others = [m for m in self.members if m.alive and m is not member]
             await survey(member, others)
+
+    def _keep_links_fresh(self) -> None:
+        policy = FreshnessPolicy(self.options.link_max_age_s if self.options.link_probe else 0)
+        if policy.enabled and self.busy is not None:
+            self._freshness_task = asyncio.create_task(
+                keep_fresh(self.servable, self.busy, self._surveying, policy))
 
     def measured_links(self) -> MeasuredLinks:
         """Every link measured between members, for the planner."""
@@ -453,8 +476,9 @@ class Cluster:
 
     async def stop(self) -> None:
         self.ready = False
-        if self._monitor_task is not None:
-            self._monitor_task.cancel()
+        for task in (self._monitor_task, self._freshness_task):
+            if task is not None:
+                task.cancel()
         for task in list(self._reactions):
             task.cancel()
         if self._discovery is not None:
@@ -463,6 +487,15 @@ class Cluster:
             await m.agent.close()
         await asyncio.gather(*(asyncio.to_thread(m.process.stop) for m in self.members
                                if m.process is not None))
+
+
+def _link_status(link: LinkMeasurement | str, age: LinkAge | None) -> dict:
+    """A link as /cluster/status shows it: its reading (or why there is none) and when the
+    reading was taken (Unix time), the same on both of its members."""
+    out = link.to_dict() if isinstance(link, LinkMeasurement) else {"error": link}
+    if age is not None and age.measured_unix is not None:
+        out["measured_at"] = round(age.measured_unix, 3)
+    return out
 
 
 async def _close_later(agent: AgentClient) -> None:

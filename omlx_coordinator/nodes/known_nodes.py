@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from omlx_shared.private_files import write_private
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ class KnownNodes:
     def save(self, names: set[str]) -> None:
         """Replaces the file atomically: a coordinator killed while writing keeps the old one."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"nodes": sorted(names)}))
-            os.replace(tmp, self.path)
+            write_private(self.path, json.dumps({"nodes": sorted(names)}))
         except OSError as e:
             log.warning("cannot remember the cluster's nodes in %s: %s", self.path, e)

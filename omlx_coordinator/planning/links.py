@@ -1,7 +1,8 @@
 """The measured links between nodes, as the planner counts them.
 
 A node's links are measured when it joins (omlx_coordinator/nodes/link_survey.py runs
-`doctor`'s link probe, omlx_shared/link_probe.py, between it and every other member). The
+`doctor`'s link probe, omlx_shared/link_probe.py, between it and every other member), and again
+once old while the cluster is quiet (omlx_coordinator/nodes/link_freshness.py). The
 planner's cost model reads one link a node (NodeSpec.link_ms and link_gbps: towards the next
 node of the ring, the one a pipeline stage sends to and a ring all_sum passes through), so each
 node gets the measurement of the link to its successor in the order planned. A link not

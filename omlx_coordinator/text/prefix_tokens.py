@@ -1,12 +1,11 @@
 """Tokenizing a rendered prompt without tokenizing again the start it shares with an earlier one.
 
 Agents resend their whole conversation every turn, and tokenizing it was the largest cost of a
-cache-hit turn outside the engine (41,500 characters of a Claude-Code-sized request: 30 ms on the
-2-core CI machine, every turn). A rendered chat is made of turns that each start with a special
-token (`<|im_start|>`, `<|start_header_id|>`...), and a tokenizer splits its added special tokens
-out of the text before anything else runs: what comes before one tokenizes the same whatever
-follows it. So the tokens of an earlier prompt up to the last special token both prompts share at
-the same place are reused, and only the rest is tokenized.
+cache-hit turn outside the engine (a Claude-Code-sized request, every turn). A rendered chat is
+made of turns that each start with a special token (`<|im_start|>`, `<|start_header_id|>`...), and
+a tokenizer splits its added special tokens out of the text before anything else runs: what comes
+before one tokenizes the same whatever follows it. So the tokens of an earlier prompt up to the
+last special token both prompts share at the same place are reused, and only the rest is tokenized.
 
 Prompts are indexed at those cuts by a hash chain of the text before each (like the KV cache's
 block hashes), so finding the longest reusable start costs one pass over the text. Only special

@@ -56,7 +56,8 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 
 
 # More characters than this many a token of the context cannot fit: a prompt past it is refused
-# before it is tokenized (a 30 MB one took 30 s of the threads every request tokenizes on).
+# before it is tokenized (a body of tens of MB would hold the threads every request
+# tokenizes on for a long time).
 MAX_CHARS_PER_TOKEN = 32
 
 

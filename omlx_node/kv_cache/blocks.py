@@ -120,7 +120,7 @@ def cut_range(cache: Sequence[KVCache | RotatingKVCache], lo: int, hi: int, dt: 
     """`cut_spans` of the tokens [lo, hi), whole blocks or not (a tail)."""
     # Copies, not slices: a slice would share the cache's buffer, which the next step then could
     # not update in place. Stacked by shape (one stack for most models): on a GPU each fresh
-    # device buffer costs an allocation, ~0.4 ms apiece for one per layer and tensor on an H200.
+    # device buffer costs an allocation, which one per layer and tensor would multiply.
     parts = []
     for c in cache:
         k, v, first = _in_order(c)

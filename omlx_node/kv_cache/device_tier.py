@@ -1,16 +1,15 @@
 """The device tier of a stage's KV prefix cache: the latest stored prompts' blocks, kept where the
 engine computes.
 
-On a GPU with memory of its own (MLX on CUDA allocates managed memory) a block in the RAM tier is
-a poor hit: its host arrays must move back to the device page by page. Measured on an H200 (the
-8B llama, bench/results/kv-device-h200.md), restoring 8192 tokens from RAM took 742 ms and the first
-step over them another 120 ms, where prefilling the prompt again took 220 ms; from a copy kept on
-the device it took 9 ms. Agents send the previous turn's whole conversation again, so the hits
-that matter most are of the prompts stored last: those this tier keeps.
+On a GPU with memory of its own (MLX on CUDA allocates managed memory) a block in the RAM tier is a
+poor hit: its host arrays must move back to the device page by page, which with the first step over
+them took longer than prefilling the prompt again, where a copy kept on the device restores at once
+(bench/results/kv-device-h200.md). Agents send the previous turn's whole conversation again, so the
+hits that matter most are of the prompts stored last: those this tier keeps.
 
-The copy it keeps is a cut of its own (`blocks.cut_spans`, ~2 ms at 8192 tokens there), never the
-one the copier thread reads: once the host has read a buffer its pages live on the host, and a
-restore from it took 134 ms. Where host and device share memory (a CPU, Apple silicon) the RAM
+The copy it keeps is a cut of its own (`blocks.cut_spans`, cheap on the device), never the one
+the copier thread reads: once the host has read a buffer its pages live on the host, and a
+restore from it is slow again. Where host and device share memory (a CPU, Apple silicon) the RAM
 tier restores at memory speed, so the tier is off by default there (`default_max_bytes`).
 
 Engine thread only: its arrays are created, read and freed there. Whole cuts are evicted, least

@@ -2,8 +2,8 @@
 
 `PrefixCache.store` runs on the engine thread between a prompt's prefill and its first token. The
 blocks it keeps must reach host memory (the RAM tier holds numpy arrays, the SSD writer writes
-them), and on a GPU that copy, through unified memory, is the slow part: ~90 ms for the 256 MB of
-2048 tokens of an 8B model on an H200, longer than the prefill that produced them. So the engine
+them), and on a GPU that copy, through unified memory, is the slow part: for a large model's
+long prompt it takes longer than the prefill that produced the blocks. So the engine
 thread only cuts the blocks out on the device (`blocks.cut_spans`, evaluated there) and hands
 them over; this thread copies them to numpy and gives the host blocks to the cache.
 

@@ -11,7 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omlx_shared.private_files import PrivateFileError, keep_private, read_private, tighten
+from omlx_shared.private_files import (
+    PrivateFileError,
+    keep_private,
+    private_opener,
+    read_private,
+    tighten,
+    write_private,
+)
 from tests.conftest import start_server
 
 
@@ -26,13 +33,13 @@ def umask():
 
 def open_to_others(*roots: Path) -> list[str]:
     """Every file and folder under `roots` with a group or other bit, links not followed."""
+    paths = [p for root in roots for p in [str(root), *(
+        os.path.join(folder, n) for folder, dirs, files in os.walk(root) for n in dirs + files)]]
     found = []
-    for root in roots:
-        for folder, dirs, files in os.walk(root):
-            for p in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
-                st = os.lstat(p)
-                if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
-                    found.append(f"{p} ({stat.S_IMODE(st.st_mode):o})")
+    for p in paths:
+        st = os.lstat(p)
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+            found.append(f"{p} ({stat.S_IMODE(st.st_mode):o})")
     return found
 
 
@@ -95,6 +102,29 @@ def test_tighten_leaves_what_it_cannot_reach(tmp_path):
     assert tighten(f) == [(f, 0o640)] and stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
+def test_private_writes_are_0600_whatever_the_umask(tmp_path, umask):
+    os.umask(0o022)  # a process that did not start through the CLI
+    target = tmp_path / "new" / "usage.json"
+    write_private(target, "{}")
+    write_private(target, b"{\"days\": {}}")  # a replace keeps it private
+    assert target.read_text() == '{"days": {}}'
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700
+    assert [p.name for p in target.parent.iterdir()] == ["usage.json"]  # no temporary left
+    part = tmp_path / "model.safetensors.part"
+    with open(part, "wb", opener=private_opener) as f:
+        f.write(b"x")
+    assert stat.S_IMODE(part.stat().st_mode) == 0o600
+
+
+def test_a_failed_private_write_leaves_the_old_file_and_no_temporary(tmp_path, umask):
+    target = tmp_path / "node-key"
+    write_private(target, "old\n")
+    with pytest.raises(TypeError):
+        write_private(target, 42)  # nothing to write: the replace never happens
+    assert target.read_text() == "old\n" and list(tmp_path.iterdir()) == [target]
+
+
 def test_a_private_file_readable_by_others_is_refused_with_the_fix(tmp_path):
     f = tmp_path / "keys"
     f.write_text("k1\n")
@@ -108,12 +138,17 @@ def test_a_private_file_readable_by_others_is_refused_with_the_fix(tmp_path):
 
 @pytest.mark.slow
 def test_nothing_the_server_writes_is_open_to_others(tiny_model_path, tmp_path):
-    """A real chat through `serve`: its home (made 0755 by the test, as an older version would
-    have) and an SSD cache folder elsewhere hold KV blocks, logs and keys, all private."""
+    """A real chat through `serve` over its self-signed TLS: its home (made 0755 by the test, as
+    an older version would have) and an SSD cache folder elsewhere hold KV blocks, logs, usage
+    and the TLS key, all private; a --log-file left 0644 is made 0600."""
     home, cache = tmp_path / "home", tmp_path / "kv-elsewhere"
+    log_file = tmp_path / "gateway.log"
+    log_file.write_text("")
+    log_file.chmod(0o644)
     with start_server(tiny_model_path, "--cache-block-size", "16", "--paged-ssd-cache-dir",
-                      str(cache), home=home, keepalive=None) as server:
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                      str(cache), "--tls", "self-signed", "--log-file", str(log_file), home=home,
+                      keepalive=None, scheme="https") as server:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, verify=False, json={
             "model": server.model_id, "max_tokens": 4, "temperature": 0, "messages": [
                 {"role": "system", "content": "You are a careful assistant. " * 10},
                 {"role": "user", "content": "What is the capital of France?"}]})
@@ -121,5 +156,8 @@ def test_nothing_the_server_writes_is_open_to_others(tiny_model_path, tmp_path):
         tail = server.log_tail(200)
     assert list(cache.rglob("*.safetensors")), "no KV block reached the SSD tier"
     assert list(home.rglob("*.log")) and (home / "logs").is_dir()
-    assert open_to_others(home, cache) == []
+    for written in ("usage.json", "gateway-tls/key.pem", "gateway-tls/cert.pem"):
+        assert (home / written).is_file(), f"{written} was not written: {sorted(home.rglob('*'))}"
+    assert "/v1/chat/completions" in log_file.read_text()  # the access log, client data
+    assert open_to_others(home, cache, log_file) == []
     assert f"under {home.resolve()} private" in tail  # the 0755 home the test made, fixed
