@@ -95,10 +95,10 @@ def advance_each(rows: list[tuple[GrammarMatcher, int]]) -> list[tuple[Verdict, 
 
 def device_prefill_chunk() -> int:
     """The prefill chunk for this process's device. On a GPU 2048 tokens, mlx-lm's own prefill
-    step: with 512-token chunks a 2048-token prompt of an 8B model took 1.5x as long to its first
-    token on an H200 (each chunk pays its own launch and sync overhead), while a 2048-token chunk,
-    the most a decode step then waits, takes ~70 ms. On a CPU a chunk is compute-bound at any
-    size and 2048 tokens of even a small model take seconds, which running streams would wait."""
+    step: each chunk pays its own launch and sync overhead, so smaller chunks delay a long
+    prompt's first token, while a 2048-token chunk, the most a decode step then waits, stays
+    short (bench/results/ttft-h200.md). On a CPU a chunk is compute-bound at any size and 2048
+    tokens of even a small model take seconds, which running streams would wait."""
     return 512 if mx.default_device() == mx.cpu else 2048
 
 
@@ -630,7 +630,7 @@ class Batcher(Engine):
                 x = mx.array([seq.to_prefill[start:start + n]])
                 # A prompt's last chunk is left computing: the next step, its first, is built
                 # meanwhile (on a GPU, where building a step's graph takes longer than a small
-                # batch's compute, ~3 ms of a 1.1B model's first token on an H200).
+                # batch's compute, bench/results/ttft-h200.md).
                 last = start + n == len(seq.to_prefill) and self.state.defer_stores
                 self.state.prefill(seq.sid, x, wait=not last)
             else:

@@ -69,10 +69,10 @@ class StageState:
         self.caches: dict[int, list[BatchKVCache]] = {}
         self.rows: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}  # what each prefilling sequence will store
-        # On a GPU, a store's copy to host memory slows the device's next steps: ~35 ms of an
-        # 8B model's 2048-token prompt's first token on an H200 (and a chunked prompt's later
-        # chunks). Plain KVCaches keep every block they stored, so the store can wait until the
-        # first token is out; a sliding window may drop blocks by then, so it cannot.
+        # On a GPU, a store's copy to host memory slows the device's next steps, a prompt's
+        # first token among them (bench/results/kv-device-h200.md). Plain KVCaches keep every
+        # block they stored, so the store can wait until the first token is out; a sliding
+        # window may drop blocks by then, so it cannot.
         self.defer_stores = defer_stores and self.batchable
         self.deferred: dict[int, tuple[list[int], list[KVCache]]] = {}
         self._decodes = 0  # decode steps since MLX's buffer cache was last emptied
@@ -232,7 +232,7 @@ class StageState:
         """Drops the rows of micro-batch `mb` not in `keep`, then appends `admit`'s sequences.
 
         A micro-batch of one row keeps plain `KVCache`s: decoding through a one-row
-        `BatchKVCache` (mask array, per-row offsets) measured ~30% slower on a GPU. So a
+        `BatchKVCache` (mask array, per-row offsets) measured slower on a GPU. So a
         micro-batch holds batch caches exactly when it has several rows. Each layer's cache is
         merged into the batch type mlx-lm pairs with its type (`merge`: BatchKVCache for
         KVCache, BatchRotatingKVCache for RotatingKVCache, ArraysCache for itself)."""
