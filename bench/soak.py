@@ -66,7 +66,9 @@ SAMPLE_EVERY = 5.0  # seconds between /proc samples
 RECOVERY_LIMIT = 180.0  # seconds a fault's pause is measured for at most
 WARM_UP = 180.0  # seconds before growth is measured: the KV tiers and MLX's allocator fill
 PROC_WARM_UP = 60.0  # seconds of a process's own life it loads and warms (a restarted one)
-LONG_LIVED = 480.0  # seconds of the window a process must live to be judged on its own
+# Seconds of the window a process must live to be judged on its own. Faults replace a worker
+# every few minutes (a 30-minute run had none live 6): longer, and no worker would be judged.
+LONG_LIVED = 150.0
 # A node's cache disk: the SSD tier keeps max(1 GiB, 5%) free, so a little more than that
 # leaves it room until the fault's file takes it (a tmpfs holds memory only for what is in it).
 CACHE_DISK = "1100m"
@@ -163,11 +165,14 @@ class Cluster:
                     pass
 
 
+WORKER_COMMAND = b"-m\x00omlx_node.worker\x00"  # a shard worker's command line (worker_config)
+
+
 def ours(pid: int, root: Path) -> bool:
     """Whether `pid` is still one of this soak's workers (its home under `root`), not a
     process that reused its number."""
     try:
-        return (b"omlx_cluster\x00worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return (WORKER_COMMAND in Path(f"/proc/{pid}/cmdline").read_bytes()
                 and str(root).encode() in Path(f"/proc/{pid}/environ").read_bytes())
     except OSError:
         return False
@@ -683,8 +688,9 @@ def steady(samples: list[dict]) -> dict:
     - roles: each role's sum over the post-warm-up window, the median (and max) of its first
       third against its last third: a median of ~100 samples ignores the short dips while a
       killed process restarts;
-    - processes: each process (pid and role) on its own, past its own first PROC_WARM_UP s,
-      that lived at least LONG_LIVED s of the window: its first third against its last, and
+    - processes: each process (pid and role) on its own, past its own first PROC_WARM_UP s
+      (a worker's counted from when it took a shard), that lived at least LONG_LIVED s of
+      the window: its first third against its last, and
       its RSS's slope; `whole` says it lived the whole window. A leak shows here as steady
       growth of one process, which no restart hides. A worker's STAGE_GAUGES likewise."""
     window = [s for s in samples if s["t"] >= WARM_UP]
@@ -697,6 +703,8 @@ def steady(samples: list[dict]) -> dict:
     series: dict[tuple[str, str], list[dict]] = {}
     for s in samples:
         for pid, (role, rss, fds, threads) in s.get("procs", {}).items():
+            if not rss:  # a zombie: it exited, its agent has not reaped it yet
+                continue
             series.setdefault((pid, role), []).append(
                 {"t": s["t"], "rss": rss, "fds": fds, "threads": threads,
                  **s.get("stages", {}).get(pid, {})})
@@ -704,6 +712,9 @@ def steady(samples: list[dict]) -> dict:
     processes = []
     for (pid, role), points in series.items():
         born = points[0]["t"] if points[0]["t"] > samples[0]["t"] else -math.inf
+        # A worker is first the agent's standby (no shard, ~2 threads): its life as a stage
+        # starts when it exports metrics, and taking a shard is not growth.
+        born = next((p["t"] for p in points if "mlx_active" in p), born)
         kept = [p for p in points if p["t"] >= max(WARM_UP, born + PROC_WARM_UP)]
         if len(kept) < 3 or kept[-1]["t"] - kept[0]["t"] < LONG_LIVED:
             continue
@@ -776,6 +787,8 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
     grow = steady(samples)
     loads = sorted(s["load"] for s in samples if "load" in s)
+    ram_max = max((g.get("ram_tier", 0) for s in samples for g in s.get("stages", {}).values()),
+                  default=0)
     by_kind: dict[str, int] = {}
     for f in faults:
         by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
@@ -830,7 +843,9 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         "## Processes", "",
         f"Sampled every {SAMPLE_EVERY:.0f} s from /proc (RSS, open fds, threads), with each "
         "shard worker's own gauges from its /metrics: the RAM KV tier's bytes "
-        f"(`--hot-cache-max-size {HOT_CACHE}` a worker, small so that it fills during warm-up), "
+        f"(`--hot-cache-max-size {HOT_CACHE}` a worker, small so that it would be full after "
+        f"warm-up; it held at most {ram_max / 2**20:.1f} MiB: the load has few distinct "
+        "prefixes), "
         "MLX's memory in use and its allocator's cache. Growth is measured after a warm-up of "
         f"{WARM_UP:.0f} s, not as a start/end snapshot: processes are killed and started again "
         "all through the run, and a fresh one is lighter than a warmed one, so a snapshot says "
@@ -839,7 +854,8 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         "post-warm-up window against the last third; the medians ignore the short dips while a "
         "killed process restarts;",
         f"- per process: every process that lived at least {LONG_LIVED:.0f} s of the window past "
-        f"its own first {PROC_WARM_UP:.0f} s (a restarted worker loads and warms), its own "
+        f"its own first {PROC_WARM_UP:.0f} s (a worker's counted from when it took a shard: "
+        "the agent keeps a standby worker with no shard, ~104 MiB and 2 threads), its own "
         "first third against its last third, and its RSS's least-squares slope; `whole`: it "
         "lived the whole window. A leak is steady growth of one process, which no restart "
         "hides.", "",
