@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -39,6 +40,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 
 import httpx
 from bench.common import REPO, RESULTS
@@ -62,9 +64,15 @@ TOOLS = [{"type": "function", "function": {
 GREEDY_TOKENS = 16
 SAMPLE_EVERY = 5.0  # seconds between /proc samples
 RECOVERY_LIMIT = 180.0  # seconds a fault's pause is measured for at most
+WARM_UP = 180.0  # seconds before growth is measured: the KV tiers and MLX's allocator fill
+PROC_WARM_UP = 60.0  # seconds of a process's own life it loads and warms (a restarted one)
+# Seconds of the window a process must live to be judged on its own. Faults replace a worker
+# every few minutes (a 30-minute run had none live 6): longer, and no worker would be judged.
+LONG_LIVED = 150.0
 # A node's cache disk: the SSD tier keeps max(1 GiB, 5%) free, so a little more than that
 # leaves it room until the fault's file takes it (a tmpfs holds memory only for what is in it).
 CACHE_DISK = "1100m"
+HOT_CACHE = "16MiB"  # each worker's RAM KV tier: small, so that it is full after warm-up
 FULL_LEFT = 16 << 20  # bytes the fault leaves free: far inside the tier's reserve
 
 
@@ -157,11 +165,14 @@ class Cluster:
                     pass
 
 
+WORKER_COMMAND = b"-m\x00omlx_node.worker\x00"  # a shard worker's command line (worker_config)
+
+
 def ours(pid: int, root: Path) -> bool:
     """Whether `pid` is still one of this soak's workers (its home under `root`), not a
     process that reused its number."""
     try:
-        return (b"omlx_cluster\x00worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return (WORKER_COMMAND in Path(f"/proc/{pid}/cmdline").read_bytes()
                 and str(root).encode() in Path(f"/proc/{pid}/environ").read_bytes())
     except OSError:
         return False
@@ -521,7 +532,40 @@ def proc_stats(pid: int) -> tuple[int, int, int] | None:
     return rss, fds, int(fields["Threads"])
 
 
-def sample(cluster: Cluster, t0: float) -> dict:
+# What each shard worker's /metrics says of its memory: the RAM KV tier, MLX's allocator
+# (in use and freed-but-kept), the sequences' KV. Lets a growing RSS be told apart.
+# (series name, a label it must carry or "") -> the name it is kept under.
+STAGE_GAUGES = {("omlx_node_kv_cache_bytes", 'tier="ram"'): "ram_tier",
+                ("omlx_node_mlx_active_bytes", ""): "mlx_active",
+                ("omlx_node_mlx_cache_bytes", ""): "mlx_cache",
+                ("omlx_node_kv_cache_used_bytes", ""): "kv_used"}
+
+
+def stage_gauges(address: str) -> dict[str, float]:
+    """STAGE_GAUGES read from a worker's metrics endpoint (host:port); {} when it does not
+    answer (stopped, killed, loading)."""
+    try:
+        text = httpx.get(f"http://{address}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        for (wanted, label), key in STAGE_GAUGES.items():
+            if name == wanted and label in labels:
+                out[key] = out.get(key, 0) + float(value)
+    return out
+
+
+def sample(cluster: Cluster, t0: float, metrics_of: dict[int, str]) -> dict:
+    """Each role's sums, and each process's own (rss, fds, threads) under "procs", with a
+    worker's STAGE_GAUGES under "stages" (`metrics_of`: worker pid -> its metrics endpoint,
+    kept from /cluster/status while the coordinator is down)."""
+    for n in cluster.status().get("nodes") or []:
+        for w in n["workers"]:
+            if w.get("pid") and w.get("metrics"):
+                metrics_of[w["pid"]] = w["metrics"]
     roles: dict[str, list[int]] = {"coordinator": [cluster.coordinator.pid]}
     for name, p in cluster.agents.items():
         roles[f"agent {name}"] = [p.pid]
@@ -532,20 +576,35 @@ def sample(cluster: Cluster, t0: float) -> dict:
     below = {pid for pids in current.values() for pid in pids}
     roles["orphaned workers"] = [pid for pid in cluster.seen_workers - below
                                  if ours(pid, cluster.root)]
-    # Ranks move between the nodes on a re-plan: the workers' total is what compares over time.
-    roles["workers (all)"] = [pid for name in current for pid in current[name]]
-    out = {"t": round(time.monotonic() - t0, 1)}
+    out: dict = {"t": round(time.monotonic() - t0, 1), "load": os.getloadavg()[0],
+                 "procs": {}, "stages": {}}
+    every: list[tuple[int, int, int]] = []
     for role, pids in roles.items():
-        stats = [s for s in map(proc_stats, pids) if s]
-        out[role] = {"rss": sum(s[0] for s in stats), "fds": sum(s[1] for s in stats),
-                     "threads": sum(s[2] for s in stats), "procs": len(stats)}
+        stats = []
+        for pid in pids:
+            if (st := proc_stats(pid)) is not None:
+                stats.append(st)
+                out["procs"][str(pid)] = [role, *st]
+                if pid in metrics_of and (g := stage_gauges(metrics_of[pid])):
+                    out["stages"][str(pid)] = g
+        if role.startswith("workers"):
+            every += stats
+        out[role] = sums(stats)
+    # Ranks move between the nodes on a re-plan: the workers' total is what compares over time.
+    out["workers (all)"] = sums(every)
     return out
+
+
+def sums(stats: list[tuple[int, int, int]]) -> dict[str, int]:
+    return {"rss": sum(s[0] for s in stats), "fds": sum(s[1] for s in stats),
+            "threads": sum(s[2] for s in stats), "procs": len(stats)}
 
 
 def sampler(cluster: Cluster, t0: float, samples: list[dict], stop: threading.Event,
             end: float) -> None:
+    metrics_of: dict[int, str] = {}
     while not stop.is_set() and time.monotonic() < end + 5:
-        samples.append(sample(cluster, t0))
+        samples.append(sample(cluster, t0, metrics_of))
         stop.wait(SAMPLE_EVERY)
 
 
@@ -590,25 +649,91 @@ def classify(outcomes: list[Outcome], faults: list[Fault]) -> dict[str, int]:
     return dict(sorted(table.items()))
 
 
-def growth(samples: list[dict], warm: int) -> dict[str, dict]:
-    """Each role's start (the first sample after warm-up) and end values."""
-    if len(samples) <= warm:
-        return {}
-    first, last = samples[warm], samples[-1]
-    out = {}
-    for role in (k for k in last if k != "t"):
-        if role not in first:
+def role_names(sample: dict) -> list[str]:
+    return [k for k, v in sample.items() if isinstance(v, dict) and "rss" in v]
+
+
+def thirds(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The values of the first and of the last third of the points' time span."""
+    t0, t1 = points[0][0], points[-1][0]
+    span = (t1 - t0) / 3
+    return [v for t, v in points if t <= t0 + span], [v for t, v in points if t >= t1 - span]
+
+
+def change(points: list[tuple[float, float]]) -> dict:
+    """Median and max of the first third against the last third, with the change in %."""
+    first, last = thirds(points)
+
+    def pct_of(a: float, b: float) -> float | None:
+        return round(100 * (b - a) / a, 1) if a else None
+
+    m0, m1, x0, x1 = median(first), median(last), max(first), max(last)
+    return {"first": m0, "last": m1, "pct": pct_of(m0, m1), "max_first": x0, "max_last": x1,
+            "max_pct": pct_of(x0, x1), "samples": [len(first), len(last)]}
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of the points, a unit an hour."""
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return 3600 * sum((t - mt) * (v - mv) for t, v in points) / var if var else 0.0
+
+
+def steady(samples: list[dict]) -> dict:
+    """Growth after warm-up, measured so that restarts do not read as growth (a process
+    started again is lighter than a warmed one, and a start/end snapshot lands on either):
+
+    - roles: each role's sum over the post-warm-up window, the median (and max) of its first
+      third against its last third: a median of ~100 samples ignores the short dips while a
+      killed process restarts;
+    - processes: each process (pid and role) on its own, past its own first PROC_WARM_UP s
+      (a worker's counted from when it took a shard), that lived at least LONG_LIVED s of
+      the window: its first third against its last, and
+      its RSS's slope; `whole` says it lived the whole window. A leak shows here as steady
+      growth of one process, which no restart hides. A worker's STAGE_GAUGES likewise."""
+    window = [s for s in samples if s["t"] >= WARM_UP]
+    if len(window) < 3:
+        return {"roles": {}, "processes": []}
+    roles = {}
+    for role in role_names(window[-1]):
+        roles[role] = {m: change([(s["t"], s[role][m]) for s in window if role in s])
+                       for m in ("rss", "fds", "threads", "procs")}
+    series: dict[tuple[str, str], list[dict]] = {}
+    for s in samples:
+        for pid, (role, rss, fds, threads) in s.get("procs", {}).items():
+            if not rss:  # a zombie: it exited, its agent has not reaped it yet
+                continue
+            series.setdefault((pid, role), []).append(
+                {"t": s["t"], "rss": rss, "fds": fds, "threads": threads,
+                 **s.get("stages", {}).get(pid, {})})
+    t_end = window[-1]["t"]
+    processes = []
+    for (pid, role), points in series.items():
+        born = points[0]["t"] if points[0]["t"] > samples[0]["t"] else -math.inf
+        # A worker is first the agent's standby (no shard, ~2 threads): its life as a stage
+        # starts when it exports metrics, and taking a shard is not growth.
+        born = next((p["t"] for p in points if "mlx_active" in p), born)
+        kept = [p for p in points if p["t"] >= max(WARM_UP, born + PROC_WARM_UP)]
+        if len(kept) < 3 or kept[-1]["t"] - kept[0]["t"] < LONG_LIVED:
             continue
-        out[role] = {m: (first[role][m], last[role][m],
-                         round(100 * (last[role][m] - first[role][m]) / first[role][m], 1)
-                         if first[role][m] else None)
-                     for m in ("rss", "fds", "threads", "procs")}
-    return out
+        whole = kept[0]["t"] <= WARM_UP + 2 * SAMPLE_EVERY and kept[-1]["t"] >= t_end - 2 * SAMPLE_EVERY
+        entry = {"pid": int(pid), "role": role, "from": kept[0]["t"], "to": kept[-1]["t"],
+                 "whole": whole,
+                 "rss_mib_per_hour": round(slope_per_hour(
+                     [(p["t"], p["rss"] / 2**20) for p in kept]), 1)}
+        for m in ("rss", "fds", "threads", *STAGE_GAUGES.values()):
+            points_m = [(p["t"], p[m]) for p in kept if m in p]
+            if len(points_m) >= 3:
+                entry[m] = change(points_m)
+        processes.append(entry)
+    return {"roles": roles, "processes": sorted(processes, key=lambda e: (e["role"], e["from"]))}
 
 
 def svg_chart(samples: list[dict]) -> str:
     """Three small line charts (RSS MiB, fds, threads) over time, a line per role."""
-    roles = [k for k in samples[-1] if k != "t"]
+    roles = role_names(samples[-1])
     colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
     w, h, pad = 600, 160, 40
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 180}" height="{3 * (h + pad) + 20}"'
@@ -647,13 +772,23 @@ def tier_lines(root: Path, words: str) -> int:
                for line in path.read_text(errors="replace").splitlines())
 
 
+def mib_change(c: dict | None) -> str:
+    return "-" if c is None else f"{c['first'] / 2**20:.1f} → {c['last'] / 2**20:.1f} ({c['pct']}%)"
+
+
+def plain_change(c: dict | None) -> str:
+    return "-" if c is None else f"{c['first']:.0f} → {c['last']:.0f} ({c['pct']}%)"
+
+
 def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], samples: list[dict],
            duration: float, commit: str, root: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = classify(outcomes, faults)
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
-    warm = min(len(samples) - 1, max(0, int(60 / SAMPLE_EVERY)))  # the first minute is warm-up
-    grow = growth(samples, warm)
+    grow = steady(samples)
+    loads = sorted(s["load"] for s in samples if "load" in s)
+    ram_max = max((g.get("ram_tier", 0) for s in samples for g in s.get("stages", {}).values()),
+                  default=0)
     by_kind: dict[str, int] = {}
     for f in faults:
         by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
@@ -673,8 +808,9 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
 
     lines = [
         "# Chaos soak on CPU (`bench/soak.py`)", "",
-        f"- Machine: {machine()}, **shared with three other engineers' builds and tests** "
-        "(timings are slow and noisy).",
+        f"- Machine: {machine()}, **{args.machine_note}** (timings are slow and noisy); "
+        f"1-minute load average over the run: min {fmt(loads[0] if loads else None)}, "
+        f"median {fmt(pct(loads, 0.5))}, max {fmt(loads[-1] if loads else None)}.",
         f"- Commit: `{commit}`; duration {duration / 60:.1f} min; {args.clients} client threads;"
         f" seed {args.seed}; a fault every {args.gap_min:.0f}-{args.gap_max:.0f} s;"
         f" per-request deadline {args.deadline:.0f} s.",
@@ -704,14 +840,45 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         f"failed) {tier_lines(root, 'continuing with the RAM tier only')} time(s).", "",
         f"TTFT over {len(ttfts)} streams: p50 {fmt(pct(ttfts, 0.5))} s, "
         f"p99 {fmt(pct(ttfts, 0.99))} s.", "",
-        "## Processes (summed per role; start = after the first minute)", "",
-        "| role | processes | RSS MiB start → end | fds start → end | threads start → end |",
-        "|---|---|---|---|---|",
-        *(f"| {role} | {g['procs'][0]} → {g['procs'][1]} | "
-          f"{g['rss'][0] / 2**20:.0f} → {g['rss'][1] / 2**20:.0f} ({g['rss'][2]}%) | "
-          f"{g['fds'][0]} → {g['fds'][1]} ({g['fds'][2]}%) | "
-          f"{g['threads'][0]} → {g['threads'][1]} ({g['threads'][2]}%) |"
-          for role, g in grow.items()), "",
+        "## Processes", "",
+        f"Sampled every {SAMPLE_EVERY:.0f} s from /proc (RSS, open fds, threads), with each "
+        "shard worker's own gauges from its /metrics: the RAM KV tier's bytes "
+        f"(`--hot-cache-max-size {HOT_CACHE}` a worker, small so that it would be full after "
+        f"warm-up; it held at most {ram_max / 2**20:.1f} MiB: the load has few distinct "
+        "prefixes), "
+        "MLX's memory in use and its allocator's cache. Growth is measured after a warm-up of "
+        f"{WARM_UP:.0f} s, not as a start/end snapshot: processes are killed and started again "
+        "all through the run, and a fresh one is lighter than a warmed one, so a snapshot says "
+        "more about when the last restart was than about a leak. Two views:", "",
+        "- per role: the role's sum, the median (and the max) over the first third of the "
+        "post-warm-up window against the last third; the medians ignore the short dips while a "
+        "killed process restarts;",
+        f"- per process: every process that lived at least {LONG_LIVED:.0f} s of the window past "
+        f"its own first {PROC_WARM_UP:.0f} s (a worker's counted from when it took a shard: "
+        "the agent keeps a standby worker with no shard, ~104 MiB and 2 threads), its own "
+        "first third against its last third, and its RSS's least-squares slope; `whole`: it "
+        "lived the whole window. A leak is steady growth of one process, which no restart "
+        "hides.", "",
+        "The raw samples (each process's, each role's sums, each worker's gauges) are in "
+        "soak-cpu.json.", "",
+        "| role | processes (median) | RSS MiB median first → last third | RSS max | "
+        "fds median | threads median |", "|---|---|---|---|---|---|",
+        *(f"| {role} | {g['procs']['first']:.0f} → {g['procs']['last']:.0f} | "
+          f"{g['rss']['first'] / 2**20:.0f} → {g['rss']['last'] / 2**20:.0f} "
+          f"({g['rss']['pct']}%) | {g['rss']['max_first'] / 2**20:.0f} → "
+          f"{g['rss']['max_last'] / 2**20:.0f} ({g['rss']['max_pct']}%) | "
+          f"{g['fds']['first']:.0f} → {g['fds']['last']:.0f} ({g['fds']['pct']}%) | "
+          f"{g['threads']['first']:.0f} → {g['threads']['last']:.0f} ({g['threads']['pct']}%) |"
+          for role, g in grow["roles"].items()), "",
+        "| process | window (s) | RSS MiB median first → last third | RSS slope MiB/h | fds | "
+        "threads | RAM KV tier MiB | MLX active MiB | MLX cache MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {e['role']} {e['pid']} | {e['from']:.0f}-{e['to']:.0f}"
+          f"{' (whole)' if e['whole'] else ''} | {mib_change(e.get('rss'))} | "
+          f"{e['rss_mib_per_hour']} | {plain_change(e.get('fds'))} | "
+          f"{plain_change(e.get('threads'))} | {mib_change(e.get('ram_tier'))} | "
+          f"{mib_change(e.get('mlx_active'))} | {mib_change(e.get('mlx_cache'))} |"
+          for e in grow["processes"]), "",
         "![RSS, fds and threads over time](soak-cpu.svg)", "",
         "## Requests that look like bugs", "",
         *(f"- {o.kind} at {o.start - outcomes[0].start:.0f} s: {o.outcome}: {o.detail}"
@@ -719,6 +886,15 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         *([] if bugs else ["None."]),
     ]
     (out / "soak-cpu.md").write_text("\n".join(lines) + "\n")
+
+
+def report_again(path: Path, out: Path) -> None:
+    """The report of a finished run from its soak-cpu.json (the analysis may change after)."""
+    raw = json.loads(path.read_text())
+    args = argparse.Namespace(**raw["args"])
+    report(out, args, [Outcome(**o) for o in raw["requests"]], [Fault(**f) for f in raw["faults"]],
+           raw["samples"], raw["duration_s"], raw["commit"], Path(raw["logs"]))
+    print((out / "soak-cpu.md").read_text())
 
 
 def main() -> None:
@@ -730,7 +906,14 @@ def main() -> None:
     ap.add_argument("--gap-min", type=float, default=20)
     ap.add_argument("--gap-max", type=float, default=60)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--machine-note", default="shared with other engineers' builds and tests",
+                    help="what else ran on the machine, for the report")
+    ap.add_argument("--report-from", type=Path, metavar="JSON",
+                    help="write the report again from a run's soak-cpu.json (no run)")
     args = ap.parse_args()
+    if args.report_from:
+        report_again(args.report_from, args.out)
+        return
 
     root = Path(tempfile.mkdtemp(prefix="omlx-soak-"))
     print(f"logs and homes under {root}", flush=True)
@@ -746,7 +929,7 @@ def main() -> None:
                           *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))],
         node_args={name: ["join", "--name", name, "--port", str(free_port()), "--no-announce",
                           "--coordinator", f"127.0.0.1:{port}", "--hot-cache-max-size",
-                          "64MiB", "--orphan-grace", "120", "--paged-ssd-cache-dir",
+                          HOT_CACHE, "--orphan-grace", "120", "--paged-ssd-cache-dir",
                           str(root / f"cache-{name}")] for name in ("a", "b")})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -792,6 +975,13 @@ def main() -> None:
         duration = time.monotonic() - t_start
         cluster.stop()
         disks.close()
+    # What the report is made from, first: should the analysis fail, --report-from remakes it.
+    raw = root / "soak-raw.json"
+    raw.write_text(json.dumps({
+        "args": vars(args), "requests": [asdict(o) for o in outcomes],
+        "faults": [asdict(f) for f in faults], "samples": samples,
+        "duration_s": round(duration, 1), "commit": commit, "logs": str(root)}, default=str))
+    print(f"raw results in {raw}", flush=True)
     report(args.out, args, outcomes, faults, samples, duration, commit, root)
     print((args.out / "soak-cpu.md").read_text())
 

@@ -317,10 +317,15 @@ class NodeMetrics:
                                 registry=r)
         self.mlx_peak = Gauge("omlx_node_mlx_peak_bytes", "MLX's peak allocated memory",
                               registry=r)
+        # Freed buffers MLX keeps for reuse: part of the process's RSS that active memory
+        # does not count, so a soak can tell a growing allocator cache from a leak.
+        self.mlx_cache = Gauge("omlx_node_mlx_cache_bytes",
+                               "Memory MLX's allocator holds freed, for reuse", registry=r)
         # Made once the shard's weights are loaded (worker.run_worker), on the engine's thread:
         # a later stage, idle until its first step, exports its weights rather than 0.
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_peak.set(mx.get_peak_memory())
+        self.mlx_cache.set(mx.get_cache_memory())
         self._gauges_due = 0.0  # monotonic time of the next refresh in iteration_done
         self.profile = StageProfile(r)
         Gauge("omlx_node_prompt_tokens_seconds",
@@ -395,6 +400,7 @@ class NodeMetrics:
         self.kv_bytes.set(state.kv_bytes())
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_peak.set(mx.get_peak_memory())
+        self.mlx_cache.set(mx.get_cache_memory())
 
     def serve(self, host: str, port: int, identity: Mapping[str, str]) -> int:
         """Exports /metrics over HTTP, every series labelled with `identity` (IDENTITY_LABELS);
