@@ -30,14 +30,17 @@ def join_command(args: argparse.Namespace) -> int:
     if args.speed is not None and args.speed <= 0:
         print(f"error: --speed must be positive (GB/s), got {args.speed}", file=sys.stderr)
         return 2
-    speed = args.speed
+    speed, layer_ms = args.speed, 0.0  # a speed given: nothing is measured
     if speed is None:
-        from omlx_node.calibrate import node_speed
+        from omlx_node.calibrate import node_calibration
         from omlx_shared.model_store import data_home
 
-        speed = node_speed(data_home() / "calibration.json", recalibrate=args.recalibrate)
+        measured = node_calibration(data_home() / "calibration.json",
+                                    recalibrate=args.recalibrate)
+        speed, layer_ms = measured.speed_gbps, measured.layer_ms
         if speed:
-            log.info("this node streams weights at %.1f GB/s (the planner's speed for it)", speed)
+            log.info("this node streams weights at %.1f GB/s, and a layer costs a decode step "
+                     "%.2f ms more (the planner's speed and fixed cost for it)", speed, layer_ms)
     disk = 0.0
     if args.weights_memory:  # it may stream layers from its disk: the planner counts the reads
         from omlx_node.disk_speed import node_disk_speed
@@ -55,7 +58,7 @@ def join_command(args: argparse.Namespace) -> int:
                           engine_config(args), secret=secret, node_id=args.name, speed=speed,
                           worker_cache_bytes=args.hot_cache_max_size,
                           weights_cap=args.weights_memory, disk_gbps=disk,
-                          orphan_grace=args.orphan_grace)
+                          orphan_grace=args.orphan_grace, layer_ms=layer_ms)
     except (OSError, ValueError) as e:
         print(f"error: --host {args.host}: {e}" if isinstance(e, ValueError) else f"error: {e}",
               file=sys.stderr)

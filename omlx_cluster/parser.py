@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--node", action="append", required=True, metavar="NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z]",
                       help="a node, in pipeline order: NAME=MEM with a unit (e.g. mac1=64GiB), "
                            "optional speed=GB/s of weights it streams, link_ms=one-way "
-                           "latency to the next node and link_gbps=that link's GB/s; repeat "
-                           "for each node")
+                           "latency to the next node, link_gbps=that link's GB/s and "
+                           "layer_ms=a layer's fixed cost a decode step (ms; `join` measures "
+                           "it beside the speed); repeat for each node")
     plan.add_argument("--split", type=validators.layer_counts, metavar="A,B,...",
                       help="check and explain this split instead of optimising")
     plan.add_argument("--parallel", choices=PARALLEL, default="pipeline",

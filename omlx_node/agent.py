@@ -160,7 +160,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                  secret: str | None = None, node_id: str = "", chip: str = "",
                  speed: float = 0.0, standby: bool = True, worker_cache_bytes: int = 0,
                  weights_cap: int = 0, disk_gbps: float = 0.0,
-                 orphan_grace: float = 0.0):
+                 orphan_grace: float = 0.0, layer_ms: float = 0.0):
         self.secret = secret
         # A coordinator calls Health every heartbeat: silent this long (0: never checked), it
         # is gone for good, and the workers' memory goes back to the Mac's owner.
@@ -169,6 +169,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         self.node_id = node_id or default_node_id()
         self.chip = chip or hardware.chip()
         self.speed = speed
+        self.layer_ms = layer_ms  # a layer's fixed cost a decode step (0: not measured)
         # Read once: the tools take seconds, and a recabled Mac joins again anyway.
         self.rdma_ports = rdma_ports()
         if self.rdma_ports:
@@ -249,7 +250,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             memory_bytes=hardware.machine_memory(), chip=self.chip, speed=self.speed,
             rdma_ports=self.rdma_ports, worker_cache_bytes=self.worker_cache_bytes,
             weights_cap_bytes=self.weights_cap, disk_gbps=self.disk_gbps,
-            dequantizes=self.dequantizes)
+            dequantizes=self.dequantizes, layer_ms=self.layer_ms)
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext):
         cert = cluster_tls.peer_fingerprint(context)

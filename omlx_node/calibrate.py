@@ -6,9 +6,13 @@ through matrix-vector products, not peak FLOPs. The planner wants it in GB/s:
 
     NodeSpec(name, memory_bytes, speed=measure_speed() / 1e9)
 
-MLX is imported inside the function: the coordinator imports this package on machines that
-have no MLX. `omlx-cluster join` measures once per machine (`node_speed`) and reports the result
-to the coordinator when it is admitted.
+A step also pays each layer's fixed cost (its ops' dispatch, norms, attention), which does not
+scale with the bytes a node holds (a tensor-parallel rank pays all of it on its share):
+`measure_layer_ms` times it, the planner's NodeSpec.layer_ms.
+
+MLX is imported inside the functions: the coordinator imports this package on machines that
+have no MLX. `omlx-cluster join` measures once per machine (`node_calibration`) and reports
+the results to the coordinator when it is admitted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,9 +35,12 @@ def measure_speed(
 ) -> float:
     """Weight bytes per second this node streams through (1, dim) x (dim, dim) matmuls.
 
-    `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set exceeds the
-    on-chip caches, as real weights do; one synchronising eval per pass over them, as a decode
-    step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
+    Each matrix is read as an nn.Linear reads its weight, `x @ w.T` (stored out x in): on a
+    CPU, MLX streams that layout at about half the rate of `x @ w` (4.6 against 9.9 GB/s on
+    one core of an EPYC VM), so measuring the other one predicted decode twice as fast as
+    the model ran. `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
+    exceeds the on-chip caches, as real weights do; one synchronising eval per pass over them,
+    as a decode step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
     kernels are slow and the node computes in float32 anyway). Runs for about `seconds`.
     """
     import mlx.core as mx
@@ -52,7 +60,7 @@ def measure_speed(
     def one_pass() -> None:
         y = x
         for w in weights:
-            y = y @ w
+            y = y @ w.T
         mx.eval(y)
 
     one_pass()  # warm-up: kernel compilation and first-touch page faults are not bandwidth
@@ -65,6 +73,43 @@ def measure_speed(
         if elapsed >= seconds:
             break
     return passes * pass_bytes / elapsed
+
+
+def measure_layer_ms(seconds: float = 1.0, depths: tuple[int, int] = (2, 10)) -> float:
+    """Milliseconds a decoder layer adds to a decode step beyond its weight reads: the slope of
+    a batch-1 step's time over the depth of a tiny random llama (mlx-lm's own layers, hidden size
+    64, so its weights read in microseconds), each step built, evaluated and its token sampled
+    as the engine does. What is left is the dispatch of each layer's ~20 ops, its norms, rope
+    and attention over a short context: 0.5-0.8 ms a layer on one core of an EPYC VM, which a
+    tensor-parallel rank's share of the weights does not shrink. Runs for about `seconds`."""
+    import statistics
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def step_ms(layers: int, budget: float) -> float:
+        model = llama.Model(llama.ModelArgs(
+            model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+            rope_theta=10000.0, tie_word_embeddings=False))
+        mx.eval(model.parameters())
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((1, 32), dtype=mx.int32), cache=cache))
+        y = mx.zeros((1, 1), dtype=mx.int32)
+        times: list[float] = []
+        start = time.perf_counter()
+        # At least 5 steps, the first a warm-up; at most 200 (a context of 232 tokens).
+        while len(times) < 5 or (time.perf_counter() - start < budget and len(times) < 200):
+            t = time.perf_counter()
+            y = mx.argmax(model(y, cache=cache)[:, -1:, :], axis=-1)
+            mx.eval(y)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:]) * 1e3
+
+    shallow, deep = depths
+    ms = [step_ms(d, seconds / 2) for d in depths]
+    return max(0.0, (ms[1] - ms[0]) / (deep - shallow))
 
 
 def row_costs(fn: Callable, width: int, dtype: str,
@@ -105,36 +150,51 @@ def step_cost(costs: dict[int, float], rows: int) -> float:
     return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
 
-def node_speed(cache: Path, recalibrate: bool = False, timeout: float = 120.0) -> float:
-    """This machine's speed in GB/s for the planner: measured once in a child process (a node
-    agent never runs MLX itself) and kept in `cache` for the next join; 0.0 (uncalibrated) if
-    the measurement fails, with a warning that says why."""
+# What the saved measurement was made with: a cache of another method is measured again
+# (2: weights read as nn.Linear reads them, and each layer's fixed cost).
+METHOD = 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `join` measures of its machine for the planner (NodeSpec.speed and layer_ms)."""
+    speed_gbps: float = 0.0  # 0.0: not measured
+    layer_ms: float = 0.0
+
+
+def node_calibration(cache: Path, recalibrate: bool = False,
+                     timeout: float = 120.0) -> Calibration:
+    """This machine's weight-streaming speed (GB/s) and a layer's fixed cost (ms) for the
+    planner: measured once in a child process (a node agent never runs MLX itself) and kept in
+    `cache` for the next join; zeros (uncalibrated) if the measurement fails, with a warning
+    that says why."""
     from omlx_shared.hardware import chip
 
     here = chip()
     if not recalibrate:
         try:
             saved = json.loads(cache.read_text())
-            if saved.get("chip") == here and saved.get("speed_gbps", 0) > 0:
-                return float(saved["speed_gbps"])
-        except (OSError, ValueError):
+            if (saved.get("chip") == here and saved.get("method") == METHOD
+                    and saved.get("speed_gbps", 0) > 0):
+                return Calibration(float(saved["speed_gbps"]), float(saved["layer_ms"]))
+        except (OSError, ValueError, KeyError, TypeError):
             pass
     try:
         out = subprocess.run([sys.executable, "-m", "omlx_node.calibrate"], capture_output=True,
                              text=True, timeout=timeout, check=True)
-        speed = float(out.stdout.strip().splitlines()[-1]) / 1e9
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        measured = Calibration(**json.loads(out.stdout.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError, TypeError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("could not measure this node's speed (the planner will treat it as "
                     "average): %s", detail.strip()[-500:])
-        return 0.0
+        return Calibration()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"chip": here, "speed_gbps": speed}))
+        cache.write_text(json.dumps({"chip": here, "method": METHOD, **asdict(measured)}))
     except OSError as e:
         log.warning("could not save the speed to %s: %s", cache, e)
-    return speed
+    return measured
 
 
 if __name__ == "__main__":
-    print(measure_speed())
+    print(json.dumps(asdict(Calibration(measure_speed() / 1e9, measure_layer_ms()))))

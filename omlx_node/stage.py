@@ -35,7 +35,7 @@ from omlx_node.families import (
     mask_kind,
 )
 from omlx_node.layer_stream import LayerStream, StreamError
-from omlx_node.tensor_shard import ShardError, shard_model
+from omlx_node.tensor_shard import ShardError, shard_model, split_vocab
 from omlx_shared.model_families import refusal
 from omlx_shared.model_store import SHARD_RECORD, ModelError, read_shard_record
 from omlx_shared.safetensors_header import read_header
@@ -124,12 +124,14 @@ class StageRunner:
     """Runs one contiguous slice of a model's layers on this node."""
 
     def __init__(self, model_path: Path | str, layer_start: int = 0, layer_end: int | None = None,
-                 streamed: int = 0, tensor_group=None):
+                 streamed: int = 0, tensor_group=None, split_head: bool = False):
         """`streamed`: how many of the range's last layers stay on disk (layer_stream.py); at
         least one layer of the range stays resident. `tensor_group`: the mx.distributed group
         of a tensor-parallel stage, whose ranks each hold a slice of every layer of the range
         (omlx_node/tensor_shard.py), or a SubGroup of it where the stage is one of a pipeline's
-        (omlx_node/sub_group.py); None: whole layers."""
+        (omlx_node/sub_group.py); None: whole layers. `split_head`: its ranks split the head
+        by vocabulary too (tensor_shard.split_vocab), which needs every rank to evaluate the
+        logits of every step rank 0 evaluates them for (omlx_node/tensor.py's do)."""
         t0 = time.perf_counter()
         path = Path(model_path)
         config = load_config(path)
@@ -226,6 +228,8 @@ class StageRunner:
             # After dequantizing, which knows mlx's plain quantized layers only.
             try:
                 shard_model(model, inner.layers, config, tensor_group)
+                if split_head and is_last and len(anatomy.head_parts()) == 1:
+                    split_vocab(anatomy.lm, anatomy.head_parts()[0], tensor_group)
             except ShardError as e:
                 raise StageError(f"{path}: {e}; serve it with --parallel pipeline") from e
         mx.eval(model.parameters())

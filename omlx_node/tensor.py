@@ -10,10 +10,12 @@ rank's caches, prefix cache included, hold its own heads.
 
 The steps are the pipeline's (`omlx_node.wire`), broadcast instead of passed down: rank 0's
 header, payload and input token ids reach the others as an all_sum to which they add zeros
-(exact in int32), over the group's own data plane. Every collective of a step then runs on
-every rank in one order, on the default stream the layers' all_sums run on: rank 0 schedules
-each header's all_sum as soon as it is built, and its forward pass reads its input from the
-broadcast.
+(exact in int32), over the group's own data plane. A step's message is its header followed by
+TOKEN_INTS slots, which carry its input token ids when they fit (every decode step of up to 64
+rows, a short prefill chunk): such a step costs one collective, not two, before the layers'
+own. Every collective of a step then runs on every rank in one order, on the default stream the
+layers' all_sums run on: rank 0 schedules each message's all_sum as soon as it is built, and
+its forward pass reads its input from the broadcast.
 
     PREFILL target=sequence rows=R tokens=n, then int32[R, n]: the prompt chunk (R > 1: the
             payload lists the R sequences, `StageState.prefill_rows`)
@@ -45,6 +47,10 @@ from omlx_node.sampling import SamplingParams
 from omlx_node.stage import StageRunner
 
 
+# Input token ids a step's message carries after its header; more go in a message of their own.
+TOKEN_INTS = 64
+
+
 def broadcast(x: mx.array, group) -> mx.array:
     """Rank 0's `x` on every rank (lazy): the others pass zeros of its shape."""
     return mx.distributed.all_sum(x.astype(mx.int32), group=group)
@@ -71,12 +77,24 @@ class TensorState(StageState):
         if self.doorbell.asleep:
             self.doorbell.ring()
         header, payload = wire.encode_header(step, self.plan)
+        inline = tokens is not None and tokens.size <= TOKEN_INTS
+        parts = [mx.array(header, dtype=mx.int32)]
+        if inline:
+            parts.append(tokens.reshape(-1).astype(mx.int32))
+        message = mx.concatenate(
+            [*parts, mx.zeros((wire.HEADER_INTS + TOKEN_INTS - sum(p.size for p in parts),),
+                              dtype=mx.int32)])
         # Scheduled now: a later step's collectives must not run before this one's.
-        mx.async_eval(broadcast(mx.array(header), self.group))
+        message = broadcast(message, self.group)
+        mx.async_eval(message)
         if payload:
             mx.async_eval(broadcast(mx.array(payload), self.group))
         self.doorbell.asleep = step.op == wire.IDLE
-        return None if tokens is None else broadcast(tokens, self.group)
+        if tokens is None:
+            return None
+        if inline:
+            return message[wire.HEADER_INTS:wire.HEADER_INTS + tokens.size].reshape(tokens.shape)
+        return broadcast(tokens, self.group)
 
     def lookup(self, seq_id: int, tokens: list[int]) -> int:
         if self.prefix_cache is None:
@@ -182,18 +200,27 @@ class TensorFollower:
                 self.upstream.wait()
                 if self.downstream is not None:
                     self.downstream.ring()
-            header = self._receive((wire.HEADER_INTS,)).tolist()
-            step, payload_len = wire.decode_header(header, self.plan, "rank 0")
+            message = self._receive((wire.HEADER_INTS + TOKEN_INTS,))
+            step, payload_len = wire.decode_header(message[:wire.HEADER_INTS].tolist(),
+                                                   self.plan, "rank 0")
             if payload_len:
                 step.load(self._receive((payload_len,)).tolist())
             self.asleep = step.op == wire.IDLE
-            self.apply(step)
+            self.apply(step, message[wire.HEADER_INTS:])
             self.metrics.iteration_done(self.state)
             self.state.give_back_if_idle()
             if step.op == wire.STOP:
                 return
 
-    def apply(self, step: wire.Step) -> None:
+    def _tokens(self, step: wire.Step, inline: mx.array) -> mx.array:
+        """The step's input token ids: from its message's slots when they fit there."""
+        n = step.rows * step.tokens
+        if n <= TOKEN_INTS:
+            return inline[:n].reshape(step.rows, step.tokens)
+        return self._receive((step.rows, step.tokens))
+
+    def apply(self, step: wire.Step, inline: mx.array) -> None:
+        """`inline`: the TOKEN_INTS slots of the step's message."""
         state = self.state
         if step.op == wire.FREE:
             state.free(step.freed)
@@ -201,15 +228,15 @@ class TensorFollower:
             state.trim(step.target, agreed_prefix(state.lookup(step.target, step.prompt),
                                                   self.group))
         elif step.op == wire.PREFILL:
-            x = self._receive((step.rows, step.tokens))
+            x = self._tokens(step, inline)
             if step.seqs:
                 state.prefill_rows(step.seqs, x, step.lengths or None)
             else:
                 state.prefill(step.target, x)
         elif step.op == wire.DECODE and step.rows:
-            # Logits nobody reads, evaluated for the all_sums of every layer (rank 0 needs
-            # this rank's share of each).
-            mx.eval(state.forward(step.target, self._receive((step.rows, step.tokens))))
+            # Logits nobody reads, evaluated for the all_sums of every layer and the head's
+            # all_gather (rank 0 needs this rank's share of each).
+            mx.eval(state.forward(step.target, self._tokens(step, inline)))
         elif step.op == wire.DECODE:
             if step.cuts:  # what rank 0's verified step ran past the tokens that stood
                 state.trim_rows(step.target, step.cuts)

@@ -279,7 +279,7 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,
-        streamed=config.streamed_layers, tensor_group=tensor_group),
+        streamed=config.streamed_layers, tensor_group=tensor_group, split_head=config.tensor),
         elsewhere=tensor_group is None, nice=nice)
     metrics = NodeMetrics()
     prefix_cache = make_prefix_cache(config, stage, metrics, tensor_group)

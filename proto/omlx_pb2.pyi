@@ -31,7 +31,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, coordinator_nonce: _Optional[bytes] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes", "weights_cap_bytes", "disk_gbps", "dequantizes")
+    __slots__ = ("node_id", "version", "node_nonce", "proof", "memory_bytes", "chip", "speed", "rdma_ports", "worker_cache_bytes", "weights_cap_bytes", "disk_gbps", "dequantizes", "layer_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class HandshakeReply(_message.Message):
     WEIGHTS_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_GBPS_FIELD_NUMBER: _ClassVar[int]
     DEQUANTIZES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     node_nonce: bytes
@@ -56,7 +57,8 @@ class HandshakeReply(_message.Message):
     weights_cap_bytes: int
     disk_gbps: float
     dequantizes: bool
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ..., weights_cap_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., dequantizes: _Optional[bool] = ...) -> None: ...
+    layer_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., node_nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., memory_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., speed: _Optional[float] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., worker_cache_bytes: _Optional[int] = ..., weights_cap_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., dequantizes: _Optional[bool] = ..., layer_ms: _Optional[float] = ...) -> None: ...
 
 class RdmaPort(_message.Message):
     __slots__ = ("device", "uuid", "peer_uuid")

@@ -1,29 +1,47 @@
-"""A joining node measures its speed once (in a child process) and keeps the measurement."""
+"""A joining node measures its speed and a layer's fixed cost once (in a child process) and
+keeps the measurement."""
 
 from __future__ import annotations
 
-import pytest
 import json
+import math
 
-from omlx_node.calibrate import node_speed
+import pytest
+
+from omlx_node.calibrate import METHOD, Calibration, measure_layer_ms, node_calibration
 from omlx_shared.hardware import chip
 
 
 @pytest.mark.slow
-def test_speed_is_measured_once_and_kept(tmp_path):
+def test_calibration_is_measured_once_and_kept(tmp_path):
     cache = tmp_path / "calibration.json"
-    speed = node_speed(cache)
-    assert speed > 0.01  # GB/s: even the slowest CPU streams more than 10 MB/s
-    assert json.loads(cache.read_text()) == {"chip": chip(), "speed_gbps": speed}
-    cache.write_text(json.dumps({"chip": chip(), "speed_gbps": 123.5}))
-    assert node_speed(cache) == 123.5  # reused, not measured again
-    assert node_speed(cache, recalibrate=True) not in (0.0, 123.5)
+    measured = node_calibration(cache)
+    assert measured.speed_gbps > 0.01  # GB/s: even the slowest CPU streams more than 10 MB/s
+    assert 0 < measured.layer_ms < 50
+    assert json.loads(cache.read_text()) == {"chip": chip(), "method": METHOD,
+                                             "speed_gbps": measured.speed_gbps,
+                                             "layer_ms": measured.layer_ms}
+    cache.write_text(json.dumps({"chip": chip(), "method": METHOD, "speed_gbps": 123.5,
+                                 "layer_ms": 0.25}))
+    assert node_calibration(cache) == Calibration(123.5, 0.25)  # reused, not measured again
+    assert node_calibration(cache, recalibrate=True).speed_gbps not in (0.0, 123.5)
 
 
 @pytest.mark.slow
-def test_a_cache_of_another_machine_is_not_trusted(tmp_path):
+def test_a_cache_of_another_machine_or_method_is_not_trusted(tmp_path):
     cache = tmp_path / "calibration.json"
-    cache.write_text(json.dumps({"chip": "some other chip", "speed_gbps": 999.0}))
-    assert node_speed(cache) != 999.0
+    cache.write_text(json.dumps({"chip": "some other chip", "method": METHOD,
+                                 "speed_gbps": 999.0, "layer_ms": 1.0}))
+    assert node_calibration(cache).speed_gbps != 999.0
+    # Measured by an older method (x @ w, twice the rate nn.Linear reads at on a CPU).
+    cache.write_text(json.dumps({"chip": chip(), "speed_gbps": 999.0}))
+    assert node_calibration(cache).speed_gbps != 999.0
     cache.write_text("not json")
-    assert node_speed(cache) > 0
+    assert node_calibration(cache).speed_gbps > 0
+
+
+def test_a_layer_costs_a_step_more_than_its_weights():
+    """A real (tiny) layer's dispatch, norms and attention: a fraction of a millisecond or more
+    on any CPU or GPU, far from zero and from a second."""
+    ms = measure_layer_ms(seconds=0.4)
+    assert math.isfinite(ms) and 0.005 < ms < 100

@@ -105,8 +105,10 @@ def test_nodes_join_over_bonjour_and_survive_loss_and_restart(model, tmp_path):
                                  and all(n["layers"] for n in s["nodes"] if n["id"] != "rogue"),
                                  "both nodes to join and be planned")
             assert "rogue" not in {n["id"] for n in status["nodes"]}
-            # Each node measured its speed when it joined; the planner weighs the split by it.
-            assert all(n["speed_gbps"] > 0.01 for n in status["nodes"]), status["nodes"]
+            # Each node measured its speed and a layer's fixed cost when it joined; the planner
+            # weighs the split by them.
+            assert all(n["speed_gbps"] > 0.01 and n["layer_ms"] > 0
+                       for n in status["nodes"]), status["nodes"]
             # And told the coordinator what its workers keep for their RAM prefix cache, which
             # the planner counts beside each stage's weights and KV.
             assert {n["id"]: n["worker_cache_bytes"] for n in status["nodes"]} == {

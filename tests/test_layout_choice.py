@@ -14,13 +14,15 @@ from omlx_coordinator.planning.tensor_plan import make_tensor_plan
 from tests.helpers.layouts import LLAMA_8B, SETTINGS, layout, macs
 
 
-def test_tensor_plan_splits_layers_and_kv_keeps_head_whole():
+def test_tensor_plan_splits_layers_kv_and_head_keeps_embedding_whole():
     lay = layout()
     plan = make_tensor_plan(lay, macs(2, 64, 0.05), **SETTINGS)
     assert plan.parallel == "tensor" and plan.layout_name == "tensor x2"
     assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 32), (0, 32)]
     rank = plan.stages[0]
-    assert rank.weight_bytes == 16 * GiB // 2 + lay.embed_bytes + lay.head_bytes + lay.norm_bytes
+    # The untied head split by vocabulary (omlx_node/tensor_shard.py's split_vocab).
+    assert rank.weight_bytes == (16 * GiB // 2 + lay.embed_bytes + lay.head_bytes // 2
+                                 + lay.norm_bytes)
     assert rank.kv_bytes == 32 * (1 << 12) * 4096 * 4 // 2
     # The hash names the layout: a pipeline's ranges never collide with it, and it round-trips.
     assert Plan.from_json(plan.to_json()) == plan
@@ -75,7 +77,7 @@ def test_a_split_is_a_pipeline():
 
 
 def test_auto_fast_link_chooses_tensor():
-    """Thunderbolt-class link (0.02 ms): 66 all-reduces cost ~2.6 ms, halving ~41 ms."""
+    """Thunderbolt-class link (0.02 ms): 65 all-reduces cost ~2.6 ms, halving ~41 ms."""
     plan = plan_layout(layout(), macs(2, 64, 0.02), "auto", **SETTINGS)
     assert plan.layout_name == "tensor x2"
     text = "\n".join(plan.explanation)
@@ -85,12 +87,13 @@ def test_auto_fast_link_chooses_tensor():
 
 
 def test_auto_slow_link_and_a_model_too_big_for_one_chooses_pipeline():
-    """Wi-Fi-class link (2 ms): 66 all-reduces cost 264 ms a token; the model needs both."""
+    """Wi-Fi-class link (2 ms): 65 all-reduces cost 260 ms a token; the model needs both."""
     plan = plan_layout(layout(), macs(2, 16, 2.0), "auto", **SETTINGS)
     assert plan.layout_name == "pipeline x2"
     text = "\n".join(plan.explanation)
     assert "one node: cannot serve: no node holds the whole model" in text
-    assert "Tensor parallel not chosen: its 66 all-reduces at 4.003 ms each" in text
+    assert ("Tensor parallel not chosen: its 65 all-reduces at 4.003 ms each and the head's "
+            "all_gather" in text)
 
 
 def test_auto_model_that_fits_one_fast_node_over_a_slow_link_stays_on_one():
@@ -126,6 +129,44 @@ def test_uneven_split_plans_the_largest_rank():
     rank is planned as the largest share, 3/8, not a third."""
     plan = plan_layout(layout(), macs(3, 64, 0.05), "tensor", **SETTINGS)
     assert plan.layout_name == "tensor x3"
-    assert plan.stages[0].weight_bytes == 16 * GiB * 3 // 8 + (1 << 29) * 2 + (1 << 13)
+    assert plan.stages[0].weight_bytes == (16 * GiB * 3 // 8 + (1 << 29) + -(-(1 << 29) // 3)
+                                           + (1 << 13))
     assert plan.stages[0].kv_bytes == 32 * (1 << 12) * 4096 * 4 * 3 // 8
     assert "up to 38% (an uneven split) of every layer" in "\n".join(plan.explanation)
+
+
+def _with_layer_ms(nodes: list, ms: float) -> list:
+    return [replace(nd, layer_ms=ms) for nd in nodes]
+
+
+@pytest.mark.parametrize("link_ms, winner", [(0.02, "tensor x2"), (1.0, "one node")])
+def test_a_layers_fixed_cost_is_paid_whole_by_every_rank(link_ms, winner):
+    """NodeSpec.layer_ms (what `join` measures beside the speed): one node and a pipeline pay it
+    once a layer, and so does each tensor rank, whose share of the weights does not shrink it.
+    So every layout's token takes 32 x 0.5 ms longer, tensor's lead over one node narrows, and
+    the choice between them stays."""
+    plain = {c.name.split(" (")[0]: c for c in candidates(layout(), macs(2, 64, link_ms),
+                                                           **SETTINGS)}
+    fixed = {c.name.split(" (")[0]: c for c in candidates(
+        layout(), _with_layer_ms(macs(2, 64, link_ms), 0.5), **SETTINGS)}
+    for name in ("one node", "pipeline x2", "tensor x2"):
+        assert abs(1e3 / fixed[name].tok_s - 1e3 / plain[name].tok_s - 32 * 0.5) < 1e-9, name
+    assert max(fixed.values(), key=lambda c: c.tok_s).name.startswith(winner)
+    assert max(plain.values(), key=lambda c: c.tok_s).name.startswith(winner)
+    if winner == "tensor x2":
+        assert (fixed["tensor x2"].tok_s / fixed["one node"].tok_s
+                < plain["tensor x2"].tok_s / plain["one node"].tok_s)
+    assert fixed["one node"].why.startswith("17.717 GB streamed a token at 400 GB/s, 32 layers "
+                                            "at 0.5 ms: 60.29 ms")
+    assert "with its layers' fixed costs" in fixed["tensor x2"].why
+
+
+def test_a_pipeline_gives_fewer_layers_to_a_node_whose_layers_cost_more():
+    """Two nodes of one speed, one paying 2 ms a layer beyond its reads (a CPU's op dispatch):
+    the split moves layers off it, as a slower speed would."""
+    nodes = macs(2, 64, 0.02)
+    nodes[1] = replace(nodes[1], layer_ms=2.0)
+    plan = plan_layout(layout(), [*nodes], "pipeline", **SETTINGS)
+    counts = [s.layer_end - s.layer_start for s in plan.stages]
+    assert counts[0] > counts[1], counts
+    assert "and 2 ms a layer" in "\n".join(plan.explanation)

@@ -517,6 +517,8 @@ def test_parse_node_arg():
     assert parse_node_arg("m4=1.5TiB").memory_bytes == int(1.5 * (1 << 40))
     assert parse_node_arg("m5=16GiB,weights=8GiB,disk_gbps=5") == NodeSpec(
         "m5", 16 * GiB, weights_cap=8 * GiB, disk_gbps=5.0)
+    assert parse_node_arg("m6=16GiB,speed=5,layer_ms=0.6") == NodeSpec(
+        "m6", 16 * GiB, 5.0, layer_ms=0.6)
     assert parse_size("16 gib") == 16 * GiB
     for bad, why in [
         ("mac1", "NAME=MEM"),
@@ -526,6 +528,7 @@ def test_parse_node_arg():
         ("mac1=64GiB,speed=fast", "'speed=fast' is not a number"),
         ("mac1=64GiB,speed=0", "speed must be a positive"),
         ("mac1=64GiB,link_ms=-1", "link_ms must be >= 0"),
+        ("mac1=64GiB,layer_ms=-0.5", "layer_ms must be >= 0"),
         ("mac1=64GiB,color=red", "unknown option 'color=red'"),
         ("mac1=64GiB,speed=1,speed=2", "speed given twice"),
         ("mac1=64GiB,weights=8", "'weights=8' is not a size"),

@@ -7,6 +7,7 @@ two ranks), dense and MoE."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -43,8 +44,11 @@ def test_tensor_stage_greedy_matches_mlx_lm(model):
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_three_ranks_over_heads_that_do_not_divide(family, tmp_path):
     """4 query heads and 2 KV heads over 3 ranks: 2, 1 and 1 query heads, KV head 1 on ranks 1
-    and 2 (the generic sharder's uneven split); qwen3_moe's experts 11, 11 and 10 wide."""
-    check_stage(build_model(tmp_path / family, family, num_layers=3), ranks=3)
+    and 2 (the generic sharder's uneven split); qwen3_moe's experts 11, 11 and 10 wide; an
+    untied head (llama's) split by a vocabulary of 386, 129, 129 and 128 rows, one padded."""
+    model = build_model(tmp_path / family, family, num_layers=3, vocab_size=386)
+    assert json.loads((model / "config.json").read_text())["vocab_size"] % 3 == 2
+    check_stage(model, ranks=3)
 
 
 def check_stage(model: Path, ranks: int) -> None:

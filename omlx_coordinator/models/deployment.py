@@ -162,7 +162,8 @@ class Deployment:
         else:
             nodes = with_links([NodeSpec(m.name, self.room(m.name), self.speed(m),
                                          cache_bytes=m.cache_bytes, weights_cap=m.weights_cap,
-                                         disk_gbps=m.disk_speed, dequantizes=m.dequantizes)
+                                         disk_gbps=m.disk_speed, dequantizes=m.dequantizes,
+                                         layer_ms=m.layer_ms)
                                 for m in members],
                                self.cluster.measured_links())
         split = self.model.config.split

@@ -300,7 +300,7 @@ class ModelManager:
         loop it would pause every stream the gateway serves."""
         nodes = with_links([NodeSpec(m.name, m.budget_bytes, m.speed, cache_bytes=m.cache_bytes,
                                      weights_cap=m.weights_cap, disk_gbps=m.disk_speed,
-                                     dequantizes=m.dequantizes)
+                                     dequantizes=m.dequantizes, layer_ms=m.layer_ms)
                             for m in self.cluster.servable()], self.cluster.measured_links())
         # Budgets are net of the OS reserve already (Cluster.local_budget, admission).
         options = self.cluster.options

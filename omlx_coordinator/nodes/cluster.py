@@ -103,6 +103,7 @@ class Member:
     weights_cap: int = 0  # its --weights-memory: weights past it stream from its SSD (0: none)
     disk_gbps: float = 0.0  # its disk's measured read speed (0: not measured)
     speed: float = 1.0  # GB/s of weights it streams (1.0: not measured)
+    layer_ms: float = 0.0  # a layer's fixed cost a decode step (0.0: not measured)
     dequantizes: bool = False  # its workers run on a CPU, which dequantizes (its handshake)
     chip: str = ""
     alive: bool = True
@@ -197,7 +198,7 @@ class Cluster:
                 "agent_pid": h.pid if h else (m.process.pid if m.process else None),
                 "version": h.version if h else None,
                 "memory_budget": m.budget_bytes, "worker_cache_bytes": m.cache_bytes,
-                "chip": m.chip, "speed_gbps": m.speed,
+                "chip": m.chip, "speed_gbps": m.speed, "layer_ms": m.layer_ms,
                 "memory_total": (h.memory_total_bytes or None) if h else None,
                 "memory_available": (h.memory_available_bytes or None) if h else None,
                 "memory_pressure": (h.memory_pressure or None) if h else None,
@@ -330,6 +331,7 @@ class Cluster:
         member.budget_bytes, member.speed, member.chip = budget, hello.speed or 1.0, hello.chip
         member.cache_bytes, member.weights_cap = hello.worker_cache_bytes, hello.weights_cap_bytes
         member.disk_gbps, member.dequantizes = hello.disk_gbps, hello.dequantizes
+        member.layer_ms = hello.layer_ms
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:

@@ -34,6 +34,7 @@ from omlx_coordinator.planning.tensor_pipeline_plan import (
 from omlx_coordinator.planning.tensor_plan import (
     allreduce_ms,
     collectives_per_token,
+    gather_ms,
     make_tensor_plan,
     rank_stream_bytes,
 )
@@ -58,10 +59,11 @@ def _one_node(layout: ModelLayout, nodes: list[NodeSpec], settings: dict) -> Can
     if not fitting:
         return Candidate("one node", None, 0.0, "no node holds the whole model")
     plan, nd = max(fitting, key=lambda p: 1 / p[0].bottleneck_ms)
-    ms = plan.bottleneck_ms
+    ms, fixed = plan.bottleneck_ms, layout.num_layers * nd.layer_ms
     return Candidate(f"one node ({nd.name})", plan, 1e3 / ms,
-                     f"{ms * nd.speed / 1e3:.3f} GB streamed a token at "
-                     f"{nd.speed:g} GB/s: {ms:.2f} ms")
+                     f"{(ms - fixed) * nd.speed / 1e3:.3f} GB streamed a token at "
+                     f"{nd.speed:g} GB/s" + (f", {layout.num_layers} layers at {nd.layer_ms:g} "
+                                             f"ms" if fixed else "") + f": {ms:.2f} ms")
 
 
 def _pipeline(layout: ModelLayout, nodes: list[NodeSpec], settings: dict) -> Candidate:
@@ -83,11 +85,13 @@ def _tensor(layout: ModelLayout, nodes: list[NodeSpec], settings: dict) -> Candi
         return Candidate(f"tensor x{len(nodes)}", None, 0.0, str(e).splitlines()[0])
     n = len(nodes)
     per = allreduce_ms(nodes, layout.hidden_size * 4)
-    comm = collectives_per_token(layout) * per
+    comm = collectives_per_token(layout) * per + gather_ms(layout, nodes)
+    fixed = " with its layers' fixed costs" if any(nd.layer_ms for nd in nodes) else ""
+    gather = "" if layout.tied_embeddings else " and the head's all_gather"
     return Candidate(f"tensor x{n}", plan, 1e3 / plan.bottleneck_ms,
                      f"each rank streams {rank_stream_bytes(layout, n) / GB:.3f} GB "
-                     f"({plan.bottleneck_ms - comm:.2f} ms on the slowest), then "
-                     f"{collectives_per_token(layout)} all-reduces at {per:.3f} ms each "
+                     f"({plan.bottleneck_ms - comm:.2f} ms on the slowest{fixed}), then "
+                     f"{collectives_per_token(layout)} all-reduces at {per:.3f} ms each{gather} "
                      f"({comm:.2f} ms) = {plan.bottleneck_ms:.2f} ms")
 
 

@@ -98,8 +98,8 @@ class ModelLayout:
     layer_stream_bytes: tuple[int, ...] = ()
     draft_bytes: int = 0
     layer_read_bytes: tuple[int, ...] = ()
-    # config.json's model_type, hidden_size and what a tensor-parallel split divides (heads,
-    # intermediate sizes), as (key, value) pairs: `tensor_refusal` reads them.
+    # config.json's model_type, hidden_size, vocab_size and what a tensor-parallel split
+    # divides (heads, intermediate sizes), as (key, value) pairs: `tensor_refusal` reads them.
     shape: tuple[tuple[str, int | str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -297,7 +297,7 @@ def read_layout(
         layer_stream_bytes=tuple(stream_bytes) if stream_bytes != layer_bytes else (),
         layer_read_bytes=tuple(read_bytes) if read_bytes != layer_bytes else (),
         shape=(("model_type", str(config.get("model_type", ""))),
-               *((k, v) for k in ("hidden_size", *(key for key, _ in DIVIDED))
+               *((k, v) for k in ("hidden_size", "vocab_size", *(key for key, _ in DIVIDED))
                  if isinstance(v := setting(k), int)),
                ("head_dim", int(head_dim)),
                *((("group_size", g),) if (g := quantization_group(config)) else ())),

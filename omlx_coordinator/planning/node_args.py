@@ -33,14 +33,15 @@ def parse_size(text: str) -> int:
 
 def parse_node_arg(text: str) -> NodeSpec:
     """Parse `--node NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]
-    [,disk_gbps=W]`, e.g. 'mac1=64GiB,speed=2.5,link_ms=0.6'.
+    [,disk_gbps=W][,layer_ms=V]`, e.g. 'mac1=64GiB,speed=2.5,link_ms=0.6'.
 
     speed is in GB/s of weights streamed (see the module docstring), link_ms in milliseconds,
     link_gbps the link's bandwidth in GB/s; weights its --weights-memory (the rest of a stage
-    streams from its SSD, read at disk_gbps GB/s).
+    streams from its SSD, read at disk_gbps GB/s); layer_ms a layer's fixed cost a decode step
+    in milliseconds (what `join` measures beside the speed).
     """
     usage = ("expected NAME=MEM[,speed=X][,link_ms=Y][,link_gbps=Z][,weights=SIZE]"
-             "[,disk_gbps=W], e.g. mac1=64GiB,speed=2.5,link_ms=0.6")
+             "[,disk_gbps=W][,layer_ms=V], e.g. mac1=64GiB,speed=2.5,link_ms=0.6")
     parts = [p.strip() for p in text.split(",")]
     name, sep, mem = parts[0].partition("=")
     name = name.strip()
@@ -54,7 +55,8 @@ def parse_node_arg(text: str) -> NodeSpec:
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         key = {"weights": "weights_cap"}.get(key.strip(), key.strip())
-        if not sep or key not in ("speed", "link_ms", "link_gbps", "weights_cap", "disk_gbps"):
+        if not sep or key not in ("speed", "link_ms", "link_gbps", "weights_cap", "disk_gbps",
+                                  "layer_ms"):
             raise ValueError(f"bad --node {text!r}: unknown option {part!r}; {usage}")
         if key in options:
             raise ValueError(f"bad --node {text!r}: {key} given twice")

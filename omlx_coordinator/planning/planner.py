@@ -8,7 +8,7 @@ Cost model (what a stage costs per decode step)
 Decode is memory-bandwidth bound: each step streams every weight a stage holds through
 matrix-vector products. So a stage's time is
 
-    est_ms = compute_bytes / (speed * 1e9) * 1e3 + link_ms
+    est_ms = compute_bytes / (speed * 1e9) * 1e3 + layers * layer_ms + link_ms
 
 - `NodeSpec.speed` is the node's weight-streaming throughput in **GB/s** (1e9 bytes/s), as
   `omlx_node.calibrate.measure_speed() / 1e9` measures it. Left at the default 1.0 everywhere,
@@ -17,6 +17,8 @@ matrix-vector products. So a stage's time is
   their active share, `ModelLayout.stream_bytes`), plus norm + head on the last stage (the head
   matmul streams the whole lm_head, or the whole embedding when tied). The first stage's
   embedding is a row gather (a few rows per token), so it costs memory but no streaming time.
+- `NodeSpec.layer_ms`: a layer's cost a step beyond its weight reads (its ops' dispatch, norms,
+  attention), which a tensor rank's share does not shrink (`calibrate.measure_layer_ms`).
 - `link_ms` is the one-way latency from that node to the next stage. Every stage of a multi-stage
   plan pays it (the last stage sends sampled tokens back to the head, the ring's wrap-around);
   a single-stage plan sends nothing and pays none.
@@ -100,6 +102,7 @@ class NodeSpec:
     disk_gbps: its SSD's sequential read speed, what streamed layers cost.
     dequantizes: its workers run on a CPU, which dequantizes a quantized model: a tensor split
     may cut quantization groups there (tensor_plan.py refuses one that would elsewhere).
+    layer_ms: a layer's fixed cost a decode step (the module docstring's); 0.0: not measured.
     """
 
     name: str
@@ -111,6 +114,7 @@ class NodeSpec:
     disk_gbps: float = DEFAULT_DISK_GBPS
     link_gbps: float = 0.0
     dequantizes: bool = False
+    layer_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ",= \t\n"):
@@ -119,12 +123,11 @@ class NodeSpec:
             raise ValueError(f"node {self.name}: memory_bytes and cache_bytes must be >= 0")
         if not (math.isfinite(self.speed) and self.speed > 0):
             raise ValueError(f"node {self.name}: speed must be a positive number (GB/s)")
-        if not (math.isfinite(self.link_ms) and self.link_ms >= 0):
-            raise ValueError(f"node {self.name}: link_ms must be >= 0")
+        for key in ("link_ms", "layer_ms", "link_gbps"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"node {self.name}: {key} must be >= 0")
         if self.weights_cap < 0 or not (math.isfinite(self.disk_gbps) and self.disk_gbps > 0):
             raise ValueError(f"node {self.name}: weights_cap must be >= 0 and disk_gbps > 0")
-        if not (math.isfinite(self.link_gbps) and self.link_gbps >= 0):
-            raise ValueError(f"node {self.name}: link_gbps must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -339,7 +342,8 @@ class _Costs:
         return b
 
     def compute_ms(self, j: int, i: int, k: int) -> float:
-        ms = self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
+        ms = (self.compute_bytes(i, k) / (self.nodes[j].speed * GB) * 1e3
+              + (k - i) * self.nodes[j].layer_ms)
         if n := self.streamed(j, i, k):
             ms += disk_ms(self.read_prefix[k] - self.read_prefix[k - n], self.nodes[j].disk_gbps)
         return ms
@@ -751,7 +755,8 @@ def _explain(
             + f", uses {human_bytes(c.mem(a, b) + nd.cache_bytes)} of "
             f"{human_bytes(max(c.budgets[j] + nd.cache_bytes, 0))} budget; "
             f"est {c.ms(j, a, b):.3f} ms = {c.compute_ms(j, a, b):.3f} ms at {nd.speed:g} GB/s "
-            f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
+            + (f"and {nd.layer_ms:g} ms a layer " if nd.layer_ms else "")
+            + f"+ {c.link(j, a, b):g} ms link" + ("  <- bottleneck" if s == worst else "")
         )
         if n := c.streamed(j, a, b):
             disk = c.read_prefix[b] - c.read_prefix[b - n]

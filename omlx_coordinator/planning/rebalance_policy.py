@@ -403,7 +403,8 @@ def _respecified(plan: Plan, layout: ModelLayout, nodes: Sequence[NodeState],
     if plan.parallel != "tensor" or ranks < 2:
         return specs
     reads = max(rank_stream_bytes(layout, ranks) / (speeds[s.node] * GB) for s in plan.stages)
-    messages = collectives_per_token(layout) * 2 * (ranks - 1)
+    # Each all-reduce 2(N-1) messages, a split head's all_gather N-1 (tensor_plan.py).
+    messages = (collectives_per_token(layout) * 2 + (not layout.tied_embeddings)) * (ranks - 1)
     floor_ms = max(0.0, measured_s - reads) / messages * 1e3
     return [replace(nd, link_ms=max(nd.link_ms, floor_ms)) for nd in specs]
 

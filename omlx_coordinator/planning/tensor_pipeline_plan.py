@@ -5,8 +5,9 @@ as the next). The node side is omlx_node/sub_group.py.
 
 Pure, like the planner (omlx_coordinator/planning/planner.py), with the cost models of both: a
 run of k ranks over layers [i, j) streams, on its slowest rank, its largest share of those
-layers (omlx_shared/tensor_split.py), the norm and head where it is last; then its collectives,
-each a hop over the run's own links (the slowest of them): two all-reduces a layer (2 ranks swap
+layers (omlx_shared/tensor_split.py), the norm and head where it is last, and each layer's fixed
+cost (`NodeSpec.layer_ms`, its slowest rank's); then its collectives, each a hop over the run's
+own links (the slowest of them): two all-reduces a layer (2 ranks swap
 their parts at once: one hop; k > 2 pass a running sum up the run and back: 2(k - 1) hops), and
 the step relayed from its first rank to the others (k - 1 hops); then its link to the next run.
 Every rank of a run holds its share of the layers and of their KV, the embedding where the run
@@ -115,7 +116,8 @@ class _RunCosts:
         b = math.ceil((self.stream_prefix[k] - self.stream_prefix[i]) * self.shares[j][0])
         if k == self.L:
             b += self.layout.norm_bytes + self.head
-        return b / (min(nd.speed for nd in run) * GB) * 1e3
+        return (b / (min(nd.speed for nd in run) * GB) * 1e3
+                + (k - i) * max(nd.layer_ms for nd in run))
 
     def collectives_ms(self, j: int, i: int, k: int) -> float:
         run = self.runs[j]
