@@ -248,11 +248,7 @@ def compute_plan_hash(model_id: str, ranges: Sequence[tuple[str, int, int]],
     fields = {"model_id": model_id, "stages": [[n, int(a), int(b)] for n, a, b in ranges], "v": 1}
     if parallel != "pipeline":
         fields["parallel"] = parallel
-    canonical = json.dumps(
-        fields,
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
