@@ -15,17 +15,22 @@ BURST_DEADLINE_SECONDS = 300.0  # every answer, admitted ones' generation includ
 
 
 def burst(url: str, body: dict, n: int, spread: float = 0.0,
-          path: str = "/v1/chat/completions") -> list[dict]:
+          path: str = "/v1/chat/completions", connect_first: bool = False) -> list[dict]:
     """n requests, started evenly over `spread` seconds (0: at once), each on its own
     connection, each with `body` as JSON to `path`; per request what `_answer` says: its
-    status, headers, JSON body and the milliseconds from connecting to its answer's arrival.
+    status, headers, JSON body and the milliseconds from its start to its answer's arrival.
 
-    One thread on non-blocking sockets and epoll, each request sent as its connection opens;
-    an answer's arrival is the kernel's receive timestamp, not the moment this loop reads it.
-    At 2,000 at once on the server's cores, a client's own turn around its event loop
-    (asyncio streams measured ~0.1 ms a connection; httpx's pool more, growing with its open
-    connections) otherwise delays every reading, and the client would be measured, not the
-    server."""
+    A request starts as its connection is opened, and is sent as soon as it is open; with
+    `connect_first` (and no spread) every connection is opened first, then every request sent
+    at once, each timed from the moment it was sent: the server's answer alone, not the
+    connects, which one Python client on the server's own cores makes at a few thousand a
+    second (2,000 took it 0.3-0.7 s), the server busy accepting them meanwhile.
+
+    One thread on non-blocking sockets and epoll; an answer's arrival is the kernel's receive
+    timestamp, not the moment this loop reads it. At 2,000 at once on the server's cores, a
+    client's own turn around its event loop (asyncio streams measured ~0.1 ms a connection;
+    httpx's pool more, growing with its open connections) otherwise delays every reading, and
+    the client would be measured, not the server."""
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     request = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
@@ -37,20 +42,50 @@ def burst(url: str, body: dict, n: int, spread: float = 0.0,
     answered: dict[int, float] = {}
     received: dict[int, bytes] = {}
     done: set[int] = set()
-    t0 = time.time()
     deadline = time.monotonic() + spread + BURST_DEADLINE_SECONDS
-    opened = 0
+
+    def open_one() -> int:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setblocking(False)
+        fd = sock.fileno()
+        socks[fd], started[fd], received[fd] = sock, time.time(), b""
+        sock.connect_ex((host, int(port)))
+        return fd
+
+    def send(fd: int) -> None:
+        try:  # small: fits an empty send buffer at once
+            socks[fd].sendall(request)
+        except OSError:
+            done.add(fd)  # refused or reset before it could send: status 0
+            return
+        poller.register(fd, select.EPOLLIN)
+
     try:
+        if connect_first and not spread:
+            waiting = {open_one() for _ in range(n)}
+            for fd in waiting:
+                poller.register(fd, select.EPOLLOUT)
+            while waiting and time.monotonic() < deadline:
+                for fd, _ in poller.poll(1.0):
+                    poller.unregister(fd)
+                    waiting.discard(fd)
+            for fd in waiting:  # never connected: status 0
+                poller.unregister(fd)
+                done.add(fd)
+            for fd in socks:
+                if fd not in done:
+                    send(fd)
+                    started[fd] = time.time()  # sent: the kernel holds it for the server
+            opened = n
+        else:
+            opened = 0
+        t0 = time.time()
         while len(done) < n and time.monotonic() < deadline:
             while opened < n and time.time() >= t0 + opened * spread / n:
-                sock = socket.socket()
-                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-                sock.setblocking(False)
-                fd = sock.fileno()
-                socks[fd], started[fd], received[fd] = sock, time.time(), b""
-                sock.connect_ex((host, int(port)))
+                fd = open_one()
                 try:  # on loopback the connection is usually open at once
-                    sock.sendall(request)
+                    socks[fd].sendall(request)
                     poller.register(fd, select.EPOLLIN)
                 except OSError:
                     poller.register(fd, select.EPOLLOUT)  # once connected, send it
@@ -59,13 +94,8 @@ def burst(url: str, body: dict, n: int, spread: float = 0.0,
             for fd, events in poller.poll(wait):
                 sock = socks[fd]
                 if events & select.EPOLLOUT:
-                    try:
-                        sock.sendall(request)  # small: fits an empty send buffer at once
-                    except OSError:
-                        done.add(fd)  # refused or reset before it could send: status 0
-                        poller.unregister(fd)
-                        continue
-                    poller.modify(fd, select.EPOLLIN)
+                    poller.unregister(fd)
+                    send(fd)
                     continue
                 try:
                     data, ancillary, _, _ = sock.recvmsg(1 << 16, 64)
