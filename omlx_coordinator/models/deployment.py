@@ -65,6 +65,7 @@ class Retired:
 
     node: WorkerClient  # its head worker
     workers: dict[str, int]  # its worker's pid on each of its nodes
+    plan: Plan | None  # (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Deployment:
         self.node: WorkerClient | None = None  # the head worker of the active plan
         self.worker_pids: dict[str, int] = {}  # the active plan's worker on each of its nodes
         self._retiring: asyncio.Task | None = None  # the last move's `_retire`
+        self.retiring: Plan | None = None  # the plan it retires, its memory still held
         self.plan: Plan | None = None
         self.placed = plan  # the plan placement chose, loaded first
         self.epoch = 0  # plans loaded so far
@@ -147,8 +149,12 @@ class Deployment:
         return self.plan or self.placed
 
     def held_bytes(self) -> dict[str, int]:
-        """What its plan holds on each node (weights and KV, as the planner counts them)."""
-        return plan_bytes(self.holding) if self.holding else {}
+        """What its plan holds on each node (weights and KV, as the planner counts them), and
+        the plan a move replaced while that one serves its last requests."""
+        held = plan_bytes(self.holding) if self.holding else {}
+        for node, n in (plan_bytes(self.retiring) if self.retiring else {}).items():
+            held[node] = held.get(node, 0) + n
+        return held
 
     def usable(self) -> list[Member]:
         """The live members it may plan over: not those of its sibling replicas."""
@@ -257,7 +263,8 @@ class Deployment:
             await previous.close()
             previous = None
         self.node = members[0].agent.worker(replies[0].worker_address)
-        retired = Retired(previous, self.worker_pids) if previous is not None else None
+        retired = (Retired(previous, self.worker_pids, self.plan) if previous is not None
+                   else None)
         self.worker_pids = {m.name: r.worker_pid for m, r in zip(members, replies)}
         for m in members:
             m.health = await m.agent.health()
@@ -507,6 +514,7 @@ class Deployment:
                               "load_seconds": self.load_seconds, "moved": True}
         log.info("moved in %.2fs", self.last_recovery["seconds"])
         if retired is not None:  # in a task: the plan lock is not held across the drain
+            self.retiring = retired.plan
             self._retiring = asyncio.ensure_future(self._retire(retired))
             self._retiring.add_done_callback(_log_failure)
         return True
@@ -525,9 +533,13 @@ class Deployment:
         await retired.node.close()
         by_name = {m.name: m for m in self.cluster.members if m.alive}
         nodes = [(by_name[n], pid) for n, pid in retired.workers.items() if n in by_name and pid]
-        results = await asyncio.gather(*(m.agent.unload_shard(self.model.name,
-                                                              UNLOAD_GRACE_SECONDS, pid)
-                                         for m, pid in nodes), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(m.agent.unload_shard(self.model.name,
+                                                                  UNLOAD_GRACE_SECONDS, pid)
+                                             for m, pid in nodes), return_exceptions=True)
+        finally:
+            if self.retiring is retired.plan:  # (not a later move's)
+                self.retiring = None
         for (m, pid), r in zip(nodes, results):
             if isinstance(r, BaseException):
                 log.warning("unloading worker %d of %s's previous plan on %s: %s", pid,
