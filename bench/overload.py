@@ -17,6 +17,7 @@ seconds. The end of a latency is the kernel's receive timestamp of the answer
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -79,7 +80,7 @@ def outcomes(answers: list[dict]) -> list[dict]:
 def summary(results: list[dict], max_tokens: int, wall: float, cpu: float) -> dict:
     refused = [x for x in results if x["status"] == 429]
     admitted = [x for x in results if x["status"] == 200]
-    refused_ms = [x["ms"] for x in refused]
+    refused_ms = [x["ms"] for x in refused if not math.isnan(x["ms"])]  # nan: no kernel time
     return {
         "admitted": len(admitted), "refused": len(refused),
         "other": len(results) - len(admitted) - len(refused),

@@ -16,6 +16,8 @@ BURST_DEADLINE_SECONDS = 300.0  # every answer, admitted ones' generation includ
 # take the cores' time from the server it measures (and each of the server's sends would
 # wake it); the answers' times are the kernel's, whenever they are read.
 READ_PAUSE_SECONDS = 0.005
+# After the server accepted a burst's connections: for its loop to set each one up.
+ACCEPTED_SETTLE_SECONDS = 0.2
 
 
 def burst(url: str, body: dict, n: int, spread: float = 0.0,
@@ -26,9 +28,9 @@ def burst(url: str, body: dict, n: int, spread: float = 0.0,
 
     A request starts as its connection is opened, and is sent as soon as it is open; with
     `connect_first` (and no spread) every connection is opened first, then every request sent
-    at once, each timed from the moment it was sent: the server's answer alone, not the
-    connects, which one Python client on the server's own cores makes at a few thousand a
-    second (2,000 took it 0.3-0.7 s), the server busy accepting them meanwhile.
+    at once, once the server has accepted every one, each timed from the moment it was sent:
+    the server's answer alone, not the connects, which one Python client on the server's own
+    cores makes at a few thousand a second (2,000 took it 0.15-0.7 s), nor their accepts.
 
     One thread on non-blocking sockets and epoll, reading the answers in batches; an answer's
     arrival is the kernel's receive timestamp, not the moment this loop reads it. At 2,000 at once on the server's cores, a
@@ -77,6 +79,7 @@ def burst(url: str, body: dict, n: int, spread: float = 0.0,
             for fd in waiting:  # never connected: status 0
                 poller.unregister(fd)
                 done.add(fd)
+            _wait_accepted(int(port), deadline)
             for fd in socks:
                 if fd not in done:
                     send(fd)
@@ -120,6 +123,27 @@ def burst(url: str, body: dict, n: int, spread: float = 0.0,
         for sock in socks.values():
             sock.close()
     return [_answer(received[fd], started[fd], answered.get(fd)) for fd in socks]
+
+
+def _wait_accepted(port: int, deadline: float) -> None:
+    """Until the server has accepted every connection made to its listening `port` (the
+    kernel completes a connect before the server accepts it; Linux's /proc/net/tcp shows a
+    listening socket's accept queue as its rx_queue), and its loop has set them up."""
+    while time.monotonic() < deadline:
+        queued = 0
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                lines = open(table).read().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    queued += int(fields[4].split(":")[1], 16)
+        if not queued:
+            break
+        time.sleep(0.01)
+    time.sleep(ACCEPTED_SETTLE_SECONDS)
 
 
 def _answer(raw: bytes, started: float, answered: float | None) -> dict:
