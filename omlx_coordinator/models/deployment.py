@@ -636,8 +636,9 @@ class Deployment:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def close(self) -> None:
-        if self._recovery is not None:
-            self._recovery.cancel()
+        for task in (self._recovery, self._retiring):  # a kept worker: its agent's bound
+            if task is not None:
+                task.cancel()
         if self.node is not None:
             await self.node.close()
 
