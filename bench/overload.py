@@ -1,12 +1,15 @@
 """The gateway under overload: many more concurrent requests than a model's queue bound.
 
 Serves a tiny random llama with `--max-batch 8` (so `--max-queue` defaults to 32), sends N
-concurrent chat completions at once (loopback, one connection each) and checks
-issue 46's goal: every excess request refused (429 with Retry-After) within 100 ms, every
-admitted one completed, the gateway's memory bounded (its RSS before, at peak and after), and
-the server serving afterwards; then the same number spread evenly over a few seconds. A
-refusal's latency is from the client starting to connect to the kernel's receive timestamp of
-the answer (tests/helpers/burst.py).
+concurrent chat completions (loopback, one connection each) and checks issue 46's goal: every
+excess request refused (429 with Retry-After) within 100 ms, every admitted one completed, the
+gateway's memory bounded (its RSS before, at peak and after), and the server serving
+afterwards. Three runs: every connection opened first, then every request sent at once, each
+timed from its send (the server's answer alone); every connection opened and its request sent
+at once, each timed from its connect (the client's connects, as fast as one Python process
+makes them, and the server's accepts counted too); the same number spread evenly over a few
+seconds. The end of a latency is the kernel's receive timestamp of the answer
+(tests/helpers/burst.py).
 
     python -m bench.overload [--requests 2000] [--max-batch 8] [--out bench/results]
 """
@@ -14,6 +17,7 @@ the answer (tests/helpers/burst.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -76,7 +80,7 @@ def outcomes(answers: list[dict]) -> list[dict]:
 def summary(results: list[dict], max_tokens: int, wall: float, cpu: float) -> dict:
     refused = [x for x in results if x["status"] == 429]
     admitted = [x for x in results if x["status"] == 200]
-    refused_ms = [x["ms"] for x in refused]
+    refused_ms = [x["ms"] for x in refused if not math.isnan(x["ms"])]  # nan: no kernel time
     return {
         "admitted": len(admitted), "refused": len(refused),
         "other": len(results) - len(admitted) - len(refused),
@@ -126,16 +130,17 @@ def markdown(r: dict) -> str:
         f"{r['rss_peak'] / mib:.0f} / {r['rss_after'] / mib:.0f} MiB; serves afterwards: "
         f"{r['serves_after']}.",
         "",
-        "Latency is from the client starting to connect to the kernel's receive timestamp of "
-        "the answer's first bytes (SO_TIMESTAMPNS: the client's own loop is not counted), "
-        "client and server on the same cores, which other work shared (load average "
-        f"{r['load_before']:.1f} at the start). All at once, the connections arrive within "
-        "tens of milliseconds and the gateway answers them one after another: a refusal's "
-        "latency is its place in that line times what the gateway spends per refusal, not a "
-        "wait for generation. Refusals are answered by the HTTP protocol from the headers "
-        "(omlx_coordinator/http/connections.py) once every model's bound is taken, the requests "
-        "still undecided counted. Spread, requests arrive at a steady rate far past what the "
-        "model drains.",
+        "Latency ends at the kernel's receive timestamp of the answer's first bytes "
+        "(SO_TIMESTAMPNS: the client's own loop is not counted); it starts when the request "
+        "was sent (connected first) or when its connect began (the other two). Client, gateway "
+        "and node worker share the same cores, which other work shared too (load average "
+        f"{r['load_before']:.1f} at the start, {r['load_after']:.1f} at the end). All at once, "
+        "the gateway answers the requests one after another on its one event loop: a "
+        "refusal's latency is its place in that line times what the gateway spends per "
+        "refusal, not a wait for generation. Refusals are answered by the HTTP protocol from "
+        "the headers (omlx_coordinator/http/connections.py) once every model's bound is taken, "
+        "the requests still undecided counted. Spread, requests arrive at a steady rate far "
+        "past what the model drains.",
         "",
     ])
 
@@ -166,10 +171,12 @@ def main() -> int:
             pid = server.proc.pid
             rss_before, load_before = rss_bytes(pid), os.getloadavg()[0]
             peak = PeakRss(pid)
-            for name, spread in (("all at once", 0.0), (f"spread over {args.spread:g} s",
-                                                        args.spread)):
+            for name, spread, first in (("connected, sent at once", 0.0, True),
+                                        ("connecting at once", 0.0, False),
+                                        (f"spread over {args.spread:g} s", args.spread, False)):
                 t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
-                results = outcomes(burst(server.base, body, args.requests, spread))
+                results = outcomes(burst(server.base, body, args.requests, spread,
+                                         connect_first=first))
                 runs[name] = summary(results, args.max_tokens, time.perf_counter() - t0,
                                      cpu_seconds(pid) - cpu0)
                 time.sleep(2.0)
@@ -182,7 +189,8 @@ def main() -> int:
     result = {"machine": machine_info(), "requests": args.requests,
               "max_batch": args.max_batch, "max_queue": limit, "max_tokens": args.max_tokens,
               "runs": runs, "rss_before": rss_before, "rss_peak": rss_peak,
-              "rss_after": rss_after, "serves_after": serves, "load_before": load_before}
+              "rss_after": rss_after, "serves_after": serves, "load_before": load_before,
+              "load_after": os.getloadavg()[0]}
     text = markdown(result)
     print(text)
     if args.out:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from omlx_node.kept_workers import KeptWorkers
 from omlx_node.stay_awake import StayAwake
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
@@ -201,6 +202,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         # One per model, in load order (a reload moves it last); a worker that exited stays
         # until it is replaced or unloaded, so Health reports it.
         self.workers: dict[str, Worker] = {}
+        # Those of a model's previous plan, serving its last requests after a move.
+        self.kept = KeptWorkers(lambda p: p.stop(timeout=REPLACE_GRACE_SECONDS))
         self._loading = False  # a LoadShard is in flight
         self._workers_lock = threading.Lock()  # UnloadShard and Health do not wait for a load
         self.status = "no shard loaded"  # what Health says while no worker is here
@@ -340,7 +343,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def UnloadShard(self, request: pb.UnloadShardRequest, context: grpc.ServicerContext):
         self._authorize(context)
         return self.unload(request.model_id, request.grace_seconds if request.grace_seconds > 0
-                           else UNLOAD_GRACE_SECONDS)
+                           else UNLOAD_GRACE_SECONDS, request.worker_pid)
 
     def PrepareWeights(self, request: pb.WeightManifest, context: grpc.ServicerContext):
         self._authorize(context)
@@ -422,12 +425,15 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
                  abandoned: threading.Event | None) -> pb.LoadShardReply:
         """Stops `model_id`'s worker, if any, and starts one for `request`; the other models'
         workers run on, whether this load succeeds or not. With `keep_serving` the old worker
-        serves until the new one is ready (make before break), and on if the new one fails."""
+        serves while the new one loads (make before break), on if the new one fails, and once
+        it is ready until the coordinator unloads it (`kept`)."""
         keep = request.keep_serving
         with self._workers_lock:
             old = self.workers.get(model_id) if keep else self.workers.pop(model_id, None)
-        if old is not None and not keep:
-            old.process.stop(timeout=REPLACE_GRACE_SECONDS)
+        if not keep:  # a recovery: the previous plans' workers make room
+            for process in [*([old.process] if old is not None else []),
+                            *self.kept.take_model(model_id)]:
+                process.stop(timeout=REPLACE_GRACE_SECONDS)
         self.status = f"loading {request.model_path}"
         # The model's own mode wins over the node's engine flag.
         engine = (replace(self.engine, speculative=request.speculative) if request.speculative
@@ -478,7 +484,9 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
             self.workers.pop(model_id, None)  # (kept serving until now) moves last
             self.workers[model_id] = worker
         if old is not None and keep:
-            old.process.stop(timeout=REPLACE_GRACE_SECONDS)
+            for process in self.kept.keep(model_id, old.reply.worker_pid, old.process,
+                                          old.metrics_port, request.keep_serving_seconds):
+                process.stop(timeout=REPLACE_GRACE_SECONDS)
         self.status = "no shard loaded"  # for when every worker is unloaded again
         log.info("worker %d serves layers [%d, %d) of %s as rank %d of %d", info["pid"],
                  info["layer_start"], info["layer_end"], model_id, request.rank, world)
@@ -489,7 +497,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         with self._workers_lock:
             taken = any(w.metrics_port == self.metrics_port and w.process.alive()
                         for w in self.workers.values())
-        return 0 if taken else self.metrics_port
+        return 0 if taken or self.kept.holds_port(self.metrics_port) else self.metrics_port
 
     def _set_loading(self, loading: bool) -> None:
         with self._workers_lock:
@@ -504,21 +512,33 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         else:
             self.awake.release()
 
-    def unload(self, model_id: str, grace: float = UNLOAD_GRACE_SECONDS) -> pb.UnloadShardReply:
-        """Stops `model_id`'s worker (SIGTERM, SIGKILL after `grace` seconds) and returns once
-        it has exited, so its memory is free. It does not wait for a load in flight: a model
-        whose load is in flight has no worker here yet."""
+    def unload(self, model_id: str, grace: float = UNLOAD_GRACE_SECONDS,
+               worker_pid: int = 0) -> pb.UnloadShardReply:
+        """Stops `model_id`'s worker (SIGTERM, SIGKILL after `grace` seconds), and any kept
+        serving after a move, and returns once they have exited, so their memory is free;
+        `worker_pid`: only the one of that pid, kept or serving. It does not wait for a load in
+        flight: a model whose load is in flight has no worker here yet."""
         with self._workers_lock:
-            worker = self.workers.pop(model_id, None)
-        if worker is None:
+            worker = self.workers.get(model_id)
+            if worker is not None and worker_pid in (0, worker.reply.worker_pid):
+                del self.workers[model_id]
+            else:
+                worker = None
+        processes = [worker.process] if worker is not None else []
+        if worker_pid:
+            processes += [p] if (p := self.kept.take(worker_pid)) is not None else []
+        else:
+            processes += self.kept.take_model(model_id)
+        if not processes:
             return pb.UnloadShardReply(was_loaded=False)
         t0 = time.monotonic()
-        killed = stop_process(worker.process, grace)
+        killed = any([stop_process(p, grace) for p in processes])
         seconds = time.monotonic() - t0
         with self._workers_lock:
             self._keep_awake()
-        log.info("unloaded %s: worker %d %s after %.1fs", model_id, worker.process.pid,
-                 "killed" if killed else "exited", seconds)
+        log.info("unloaded %s: worker(s) %s %s after %.1fs", model_id,
+                 ", ".join(str(p.pid) for p in processes), "killed" if killed else "exited",
+                 seconds)
         return pb.UnloadShardReply(was_loaded=True, killed=killed, seconds=seconds)
 
     def _spawn_standby(self) -> None:
@@ -534,11 +554,12 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def _stop_workers(self) -> None:
         with self._workers_lock:
             workers, self.workers = list(self.workers.values()), {}
-        for w in workers:  # all at once: each flushes its prefix cache meanwhile
-            if w.process.alive():
-                w.process.proc.terminate()
-        for w in workers:
-            w.process.stop(timeout=REPLACE_GRACE_SECONDS)
+        processes = [w.process for w in workers] + self.kept.take_all()
+        for p in processes:  # all at once: each flushes its prefix cache meanwhile
+            if p.alive():
+                p.proc.terminate()
+        for p in processes:
+            p.stop(timeout=REPLACE_GRACE_SECONDS)
 
     def _probe_workers(self) -> None:
         """Keeps Health's view of each worker's memory fresh, so that Health never waits on a

@@ -81,7 +81,7 @@ class AdmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving", "stage_ranks", "load_reason")
+    __slots__ = ("model_path", "model_id", "layer_start", "layer_end", "rank", "world_size", "peers", "backend", "plan_hash", "micro_batches", "rdma_devices_json", "speculative", "streamed_layers", "kind", "tensor", "keep_serving", "keep_serving_seconds", "stage_ranks", "load_reason")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class LoadShardRequest(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     KEEP_SERVING_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SERVING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STAGE_RANKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_REASON_FIELD_NUMBER: _ClassVar[int]
     model_path: str
@@ -116,9 +117,10 @@ class LoadShardRequest(_message.Message):
     kind: str
     tensor: bool
     keep_serving: bool
+    keep_serving_seconds: float
     stage_ranks: _containers.RepeatedScalarFieldContainer[int]
     load_reason: LoadReason
-    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ..., stage_ranks: _Optional[_Iterable[int]] = ..., load_reason: _Optional[_Union[LoadReason, str]] = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., plan_hash: _Optional[str] = ..., micro_batches: _Optional[int] = ..., rdma_devices_json: _Optional[str] = ..., speculative: _Optional[str] = ..., streamed_layers: _Optional[int] = ..., kind: _Optional[str] = ..., tensor: _Optional[bool] = ..., keep_serving: _Optional[bool] = ..., keep_serving_seconds: _Optional[float] = ..., stage_ranks: _Optional[_Iterable[int]] = ..., load_reason: _Optional[_Union[LoadReason, str]] = ...) -> None: ...
 
 class LoadShardReply(_message.Message):
     __slots__ = ("model_id", "layer_start", "layer_end", "num_layers", "dtype", "load_seconds", "worker_address", "worker_pid", "load_nice")
@@ -421,12 +423,14 @@ class WorkerStatus(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., ready: _Optional[bool] = ..., status: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., plan_hash: _Optional[str] = ..., footprint_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class UnloadShardRequest(_message.Message):
-    __slots__ = ("model_id", "grace_seconds")
+    __slots__ = ("model_id", "grace_seconds", "worker_pid")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     grace_seconds: float
-    def __init__(self, model_id: _Optional[str] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
+    worker_pid: int
+    def __init__(self, model_id: _Optional[str] = ..., grace_seconds: _Optional[float] = ..., worker_pid: _Optional[int] = ...) -> None: ...
 
 class UnloadShardReply(_message.Message):
     __slots__ = ("was_loaded", "killed", "seconds")

@@ -1,7 +1,8 @@
 """Make before break on a re-plan. A join: a model served by node a alone keeps serving (new
 requests too) while its plan over a and a newly joined b loads, then switches; a rebalancer
-move likewise from one split to another. A greedy stream across the move ends with the same
-tokens, and no request is refused or fails."""
+move likewise from one split to another. A greedy stream across the move runs on the old plan
+to its end (it never fails over and resumes) with the same tokens, no request is refused or
+fails, and the old plan's workers are unloaded afterwards."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, start_server
+from tests.helpers.moves import assert_served_through
 from tests.helpers.processes import launch, status, stop_all
 from tests.helpers.waiting import wait_for
 from tests.tiny_models import build_model
@@ -116,6 +118,7 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
         assert answers and all(a == short for a in answers)
         assert ask(url, TOKENS) == reference
         assert "moving main while it serves" in (tmp_path / "coordinator.log").read_text()
+        assert_served_through(tmp_path / "coordinator.log", ["a"])
     finally:
         stop_all(procs)
 
@@ -123,7 +126,7 @@ def test_a_join_moves_the_model_while_it_serves(tmp_path):
 def test_a_rebalancer_move_serves_until_the_new_split_is_loaded(tmp_path):
     """Two local nodes on an uneven split (1 and 7 layers); the rebalancer is asked to move to
     its best split while a long greedy stream runs: the model never reports not-ready, short
-    requests keep their answers, the stream resumes on the new split with the same tokens."""
+    requests keep their answers, the stream ends on the old split with the same tokens."""
     model = build_model(tmp_path / "main", "llama", num_layers=8)
     # Speculation off: a pipeline head's drafting is work of every step that the rebalancer
     # reads as a slow node, and it then keeps the one-layer stage as small as it is.
@@ -135,6 +138,7 @@ def test_a_rebalancer_move_serves_until_the_new_split_is_loaded(tmp_path):
         url = server.url
         reference, short = ask(url, TOKENS), ask(url, 8)
         epoch = main_replica(url)["epoch"]
+        before = [s["node"] for s in main_replica(url)["stages"]]
         out: dict = {}
         streaming = threading.Thread(target=stream, args=(url, out))
         streaming.start()
@@ -166,3 +170,4 @@ def test_a_rebalancer_move_serves_until_the_new_split_is_loaded(tmp_path):
         assert out["ended_at"] > moved_at, "the stream ended before the switch"
         assert answers and all(a == short for a in answers)
         assert "moving main while it serves" in server.log_path.read_text()
+        assert_served_through(server.log_path, before)

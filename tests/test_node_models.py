@@ -133,6 +133,30 @@ def test_reloading_a_model_replaces_only_its_worker(agent, models, references):
     assert serves(agent, references, "a") and serves(agent, references, "b")
 
 
+def test_a_move_keeps_the_old_worker_serving_until_it_is_unloaded_by_pid(agent, models,
+                                                                          references):
+    """Make before break (keep_serving): the old worker serves on after the new one is ready,
+    out of Health, until the coordinator unloads it by pid; an unload naming a pid that is
+    not the model's leaves its worker; the model's full unload would stop both."""
+    before = workers(agent)["b"]
+    old_address = before.worker_address
+    moved = agent.LoadShard(pb.LoadShardRequest(
+        model_path=str(models["b"]), model_id="b", plan_hash="5b1c09aa", keep_serving=True,
+        keep_serving_seconds=120, load_reason=pb.LOAD_MOVE), timeout=180)
+    assert moved.worker_pid != before.pid and alive(before.pid)
+    assert workers(agent)["b"].pid == moved.worker_pid  # Health reports the new one
+    ids, ref = references["b"]
+    assert generated(old_address, ids) == ref  # the old plan's requests run on
+    assert serves(agent, references, "b")
+    other = agent.UnloadShard(pb.UnloadShardRequest(model_id="b", worker_pid=workers(agent)[
+        "a"].pid), timeout=30)
+    assert not other.was_loaded and alive(before.pid) and alive(moved.worker_pid)
+    reply = agent.UnloadShard(pb.UnloadShardRequest(model_id="b", worker_pid=before.pid,
+                                                    grace_seconds=5), timeout=30)
+    assert reply.was_loaded and not alive(before.pid) and alive(moved.worker_pid)
+    assert serves(agent, references, "a") and serves(agent, references, "b")
+
+
 def test_a_failed_load_leaves_the_other_models_running(agent, references):
     before = workers(agent)
     with pytest.raises(grpc.RpcError) as err:

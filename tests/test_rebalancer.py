@@ -15,7 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
+from prometheus_client import generate_latest
 
 from omlx_coordinator.nodes.cluster import NODE_BACK_SECONDS
 from omlx_coordinator.planning.measured_speeds import MeasuredSpeeds
@@ -30,7 +32,10 @@ from omlx_coordinator.planning.rebalance_policy import (
     read_seconds,
     stage_bytes,
 )
+from omlx_coordinator.telemetry.rebalancer import parse_stage
+from omlx_node.metrics import NodeMetrics
 from omlx_shared.child import omlx_command
+from omlx_shared.prometheus import labelled
 from tests.conftest import free_port, parse_metrics, start_server
 from tests.helpers.prometheus import NEEDS_PROMETHEUS, prometheus_config, run_prometheus
 from tests.helpers.rebalance import (
@@ -207,6 +212,56 @@ def test_a_load_that_ends_in_the_window_is_measured_while_it_ran():
     # A window idle throughout measures nothing: the speeds remembered stay.
     later = readings + [reading(t) for t in range(42, 80, 2)]
     assert decide(later, plan, LAYOUT, NODES, 78, policy=policy).measured == ()
+
+
+def _replanned_readings(plan: Plan, prefill: float) -> list[Reading]:
+    """A minute of `plan` right after a re-plan: the pipeline first prefills again the
+    requests that were in flight for `prefill` seconds (each stage its share, one after the
+    other), then decodes at the planned speeds."""
+    period = plan.bottleneck_ms / 1e3
+    total_ms = sum(s.est_ms for s in plan.stages)
+
+    def reading(t: float) -> Reading:
+        steps = max(0.0, t - prefill) / period
+        return Reading(t, plan.plan_hash, tuple(
+            StageReading(s.node, s.est_ms / 1e3 * steps, steps, steps=steps,
+                         wait_seconds=(period - s.est_ms / 1e3) * steps, wait_steps=steps,
+                         prefill_seconds=min(t, prefill) * s.est_ms / total_ms)
+            for s in plan.stages))
+
+    return [reading(t) for t in range(0, 62, 2)]
+
+
+def test_a_resumed_requests_prefill_is_not_read_as_decode_time():
+    # Every node at the speed it was planned at; the first 10 s of the plan re-prefill the
+    # requests a move resumed on it. That time is no decode step's: counted as one, every
+    # stage's step would read 20% longer (the fastest, least waiting, the most), the nodes
+    # slower than they are, and the move's own aftermath a reason to move again.
+    plan = first_plan()
+    policy = Policy(window=60, cooldown=0)
+    d = decide(_replanned_readings(plan, 10.0), plan, LAYOUT, NODES, 60, policy=policy)
+    assert set(d.measured) == {s.node for s in plan.stages}
+    assert all(d.speeds[n] == pytest.approx(1.0) for n in d.measured), d.speeds
+    assert d.current_bottleneck_s == pytest.approx(plan.bottleneck_ms / 1e3)
+    assert not d.move, d.why
+
+
+def test_a_stages_prefill_time_is_read_from_its_metrics():
+    """The node times prefill chunks and decode steps apart (omlx_node.metrics.StageProfile);
+    the rebalancer reads both from its /metrics, the prefill to take off the wall time."""
+    metrics = NodeMetrics()
+    x = mx.zeros((1, 64))
+    for _ in range(3):
+        metrics.profile.run("prefill", x, lambda: mx.sum(x @ mx.ones((64, 2048))))
+    for _ in range(2):
+        metrics.profile.run("decode", x[:, :1], lambda: x[:, :1] + 1)
+    identity = {"node": "n0", "model": "m", "plan": "p1", "stage": "0", "layers": "0-2"}
+    plan_hash, reading = parse_stage(generate_latest(labelled(metrics.registry, identity))
+                                     .decode())
+    prefill = metrics.profile._compute["prefill"]._sum.get()
+    assert plan_hash == "p1" and prefill > 0
+    assert reading.prefill_seconds == pytest.approx(prefill)
+    assert reading.decode_seconds == pytest.approx(metrics.profile._compute["decode"]._sum.get())
 
 
 # n2 keeps one layer in memory beside its head and two streaming buffers; its disk reads

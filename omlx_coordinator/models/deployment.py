@@ -50,6 +50,22 @@ log = logging.getLogger(__name__)
 UNLOAD_GRACE_SECONDS = 10.0  # SIGTERM to SIGKILL: a worker flushes its prefix cache first
 RETRY_MAX_SECONDS = 30.0  # a re-plan that keeps failing tries again at most this far apart
 ABANDONED_LOAD_SECONDS = 10.0  # the most a re-plan waits for agents to drop an abandoned load
+# After a move, the old plan serves the requests that were on it this long at most (the rest
+# then resume on the new plan) ...
+MOVE_DRAIN_SECONDS = 60.0
+# ... and each agent keeps the old worker this long at most unless unloaded sooner: a bound
+# for a coordinator that dies meanwhile, past the drain and the unloads that follow it.
+KEEP_SERVING_SECONDS = MOVE_DRAIN_SECONDS + 60.0
+DRAIN_POLL_SECONDS = 0.1
+
+
+@dataclass
+class Retired:
+    """A plan a move replaced, serving the requests that were on it to their end."""
+
+    node: WorkerClient  # its head worker
+    workers: dict[str, int]  # its worker's pid on each of its nodes
+    plan: Plan | None  # (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,9 @@ class Deployment:
         self.weight_counters = weight_counters
         self.name = model.name if replica == 0 else f"{model.name}#{replica}"
         self.node: WorkerClient | None = None  # the head worker of the active plan
+        self.worker_pids: dict[str, int] = {}  # the active plan's worker on each of its nodes
+        self._retiring: asyncio.Task | None = None  # the last move's `_retire`
+        self.retiring: Plan | None = None  # the plan it retires, its memory still held
         self.plan: Plan | None = None
         self.placed = plan  # the plan placement chose, loaded first
         self.epoch = 0  # plans loaded so far
@@ -130,8 +149,12 @@ class Deployment:
         return self.plan or self.placed
 
     def held_bytes(self) -> dict[str, int]:
-        """What its plan holds on each node (weights and KV, as the planner counts them)."""
-        return plan_bytes(self.holding) if self.holding else {}
+        """What its plan holds on each node (weights and KV, as the planner counts them), and
+        the plan a move replaced while that one serves its last requests."""
+        held = plan_bytes(self.holding) if self.holding else {}
+        for node, n in (plan_bytes(self.retiring) if self.retiring else {}).items():
+            held[node] = held.get(node, 0) + n
+        return held
 
     def usable(self) -> list[Member]:
         """The live members it may plan over: not those of its sibling replicas."""
@@ -202,13 +225,14 @@ class Deployment:
         self.unloaded = False
         await self._load_plan(self.placed, reason)
 
-    async def _load_plan(self, plan: Plan | None, reason: int) -> None:
+    async def _load_plan(self, plan: Plan | None, reason: int) -> Retired | None:
         """Has each member of `plan` (default: a new plan over the usable members) load its
         range; every agent at once, since the data-plane group forms only when all ranks have
         joined. A jaccl group chosen automatically that fails to form is loaded again over
         ring: RDMA that misbehaves must not leave the model down. `reason` (a pb.LoadReason)
         sets the nodes' CPU priority for the load; LOAD_MOVE: each node's worker of the
-        current plan serves until its new one is ready."""
+        current plan serves while its new one loads, and the requests on it after the switch:
+        the plan replaced is returned, for `_retire`."""
         members, plan = self._staged(plan)
         if plan is None:
             self.capacity_error = self.capacity_error or "no node is left to run the model"
@@ -235,9 +259,14 @@ class Deployment:
                 self.jaccl_failures.record([(m.name, m.admissions) for m in members], error)
                 choice = BackendChoice("ring", f"jaccl did not form: {error}")
                 replies = await self._load_stages(plan, members, folders, choice, reason)
-        if self.node is not None:
-            await self.node.close()
+        previous = self.node
+        if previous is not None and reason != pb.LOAD_MOVE:
+            await previous.close()
+            previous = None
         self.node = members[0].agent.worker(replies[0].worker_address)
+        retired = (Retired(previous, self.worker_pids, self.plan) if previous is not None
+                   else None)
+        self.worker_pids = {m.name: r.worker_pid for m, r in zip(members, replies)}
         for m in members:
             m.health = await m.agent.health()
         self.plan, self.backend, self.capacity_error = plan, choice, ""
@@ -247,6 +276,7 @@ class Deployment:
                  self.name, len(members), choice.backend, choice.reason, plan.split,
                  plan.plan_hash, self.epoch + 1)
         self.serving()
+        return retired
 
     def serving(self) -> None:
         """Sequences go to `self.node`, the head worker of the plan just loaded, from now on: a
@@ -297,6 +327,7 @@ class Deployment:
                     streamed_layers=stage.streamed_layers,
                     tensor=plan.parallel == "tensor", load_reason=reason,
                     keep_serving=reason == pb.LOAD_MOVE,
+                    keep_serving_seconds=KEEP_SERVING_SECONDS,
                     stage_ranks=plan.stage_ranks if plan.parallel == "tensor-pipeline" else ()))
             except BaseException as e:
                 failures.append(e)
@@ -457,9 +488,10 @@ class Deployment:
 
     async def _move(self, plan: Plan | None, reason: str) -> bool:
         """Make before break: loads the next plan while this one serves (new requests too),
-        then switches; the requests on the old plan resume on the new one as after a lost
-        node, but no request waits for the load. Only where every node's memory holds both
-        plans' stages at once. Whether it moved: a failure leaves the re-plan to `recover`."""
+        then switches new requests to it while the old plan serves those on it to their end
+        (`_retire`): no request waits for the load or is prefilled again. Only where every
+        node's memory holds both plans' stages at once. Whether it moved: a failure leaves the
+        re-plan to `recover`."""
         _, next_plan = self._staged(plan)
         if next_plan is None or self.plan is None:
             return False
@@ -471,7 +503,7 @@ class Deployment:
         log.warning("moving %s while it serves: %s", self.name, reason)
         t0, started_at = time.monotonic(), time.time()
         try:
-            await self._load_plan(next_plan, pb.LOAD_MOVE)
+            retired = await self._load_plan(next_plan, pb.LOAD_MOVE)
         except (NoCapacity, grpc.aio.AioRpcError, OSError) as e:
             why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("moving %s failed (%s): re-planning it", self.name, _error_line(why or ""))
@@ -482,12 +514,42 @@ class Deployment:
                               "started_at": started_at, "epoch": self.epoch,
                               "load_seconds": self.load_seconds, "moved": True}
         log.info("moved in %.2fs", self.last_recovery["seconds"])
-        # A node the new plan left out still runs the old plan's stage: nothing replaced it.
-        left = [m for m in self.cluster.members
-                if m.alive and m.name in held and m.name not in self.stages_on()]
-        await asyncio.gather(*(m.agent.unload_shard(self.model.name, UNLOAD_GRACE_SECONDS)
-                               for m in left), return_exceptions=True)
+        if retired is not None:  # in a task: the plan lock is not held across the drain
+            self.retiring = retired.plan
+            self._retiring = asyncio.ensure_future(self._retire(retired))
+            self._retiring.add_done_callback(_log_failure)
         return True
+
+    async def _retire(self, retired: Retired) -> None:
+        """Once the requests on the plan a move replaced have ended (MOVE_DRAIN_SECONDS at
+        most: those left then resume on the new plan; at once if the model is unloaded),
+        closes its head's session and has each of its nodes unload its worker by pid: those
+        the new plan replaced, which their agents kept serving, and those of the nodes it left
+        out, where nothing replaced them. By pid: a later plan's worker on the node stays."""
+        deadline = time.monotonic() + MOVE_DRAIN_SECONDS
+        while (retired.node.session.open_sequences() and not self.unloaded
+               and time.monotonic() < deadline):
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        left = retired.node.session.open_sequences()
+        await retired.node.close()
+        by_name = {m.name: m for m in self.cluster.members if m.alive}
+        nodes = [(by_name[n], pid) for n, pid in retired.workers.items() if n in by_name and pid]
+        try:
+            results = await asyncio.gather(*(m.agent.unload_shard(self.model.name,
+                                                                  UNLOAD_GRACE_SECONDS, pid)
+                                             for m, pid in nodes), return_exceptions=True)
+        finally:
+            if self.retiring is retired.plan:  # (not a later move's)
+                self.retiring = None
+        for (m, pid), r in zip(nodes, results):
+            if isinstance(r, BaseException):
+                log.warning("unloading worker %d of %s's previous plan on %s: %s", pid,
+                            self.name, m.name, r)
+        unloaded = sorted(m.name for (m, _), r in zip(nodes, results)
+                          if not isinstance(r, BaseException) and r.was_loaded)
+        log.info("%s: the previous plan's workers unloaded on %s (%s)", self.name,
+                 ", ".join(unloaded) or "no node",
+                 f"{left} request(s) left on it to resume" if left else "its requests done")
 
     def _recovery_reason(self) -> int:
         """Why a re-plan loads: a replica's while another serves the model meanwhile (requests
@@ -575,8 +637,9 @@ class Deployment:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def close(self) -> None:
-        if self._recovery is not None:
-            self._recovery.cancel()
+        for task in (self._recovery, self._retiring):  # a kept worker: its agent's bound
+            if task is not None:
+                task.cancel()
         if self.node is not None:
             await self.node.close()
 

@@ -99,11 +99,13 @@ class AgentClient:
             pb.LinkProbeRequest(rank=rank, peers=peers, timeout_seconds=timeout),
             timeout=timeout + 30.0, metadata=self.metadata)
 
-    async def unload_shard(self, model_id: str, grace: float) -> pb.UnloadShardReply:
-        """Stops the worker of `model_id`: SIGTERM, `grace` seconds, SIGKILL; returns once it
-        has exited."""
+    async def unload_shard(self, model_id: str, grace: float,
+                           worker_pid: int = 0) -> pb.UnloadShardReply:
+        """Stops the worker of `model_id` (`worker_pid`: only the one of that pid, serving or
+        kept serving after a move): SIGTERM, `grace` seconds, SIGKILL; returns once it has
+        exited."""
         return await self.stub.UnloadShard(
-            pb.UnloadShardRequest(model_id=model_id, grace_seconds=grace),
+            pb.UnloadShardRequest(model_id=model_id, grace_seconds=grace, worker_pid=worker_pid),
             timeout=grace + 30.0, metadata=self.metadata)
 
     async def prepare_weights(self, manifest: pb.WeightManifest,

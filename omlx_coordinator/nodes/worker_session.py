@@ -176,6 +176,12 @@ class WorkerSession:
             return 0.0
         return time.monotonic() - self._stream.heard
 
+    def open_sequences(self) -> int:
+        """Sequences of the live session not yet ended (a plan a move replaced serves them)."""
+        if self._stream is None or not self._stream.alive:
+            return 0
+        return len(self._stream.calls)
+
     def unread(self) -> int:
         """The most chunks a live sequence has waiting for its request to read them."""
         if self._stream is None:

@@ -75,6 +75,7 @@ class StageReading:
     wait_seconds: float = 0.0  # omlx_node_stage_receive_wait_seconds_sum{kind="decode"}
     wait_steps: float = 0.0  # ..._count
     draft_seconds: float = 0.0  # omlx_node_stage_draft_seconds_total{kind="decode"}
+    prefill_seconds: float = 0.0  # omlx_node_stage_compute_seconds_sum{kind="prefill"}
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ class Delta:
     waited: float = 0.0  # steps that waited
     steps: float = 0.0  # every decode step
     draft: float = 0.0  # seconds drafting
+    prefill: float = 0.0  # seconds the pipeline prefilled: every stage's prefill compute
 
     def __add__(self, other: Delta) -> Delta:
         return Delta(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Delta)))
@@ -229,12 +231,17 @@ class Delta:
         compute misses what a loaded machine costs it outside its layers (Python, sends, a CPU
         quota's stalls), so: a step's period (every stage of a pipeline runs as many steps)
         less the wait for its input, which is what the slowest stage leaves the others; at
-        least its compute."""
+        least its compute. The period is of the wall time less the pipeline's prefills: no
+        decode step ran while a prompt chunk went through the stages, and right after a
+        re-plan every request in flight is prefilled again (its prompt and what it had
+        generated), which counted as decode time read the node as slow as the move's
+        aftermath."""
         if self.timed < MIN_STEPS or self.compute <= 0:
             return None
         own = self.compute / self.timed
-        if self.steps > 0 and self.seconds > 0:
-            own = max(own, self.seconds / self.steps - (self.wait / self.waited if self.waited else 0.0))
+        decoding = self.seconds - self.prefill
+        if self.steps > 0 and decoding > 0:
+            own = max(own, decoding / self.steps - (self.wait / self.waited if self.waited else 0.0))
         return own
 
     def drafting(self) -> float:
@@ -247,7 +254,9 @@ class Delta:
 
 def _deltas(a: Reading, b: Reading) -> dict[str, Delta] | None:
     """Each stage's counters between two readings; None when a counter went back (its worker
-    restarted under the same plan)."""
+    restarted under the same plan). Every stage's `prefill` is the pipeline's: each stage's
+    prefill compute summed, as if no two stages overlapped on a chunk (at most what the
+    pipeline spent prefilling; a stage's own time is at least its timed compute anyway)."""
     before = {s.node: s for s in a.stages}
     out = {}
     for s in b.stages:
@@ -256,10 +265,12 @@ def _deltas(a: Reading, b: Reading) -> dict[str, Delta] | None:
             return None
         d = Delta(b.at - a.at, s.decode_seconds - p.decode_seconds, s.decode_steps - p.decode_steps,
                   s.wait_seconds - p.wait_seconds, s.wait_steps - p.wait_steps, s.steps - p.steps,
-                  s.draft_seconds - p.draft_seconds)
+                  s.draft_seconds - p.draft_seconds, s.prefill_seconds - p.prefill_seconds)
         if min(getattr(d, f.name) for f in fields(Delta)) < 0:
             return None
         out[s.node] = d
+    prefill = sum(d.prefill for d in out.values())
+    out = {node: replace(d, prefill=prefill) for node, d in out.items()}
     return out
 
 

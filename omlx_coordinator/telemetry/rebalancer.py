@@ -89,9 +89,12 @@ STEPS = "omlx_node_stage_steps_total"
 DRAFT = "omlx_node_stage_draft_seconds_total"
 FOOTPRINT = "omlx_node_process_footprint_bytes"
 PRESSURE = "omlx_node_memory_pressure"
-# The series read by kind (decode only).
+# The series read by kind (decode only) ...
 DECODE_SERIES = (COMPUTE + "_sum", COMPUTE + "_count", WAIT + "_sum", WAIT + "_count", STEPS,
                  DRAFT)
+# ... and the prefill one: the time of the wall clock that was no decode step's.
+PREFILL = COMPUTE + "_sum"
+PREFILL_KEY = "prefill"  # where parsing keeps it beside the decode series
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ def parse_stage(text: str) -> tuple[str, StageReading] | None:
         for s in family.samples:
             if s.name in DECODE_SERIES and s.labels.get("kind") == "decode":
                 values[s.name], labels = s.value, s.labels
+            elif s.name == PREFILL and s.labels.get("kind") == "prefill":
+                values[PREFILL_KEY] = s.value
             elif s.name in (FOOTPRINT, PRESSURE):
                 values[s.name] = s.value
                 source = s.labels.get("source", "") if s.name == PRESSURE else source
@@ -126,7 +131,7 @@ def _stage(values: Mapping[str, float], labels: Mapping[str, str]) -> tuple[str,
         labels["node"], values[COMPUTE + "_sum"], values.get(COMPUTE + "_count", 0.0),
         values.get(FOOTPRINT), values.get(PRESSURE), labels.get("source", ""),
         values.get(STEPS, 0.0), values.get(WAIT + "_sum", 0.0), values.get(WAIT + "_count", 0.0),
-        values.get(DRAFT, 0.0))
+        values.get(DRAFT, 0.0), values.get(PREFILL_KEY, 0.0))
 
 
 class Rebalancer:
@@ -312,7 +317,9 @@ class Rebalancer:
         for series in body["data"]["result"]:
             m = series["metric"]
             name, node = m["__name__"], m.get("node", "")
-            if name in DECODE_SERIES and m.get("kind") != "decode":
+            if name == PREFILL and m.get("kind") == "prefill":
+                name = PREFILL_KEY
+            elif name in DECODE_SERIES and m.get("kind") != "decode":
                 continue
             values.setdefault(node, {})[name] = float(series["value"][1])
             labels.setdefault(node, {"node": node, "plan": m.get("plan", "")})
