@@ -442,11 +442,12 @@ class Deployment:
         return False
 
     async def recover(self, reason: str, always: bool = False, plan: Plan | None = None,
-                      move: bool = False) -> None:
+                      move: bool = False, drain: bool = True) -> None:
         """Loads a new plan over the usable members (once, however many ask, unless `always`:
         a node that joined must be planned in even right after another re-plan); `plan`: that
         one instead, unless one of its nodes is gone or its load fails. `move`: a plan that
-        serves keeps serving while the next one loads, where the nodes hold both (`_move`)."""
+        serves keeps serving while the next one loads, where the nodes hold both (`_move`);
+        `drain`: and then the requests on it to their end, else they resume on the next."""
         epoch = self.epoch
         async with self._replanning:
             if self.unloaded or (self.epoch != epoch and self.ready and not always
@@ -454,7 +455,7 @@ class Deployment:
                 return  # unloaded on purpose, or someone else recovered already
             if self.ready:
                 await self._prefetch_weights(plan)
-                if move and await self._move(plan, reason):
+                if move and await self._move(plan, reason, drain):
                     return
             self.pause(f"recovering: {reason}")
             log.warning("re-planning %s: %s", self.name, reason)
@@ -486,10 +487,12 @@ class Deployment:
                                   "load_seconds": self.load_seconds}
             log.info("recovered in %.2fs", self.last_recovery["seconds"])
 
-    async def _move(self, plan: Plan | None, reason: str) -> bool:
+    async def _move(self, plan: Plan | None, reason: str, drain: bool = True) -> bool:
         """Make before break: loads the next plan while this one serves (new requests too),
         then switches new requests to it while the old plan serves those on it to their end
-        (`_retire`): no request waits for the load or is prefilled again. Only where every
+        (`_retire`): no request waits for the load or is prefilled again. Unless `drain` is
+        off: a move away from a plan measured slow (the rebalancer's) has them resume on the
+        faster one as soon as it serves, which costs each a prefill. Only where every
         node's memory holds both plans' stages at once. Whether it moved: a failure leaves the
         re-plan to `recover`."""
         _, next_plan = self._staged(plan)
@@ -516,17 +519,18 @@ class Deployment:
         log.info("moved in %.2fs", self.last_recovery["seconds"])
         if retired is not None:  # in a task: the plan lock is not held across the drain
             self.retiring = retired.plan
-            self._retiring = asyncio.ensure_future(self._retire(retired))
+            self._retiring = asyncio.ensure_future(
+                self._retire(retired, MOVE_DRAIN_SECONDS if drain else 0.0))
             self._retiring.add_done_callback(_log_failure)
         return True
 
-    async def _retire(self, retired: Retired) -> None:
-        """Once the requests on the plan a move replaced have ended (MOVE_DRAIN_SECONDS at
-        most: those left then resume on the new plan; at once if the model is unloaded),
+    async def _retire(self, retired: Retired, drain_seconds: float) -> None:
+        """Once the requests on the plan a move replaced have ended (`drain_seconds` at most:
+        those left then resume on the new plan; at once if the model is unloaded),
         closes its head's session and has each of its nodes unload its worker by pid: those
         the new plan replaced, which their agents kept serving, and those of the nodes it left
         out, where nothing replaced them. By pid: a later plan's worker on the node stays."""
-        deadline = time.monotonic() + MOVE_DRAIN_SECONDS
+        deadline = time.monotonic() + drain_seconds
         while (retired.node.session.open_sequences() and not self.unloaded
                and time.monotonic() < deadline):
             await asyncio.sleep(DRAIN_POLL_SECONDS)
@@ -588,7 +592,7 @@ class Deployment:
         for node, budget in budgets.items():
             if budget < self.room(node):
                 self.caps[node] = budget
-        await self.recover(reason, always=True, plan=plan, move=True)
+        await self.recover(reason, always=True, plan=plan, move=True, drain=False)
         return self.plan is not None and self.plan.plan_hash == plan.plan_hash
 
     async def _prefetch_weights(self, plan: Plan | None = None) -> None:
