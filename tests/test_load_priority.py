@@ -140,6 +140,52 @@ def test_models_loaded_there_run_here(tmp_path, monkeypatch):
     assert there.text == Transcriber(whisper).run(audio, language="en", temperature=0.0).text
 
 
+def spy_nice(module, name: str, seen: list[int]) -> None:
+    """`module.name` (the real function) records the nice value of each thread it runs on."""
+    real = getattr(module, name)
+
+    def spied(*args, **kwargs):
+        seen.append(thread_nice())
+        return real(*args, **kwargs)
+
+    setattr(module, name, spied)
+
+
+@pytest.mark.parametrize("reason", [pb.LOAD_PRELOAD, pb.LOAD_REQUESTED])
+def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, reason):
+    """Speculation's cost curve (a second of MLP timings) is measured on the loading thread at
+    the load's nice value, and the engine that then serves on this thread measures nothing
+    more; so does a pipeline head's curve by rows, which its micro-batches follow."""
+    from omlx_node import calibrate, speculation
+    from omlx_node.batcher import Batcher
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    mine = thread_nice()
+    expected = max(mine, BACKGROUND_LOAD_NICE if reason == pb.LOAD_PRELOAD else LOAD_NICE)
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    stage = StageRunner(path)
+    seen: list[int] = []
+    spy_nice(speculation, "row_costs", seen)
+    config = WorkerConfig(path, "m", 0, None, load_reason=reason)
+    assert config.engine.speculative == "auto"
+    _, niced, by_rows = finish_load(config, stage)
+    assert (niced, seen, by_rows) == (expected, [expected], None)
+    batcher = Batcher(stage, NodeMetrics(), speculative="auto")
+    assert seen == [expected] and batcher.speculator is not None
+    assert thread_nice() == mine
+
+    spy_nice(calibrate, "row_costs", seen)
+    head = WorkerConfig(path, "m", 0, 1, peers=("a:1", "b:2"), load_reason=reason)
+    _, _, by_rows = finish_load(head, StageRunner(path, 0, 1))
+    assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
+
+
 @pytest.mark.slow  # a node agent starting real shard workers
 def test_a_worker_loads_at_its_reasons_nice(tmp_path, monkeypatch):
     """Through the contract: LoadShardRequest.load_reason reaches the worker process, whose
