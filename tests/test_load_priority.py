@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,6 +185,79 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     head = WorkerConfig(path, "m", 0, 1, peers=("a:1", "b:2"), load_reason=reason)
     _, _, by_rows = finish_load(head, StageRunner(path, 0, 1))
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
+
+
+def wait_imported(standby, timeout: float = 120.0) -> dict:
+    """What a standby worker wrote once it imported the worker's modules."""
+    import json
+
+    from omlx_node.standby import IMPORTED, imported
+
+    deadline = time.monotonic() + timeout
+    while not imported(standby.ready_file):
+        assert standby.alive(), standby.log_tail()
+        assert time.monotonic() < deadline, "the standby did not import in time"
+        time.sleep(0.05)
+    return json.loads(standby.ready_file.with_name(IMPORTED).read_text())
+
+
+@pytest.mark.slow  # a standby worker process that then loads a model and serves
+def test_a_standby_imports_at_the_background_nice_and_serves_at_its_own(tmp_path, monkeypatch):
+    """The agent's standby worker imports MLX and mlx-lm on a thread at a background load's
+    nice value, beside the models that serve; its main thread keeps the agent's priority, no
+    thread is left at the imports', and the job it then gets loads at its reason's nice and
+    serves at the agent's."""
+    from omlx_node.worker_config import WorkerConfig, WorkerJob, worker_process
+    from tests.tiny_models import build_model
+
+    for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
+        monkeypatch.delenv(var, raising=False)
+    mine = thread_nice()
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    standby = worker_process("a standby shard worker", standby=True)
+    try:
+        assert wait_imported(standby)["nice"] == max(mine, BACKGROUND_LOAD_NICE)
+        threads = os.listdir(f"/proc/{standby.pid}/task")
+        assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == {mine}
+        standby.send_line(WorkerJob(WorkerConfig(path, "m", 0, None,
+                                                 load_reason=pb.LOAD_REQUESTED)).to_json())
+        ready = standby.wait_ready(180)
+        assert ready["load_nice"] == max(mine, LOAD_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == mine
+    finally:
+        standby.stop()
+
+
+def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it(monkeypatch):
+    """A standby still importing at the background nice is taken by a load nobody waits for,
+    not by one that requests wait for (a fresh worker imports at its own priority; the standby
+    stays for the next load); once imported, any load takes it."""
+    import signal
+
+    from omlx_node.agent import NodeAgent
+    from omlx_node.worker_config import worker_process
+
+    for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
+        monkeypatch.delenv(var, raising=False)
+    agent = NodeAgent(secret=None, node_id="standby-test", standby=False)
+    agent.server.stop(None)
+    standby = worker_process("a standby shard worker", standby=True)
+    try:
+        os.kill(standby.pid, signal.SIGSTOP)  # caught importing: stopped before it could end
+        assert not (standby.ready_file.parent / "imported.json").exists()
+        agent._standby = standby
+        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is None
+        assert agent._take_standby(load_nice(pb.LOAD_RECOVERY)) is None
+        assert agent._standby is standby  # kept for the next load
+        assert agent._take_standby(load_nice(pb.LOAD_PRELOAD)) is standby
+        assert agent._standby is None
+        os.kill(standby.pid, signal.SIGCONT)
+        wait_imported(standby)
+        agent._standby = standby
+        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is standby
+    finally:
+        os.kill(standby.pid, signal.SIGCONT)
+        standby.stop()
 
 
 @pytest.mark.slow  # a node agent starting real shard workers
