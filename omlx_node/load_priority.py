@@ -99,6 +99,13 @@ def encode_nice() -> int:
     return nice_from_env("OMLX_ENCODE_NICE", ENCODE_NICE)
 
 
+def lower_this_thread(nice: int) -> None:
+    """The calling thread at `nice` at least (the threads it starts inherit it); nothing where
+    that is 0 or a nice value is not a thread's (elsewhere than on Linux)."""
+    if nice and sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
+
+
 def lower_this_process(nice: int) -> None:
     """Every thread of this process at `nice` at least (the threads they start inherit it)."""
     if nice == 0:
@@ -139,7 +146,7 @@ def on_niced_thread(work: Callable[[], T], nice: int, name: str = "load") -> T:
 
     def run() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
+            lower_this_thread(nice)
             out["result"] = work()
         except BaseException as e:  # re-raised on the caller's thread
             out["error"] = e

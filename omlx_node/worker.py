@@ -290,10 +290,11 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
         return run_encoder_worker(config.model_path, config.model_id, config.kind, config.host,
                                   ready_file, config.load_reason)
     grammars = Grammars(config.model_path)
+    nice = load_nice(config.load_reason)
     if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
         # The head checks grammars at submit, the tail applies them: their tokenizer is built
-        # while the group forms and the weights load.
-        grammars.warm()
+        # while the group forms and the weights load, at the load's priority.
+        grammars.warm(nice)
     group, doorbells = None, (None, None)
     if config.world_size > 1:
         group = join_group(config)
@@ -301,7 +302,6 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
-    nice = load_nice(config.load_reason)
     log.info("rank %d: loading at nice %d (%s)", config.rank, nice,
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(

@@ -141,15 +141,16 @@ def test_models_loaded_there_run_here(tmp_path, monkeypatch):
     assert there.text == Transcriber(whisper).run(audio, language="en", temperature=0.0).text
 
 
-def spy_nice(module, name: str, seen: list[int]) -> None:
-    """`module.name` (the real function) records the nice value of each thread it runs on."""
-    real = getattr(module, name)
+def spy_nice(monkeypatch, owner, name: str, seen: list[int]) -> None:
+    """`owner.name` (the real function, for this test) records the nice value of each thread
+    it runs on."""
+    real = getattr(owner, name)
 
     def spied(*args, **kwargs):
         seen.append(thread_nice())
         return real(*args, **kwargs)
 
-    setattr(module, name, spied)
+    monkeypatch.setattr(owner, name, spied)
 
 
 @pytest.mark.parametrize("reason", [pb.LOAD_PRELOAD, pb.LOAD_REQUESTED])
@@ -172,7 +173,7 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     path = build_model(tmp_path / "m", "llama", num_layers=2)
     stage = StageRunner(path)
     seen: list[int] = []
-    spy_nice(speculation, "row_costs", seen)
+    spy_nice(monkeypatch, speculation, "row_costs", seen)
     config = WorkerConfig(path, "m", 0, None, load_reason=reason)
     assert config.engine.speculative == "auto"
     _, niced, by_rows = finish_load(config, stage)
@@ -181,10 +182,28 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     assert seen == [expected] and batcher.speculator is not None
     assert thread_nice() == mine
 
-    spy_nice(calibrate, "row_costs", seen)
+    spy_nice(monkeypatch, calibrate, "row_costs", seen)
     head = WorkerConfig(path, "m", 0, 1, peers=("a:1", "b:2"), load_reason=reason)
     _, _, by_rows = finish_load(head, StageRunner(path, 0, 1))
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
+
+
+def test_the_grammar_tokenizer_builds_at_the_loads_nice(tmp_path, monkeypatch):
+    """A worker's grammar tokenizer (built while its weights load) is built at the load's nice
+    value, once: the first grammar then finds it."""
+    from omlx_node.constraints import Grammars
+    from tests.tiny_models import build_model
+
+    seen: list[int] = []
+    spy_nice(monkeypatch, Grammars, "_build", seen)
+    grammars = Grammars(build_model(tmp_path / "m", "llama", num_layers=1))
+    grammars.warm(BACKGROUND_LOAD_NICE)
+    deadline = time.monotonic() + 60
+    while not seen:
+        assert time.monotonic() < deadline, "the tokenizer was never built"
+        time.sleep(0.01)
+    assert not grammars.matcher('{"grammars": [{"lark_grammar": "start: \\"a\\""}]}').error
+    assert seen == [max(thread_nice(), BACKGROUND_LOAD_NICE)]
 
 
 def wait_imported(standby, timeout: float = 120.0) -> dict:
