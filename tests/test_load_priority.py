@@ -188,6 +188,25 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
 
 
+def test_calibration_on_a_cpu_does_not_count_waiting_as_cost():
+    """A load's calibration waits for the cores beside busy workers; row_costs times its calls
+    (and its budget) in the process's CPU seconds, so waiting reads as no cost: a call that
+    sleeps 20 ms costs far less, and a 50 ms budget still holds every row count."""
+    from omlx_node.calibrate import row_costs
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a GPU's calls are timed on the wall clock")
+
+    def waits(x: mx.array) -> mx.array:
+        time.sleep(0.02)
+        return x + 1
+
+    rows = (1, 2, 4, 8)
+    costs = row_costs(waits, 16, "float32", rows=rows, repeats=3, budget_seconds=0.05)
+    assert tuple(costs) == rows
+    assert max(costs.values()) < 0.01
+
+
 def test_the_grammar_tokenizer_builds_at_the_loads_nice(tmp_path, monkeypatch):
     """A worker's grammar tokenizer (built while its weights load) is built at the load's nice
     value, once: the first grammar then finds it."""
