@@ -113,6 +113,10 @@ class Grammars:
 
         threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
 
+    def wait(self) -> None:
+        """Returns once the tokenizer is built (here, if `warm` did not start it) or failed."""
+        self._ensure()
+
     def _ensure(self) -> None:
         with self._lock:
             if self._tokenizer is not None or self._error:

@@ -269,15 +269,19 @@ def head_costs(config: WorkerConfig, stage: StageRunner,
     return None
 
 
-def finish_load(config: WorkerConfig, stage: StageRunner,
+def finish_load(config: WorkerConfig, stage: StageRunner, grammars: Grammars,
                 tensor_group=None) -> tuple[float, int, dict[int, float] | None]:
     """The load's last part, on the loading thread at the load's priority like the weights
     (in place on a tensor stage, whose group belongs to this thread): the warm-up, and what the
-    head's engine calibrates on (`head_costs`). Returns the warm-up's seconds, the nice value
-    that thread read, and `head_costs`' curve."""
+    head's engine calibrates on (`head_costs`), once the head's grammar tokenizer is built: a
+    CPU's calibration counts the process's CPU seconds, which nothing else may spend meanwhile.
+    Returns the warm-up's seconds, the nice value that thread read, and `head_costs`' curve."""
     def work() -> tuple[float, int, dict[int, float] | None]:
         nice = thread_nice()
-        return warm_up(stage), nice, head_costs(config, stage, tensor_group)
+        seconds = warm_up(stage)
+        if config.rank == 0:
+            grammars.wait()
+        return seconds, nice, head_costs(config, stage, tensor_group)
 
     return at_low_priority(work, elsewhere=tensor_group is None,
                            nice=load_nice(config.load_reason))
@@ -348,7 +352,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
              else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
-    warmed, niced, by_rows = finish_load(config, stage, tensor_group)
+    warmed, niced, by_rows = finish_load(config, stage, grammars, tensor_group)
     log.info("rank %d: warmed up in %.2fs", config.rank, warmed)
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,

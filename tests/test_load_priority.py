@@ -160,6 +160,7 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     more; so does a pipeline head's curve by rows, which its micro-batches follow."""
     from omlx_node import calibrate, speculation
     from omlx_node.batcher import Batcher
+    from omlx_node.constraints import Grammars
     from omlx_node.metrics import NodeMetrics
     from omlx_node.stage import StageRunner
     from omlx_node.worker import finish_load
@@ -173,18 +174,21 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     path = build_model(tmp_path / "m", "llama", num_layers=2)
     stage = StageRunner(path)
     seen: list[int] = []
+    built: list[int] = []
     spy_nice(monkeypatch, speculation, "row_costs", seen)
+    spy_nice(monkeypatch, Grammars, "_build", built)
     config = WorkerConfig(path, "m", 0, None, load_reason=reason)
     assert config.engine.speculative == "auto"
-    _, niced, by_rows = finish_load(config, stage)
+    _, niced, by_rows = finish_load(config, stage, Grammars(path))
     assert (niced, seen, by_rows) == (expected, [expected], None)
+    assert built == [expected]  # before the curve, which counts the process's CPU time
     batcher = Batcher(stage, NodeMetrics(), speculative="auto")
     assert seen == [expected] and batcher.speculator is not None
     assert thread_nice() == mine
 
     spy_nice(monkeypatch, calibrate, "row_costs", seen)
     head = WorkerConfig(path, "m", 0, 1, peers=("a:1", "b:2"), load_reason=reason)
-    _, _, by_rows = finish_load(head, StageRunner(path, 0, 1))
+    _, _, by_rows = finish_load(head, StageRunner(path, 0, 1), Grammars(path))
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
 
 
