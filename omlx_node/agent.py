@@ -537,6 +537,8 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         if worker is None or not worker.alive():
             return None
         if nice < import_nice() and not imported(worker.ready_file):
+            log.info("the standby worker is still importing at nice %d: a load at nice %d "
+                     "starts a fresh one", import_nice(), nice)
             self._standby = worker
             return None
         return worker
