@@ -105,8 +105,10 @@ def measure(work: Path, a: Path, b: Path, e: Path, setting: Setting, runs: int) 
 
         def settle() -> None:
             """B unloaded, and the node's standby worker (started after each load, importing
-            MLX at the agent's priority for a second or two) ready before the next load:
-            else a load right after another pays for that import and a lone one does not."""
+            MLX at the background load's nice for a second or two of a core) given time to be
+            ready before the next load: else a load right after another pays for that import
+            (a preload waits for it; a requested load starts a fresh worker) and a lone one
+            does not."""
             unload_b()
             time.sleep(SETTLE_SECONDS)
 

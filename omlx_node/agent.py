@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 
 from omlx_node.kept_workers import KeptWorkers
+from omlx_node.load_priority import load_nice
+from omlx_node.standby import import_nice, imported
 from omlx_node.stay_awake import StayAwake
 from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
@@ -455,7 +457,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         if self.tls is not None:
             env.update(self.tls.to_env())
         job = WorkerJob(config, env)
-        process = self._take_standby()
+        process = self._take_standby(load_nice(request.load_reason))
         what = f"the shard worker of {model_id} (rank {request.rank})"
         if process is not None:
             process.rename(what)
@@ -545,11 +547,22 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
         """Starts the next plan's worker now, up to where it waits for its plan: importing MLX
         and mlx-lm takes seconds, which a re-plan after a failure should not wait for."""
         if self.standby and (self._standby is None or not self._standby.alive()):
-            self._standby = worker_process("a standby shard worker", self.engine.log_level)
+            self._standby = worker_process("a standby shard worker", self.engine.log_level,
+                                           standby=True)
 
-    def _take_standby(self) -> ChildProcess | None:
+    def _take_standby(self, nice: int) -> ChildProcess | None:
+        """The standby worker for a load at `nice`, or None: start a fresh one. A standby
+        still importing at a lower priority than the load's stays the next load's: a fresh
+        worker imports at its own priority sooner than that one would behind busy workers."""
         worker, self._standby = self._standby, None
-        return worker if worker is not None and worker.alive() else None
+        if worker is None or not worker.alive():
+            return None
+        if nice < import_nice() and not imported(worker.ready_file):
+            log.info("the standby worker is still importing at nice %d: a load at nice %d "
+                     "starts a fresh one", import_nice(), nice)
+            self._standby = worker
+            return None
+        return worker
 
     def _stop_workers(self) -> None:
         with self._workers_lock:

@@ -119,22 +119,31 @@ def row_costs(fn: Callable, width: int, dtype: str,
     how a decode step's cost grows with its rows on this device. Flat means weight-bandwidth
     bound (splitting a batch buys nothing), proportional means compute bound. Stops at the
     first row count that ends past `budget_seconds` (a big layer on a CPU): the curve's last
-    segment stands for the rest."""
+    segment stands for the rest.
+
+    On a CPU the calls and the budget are timed in this process's CPU seconds (nothing else of
+    it should run meanwhile): a thread at a low priority beside busy workers (a load's, where
+    a worker calibrates) waits for the cores during and between its calls. On the wall clock
+    that wait read as cost and ate the budget: beside two busy processes at nice 10 and 19 the
+    curve ended after 2 or 3 row counts, one of them as dear as 5 (speculation went on for 64
+    rows), against 8 row counts, 5 at 1.3 times 1, in CPU seconds. A GPU's work is not this
+    process's CPU time: there, the wall clock."""
     import mlx.core as mx
 
     dt = getattr(mx, dtype)
+    clock = time.process_time if mx.default_device() == mx.cpu else time.perf_counter
     out: dict[int, float] = {}
-    start = time.perf_counter()
+    start = clock()
     for r in rows:
-        if len(out) >= 2 and time.perf_counter() - start > budget_seconds:
+        if len(out) >= 2 and clock() - start > budget_seconds:
             break
         x = mx.random.normal((r, 1, width)).astype(dt)
         mx.eval(fn(x))  # warm-up: kernels are built per shape on some backends
         times = []
         for _ in range(repeats):
-            t = time.perf_counter()
+            t = clock()
             mx.eval(fn(x))
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
         # Never cheaper with more rows: a noisy sample must not invent a knee.
         out[r] = max(sorted(times)[len(times) // 2], *out.values(), 0.0)
     return out

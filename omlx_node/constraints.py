@@ -32,6 +32,8 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from omlx_node.load_priority import lower_this_thread
+
 log = logging.getLogger(__name__)
 
 # Errors without the parser's state: verbose ones (llguidance's default) dump the grammar and
@@ -102,9 +104,18 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._error = ""
 
-    def warm(self) -> None:
-        """Builds the tokenizer on a thread of its own, so the first grammar does not wait."""
-        threading.Thread(target=self._ensure, name="grammar-tokenizer", daemon=True).start()
+    def warm(self, nice: int = 0) -> None:
+        """Builds the tokenizer on a thread of its own at `nice` (a worker's load's: beside
+        the models that serve), so the first grammar does not wait."""
+        def build() -> None:
+            lower_this_thread(nice)
+            self._ensure()
+
+        threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+
+    def wait(self) -> None:
+        """Returns once the tokenizer is built (here, if `warm` did not start it) or failed."""
+        self._ensure()
 
     def _ensure(self) -> None:
         with self._lock:

@@ -17,6 +17,12 @@ runs on), which inherit it. How far depends on why it loads (LoadShardRequest.lo
   a tenth of the cores beside busy workers, so that a failover's reload does not crawl behind
   them.
 
+The load's last part runs on that thread too: the warm-up, and the curves its engine calibrates
+on (speculation's cost by positions, a pipeline head's by rows: omlx_node.worker.finish_load),
+which on the serving thread took a third of a preload's window at nice 0. So do the imports of
+the standby worker an agent starts after each load (omlx_node/standby.py), at
+BACKGROUND_LOAD_NICE.
+
 0 is the worker's own priority. The serving threads never had theirs lowered, so nothing needs
 restoring once the load is done, which an unprivileged process could not do (lowering a nice
 value needs CAP_SYS_NICE); for the same reason a load cannot be hurried once it started: a
@@ -93,6 +99,13 @@ def encode_nice() -> int:
     return nice_from_env("OMLX_ENCODE_NICE", ENCODE_NICE)
 
 
+def lower_this_thread(nice: int) -> None:
+    """The calling thread at `nice` at least (the threads it starts inherit it); nothing where
+    that is 0 or a nice value is not a thread's (elsewhere than on Linux)."""
+    if nice and sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
+
+
 def lower_this_process(nice: int) -> None:
     """Every thread of this process at `nice` at least (the threads they start inherit it)."""
     if nice == 0:
@@ -117,20 +130,28 @@ def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
         return work()
     import mlx.core as mx
 
+    def run() -> T:
+        if mx.default_device() == mx.cpu:  # a GPU's work is not a CPU thread's
+            with mx.stream(mx.new_stream(mx.cpu)):
+                return _materialized(work())
+        return _materialized(work())
+
+    return on_niced_thread(run, nice)
+
+
+def on_niced_thread(work: Callable[[], T], nice: int, name: str = "load") -> T:
+    """`work()`'s result (or its exception), run on a new thread at `nice` at least (the
+    threads it starts inherit it); blocks until it is done. This thread keeps its priority."""
     out: dict[str, object] = {}
 
     def run() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
-            if mx.default_device() == mx.cpu:  # a GPU's work is not a CPU thread's
-                with mx.stream(mx.new_stream(mx.cpu)):
-                    out["result"] = _materialized(work())
-            else:
-                out["result"] = _materialized(work())
+            lower_this_thread(nice)
+            out["result"] = work()
         except BaseException as e:  # re-raised on the caller's thread
             out["error"] = e
 
-    thread = threading.Thread(target=run, name="load")
+    thread = threading.Thread(target=run, name=name)
     thread.start()
     thread.join()
     if "error" in out:

@@ -45,6 +45,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 import numpy as np
@@ -82,6 +83,9 @@ PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 
 log = logging.getLogger(__name__)
 
+# Each stage's `position_costs`, measured once.
+_measured: WeakKeyDictionary[StageRunner, dict[int, float]] = WeakKeyDictionary()
+
 
 def verify_cost(stage: StageRunner, k: int = DRAFT_TOKENS) -> float:
     """What one row's step of k+1 positions costs on this device, in steps of one position:
@@ -94,9 +98,15 @@ def verify_cost(stage: StageRunner, k: int = DRAFT_TOKENS) -> float:
 
 def position_costs(stage: StageRunner) -> dict[int, float]:
     """Seconds one layer's MLP takes on 1 to 256 positions (COST_POSITIONS, as far as a
-    second's budget goes): what a step of that many positions costs on this device."""
-    return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
-                     rows=COST_POSITIONS, budget_seconds=1.0)
+    second's budget goes): what a step of that many positions costs on this device. Measured
+    once a stage: a worker measures it while it loads, on its loading thread at the load's
+    priority (omlx_node.worker), and its engine's Speculator reads the same curve back, so that
+    a second of timings does not run at the serving thread's priority beside a neighbour's
+    decode."""
+    if stage not in _measured:
+        _measured[stage] = row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype,
+                                     rows=COST_POSITIONS, budget_seconds=1.0)
+    return _measured[stage]
 
 
 def collective_position_costs(stage: StageRunner) -> dict[int, float]:

@@ -256,6 +256,44 @@ def tensor_stage_group(config: WorkerConfig, group):
     return sub_group.SubGroup(group, first, size)
 
 
+def head_costs(config: WorkerConfig, stage: StageRunner,
+               tensor_group=None) -> dict[int, float] | None:
+    """What the head's engine calibrates on, measured as part of the load (on its thread, at
+    its priority) rather than on the serving thread once it serves: speculation's cost curve
+    by positions (kept for its Speculator: speculation.position_costs) where the engine may
+    speculate, and the curve by rows a pipeline head's micro-batches follow, which is returned
+    (None where none is wanted). A tensor-parallel stage measures on every rank at once, on its
+    group's thread (speculation.collective_position_costs), not here."""
+    if config.rank != 0 or config.tensor:
+        return None
+    from omlx_node.calibrate import row_costs
+    from omlx_node.speculation import position_costs
+
+    if config.engine.speculative != "off" and stage.trimmable and tensor_group is None:
+        position_costs(stage)
+    if config.world_size > 1 and tensor_group is None and not config.micro_batches:
+        return row_costs(stage.feed_forward(), stage.hidden_size, stage.info.dtype)
+    return None
+
+
+def finish_load(config: WorkerConfig, stage: StageRunner, grammars: Grammars,
+                tensor_group=None) -> tuple[float, int, dict[int, float] | None]:
+    """The load's last part, on the loading thread at the load's priority like the weights
+    (in place on a tensor stage, whose group belongs to this thread): the warm-up, and what the
+    head's engine calibrates on (`head_costs`), once the head's grammar tokenizer is built: a
+    CPU's calibration counts the process's CPU seconds, which nothing else may spend meanwhile.
+    Returns the warm-up's seconds, the nice value that thread read, and `head_costs`' curve."""
+    def work() -> tuple[float, int, dict[int, float] | None]:
+        nice = thread_nice()
+        seconds = warm_up(stage)
+        if config.rank == 0:
+            grammars.wait()
+        return seconds, nice, head_costs(config, stage, tensor_group)
+
+    return at_low_priority(work, elsewhere=tensor_group is None,
+                           nice=load_nice(config.load_reason))
+
+
 def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     """The worker process's life; returns its exit code (a rank of a pipeline exits itself)."""
     if config.kind not in ("", "chat"):
@@ -263,10 +301,11 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
         return run_encoder_worker(config.model_path, config.model_id, config.kind, config.host,
                                   ready_file, config.load_reason)
     grammars = Grammars(config.model_path)
+    nice = load_nice(config.load_reason)
     if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
         # The head checks grammars at submit, the tail applies them: their tokenizer is built
-        # while the group forms and the weights load.
-        grammars.warm()
+        # while the group forms and the weights load, at the load's priority.
+        grammars.warm(nice)
     group, doorbells = None, (None, None)
     if config.world_size > 1:
         group = join_group(config)
@@ -274,7 +313,6 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
-    nice = load_nice(config.load_reason)
     log.info("rank %d: loading at nice %d (%s)", config.rank, nice,
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
@@ -307,7 +345,6 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
            tensor_group=None) -> int:
     """`doorbells`: this rank's (upstream, downstream) in a pipeline (wire.link_doorbells);
     `tensor_group`: `tensor_stage_group`'s."""
-    from omlx_node.calibrate import row_costs
     from omlx_node.pipeline import PipelineHead, StageLoop, micro_batches_worth
     from omlx_node.speculation import collective_position_costs
     from omlx_node.tensor import TensorFollower, TensorHead
@@ -322,18 +359,11 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
              else "")
     # Before it says it is ready: the first request after a load, a re-plan or a failover
     # would otherwise wait for MLX to build every kernel it runs.
-    niced: list[int] = []  # as the warm-up's thread reads it, at the load's priority
-
-    def warm() -> float:
-        niced.append(thread_nice())
-        return warm_up(stage)
-
-    log.info("rank %d: warmed up in %.2fs", config.rank,
-             at_low_priority(warm, elsewhere=tensor_group is None,
-                             nice=load_nice(config.load_reason)))
+    warmed, niced, by_rows = finish_load(config, stage, grammars, tensor_group)
+    log.info("rank %d: warmed up in %.2fs", config.rank, warmed)
     ready = {"pid": os.getpid(), "dtype": info.dtype, "load_seconds": info.load_seconds,
              "layer_start": info.layer_start, "layer_end": info.layer_end,
-             "num_layers": info.num_layers, "port": 0, "load_nice": niced[0]}
+             "num_layers": info.num_layers, "port": 0, "load_nice": niced}
     plan = plan_int(config.plan_hash)
     # Every stage exports, labelled with which one it is: a pipeline's slowest stage shows.
     if group is not None:
@@ -387,10 +417,9 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
                               grammars, settings.speculative, settings.speculative_rows,
                               relay=True, spec_costs=tensor_costs)
     else:
-        costs = None
+        costs = by_rows
         stages = len(config.stage_ranks) or config.world_size
-        if not config.micro_batches:
-            costs = row_costs(stage.feed_forward(), stage.hidden_size, info.dtype)
+        if costs is not None:
             log.info("decode step cost by rows (one layer's MLP, us): %s; micro-batches pay "
                      "off from %s rows", {r: round(c * 1e6) for r, c in costs.items()},
                      next((r for r in (2 ** i for i in range(1, 12))

@@ -1,7 +1,8 @@
 """What a shard worker is started with: its plan's part (from the coordinator's LoadShardRequest)
 and its node's engine settings, one typed config that crosses to the worker process as a JSON
 line on its stdin. A worker is `python -m omlx_node.worker`; a standby one (started ahead of its
-plan, omlx_node/agent.py) imports MLX while it waits for that line."""
+plan, omlx_node/agent.py) imports MLX while it waits for that line, at a background load's
+priority (omlx_node/standby.py)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,13 @@ class WorkerJob:
         return from_json(cls, text)
 
 
-def worker_process(what: str, log_level: str = "info") -> ChildProcess:
+def worker_process(what: str, log_level: str = "info", standby: bool = False) -> ChildProcess:
     """A shard worker process, up to where it waits for its job: send it
     `process.send_line(job.to_json())`. Its BLAS is chosen now: a library is preloaded when a
-    process starts."""
-    return ChildProcess([sys.executable, "-m", "omlx_node.worker", "--log-level", log_level],
+    process starts. A `standby` (started before any job is due) imports at a background
+    load's priority (omlx_node/standby.py), any other at its own."""
+    module = "omlx_node.standby" if standby else "omlx_node.worker"
+    return ChildProcess([sys.executable, "-m", module, "--log-level", log_level],
                         what, env=blas_env(), stdin_pipe=True)
 
 

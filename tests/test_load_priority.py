@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -138,6 +139,167 @@ def test_models_loaded_there_run_here(tmp_path, monkeypatch):
     there = at_low_priority(lambda: Transcriber(whisper)).run(audio, language="en",
                                                              temperature=0.0)
     assert there.text == Transcriber(whisper).run(audio, language="en", temperature=0.0).text
+
+
+def spy_nice(monkeypatch, owner, name: str, seen: list[int]) -> None:
+    """`owner.name` (the real function, for this test) records the nice value of each thread
+    it runs on."""
+    real = getattr(owner, name)
+
+    def spied(*args, **kwargs):
+        seen.append(thread_nice())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spied)
+
+
+@pytest.mark.parametrize("reason", [pb.LOAD_PRELOAD, pb.LOAD_REQUESTED])
+def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, reason):
+    """Speculation's cost curve (a second of MLP timings) is measured on the loading thread at
+    the load's nice value, and the engine that then serves on this thread measures nothing
+    more; so does a pipeline head's curve by rows, which its micro-batches follow."""
+    from omlx_node import calibrate, speculation
+    from omlx_node.batcher import Batcher
+    from omlx_node.constraints import Grammars
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    mine = thread_nice()
+    expected = max(mine, BACKGROUND_LOAD_NICE if reason == pb.LOAD_PRELOAD else LOAD_NICE)
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    stage = StageRunner(path)
+    seen: list[int] = []
+    built: list[int] = []
+    spy_nice(monkeypatch, speculation, "row_costs", seen)
+    spy_nice(monkeypatch, Grammars, "_build", built)
+    config = WorkerConfig(path, "m", 0, None, load_reason=reason)
+    assert config.engine.speculative == "auto"
+    _, niced, by_rows = finish_load(config, stage, Grammars(path))
+    assert (niced, seen, by_rows) == (expected, [expected], None)
+    assert built == [expected]  # before the curve, which counts the process's CPU time
+    batcher = Batcher(stage, NodeMetrics(), speculative="auto")
+    assert seen == [expected] and batcher.speculator is not None
+    assert thread_nice() == mine
+
+    spy_nice(monkeypatch, calibrate, "row_costs", seen)
+    head = WorkerConfig(path, "m", 0, 1, peers=("a:1", "b:2"), load_reason=reason)
+    _, _, by_rows = finish_load(head, StageRunner(path, 0, 1), Grammars(path))
+    assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
+
+
+def test_calibration_on_a_cpu_does_not_count_waiting_as_cost():
+    """A load's calibration waits for the cores beside busy workers; row_costs times its calls
+    (and its budget) in the process's CPU seconds, so waiting reads as no cost: a call that
+    sleeps 20 ms costs far less, and a 50 ms budget still holds every row count."""
+    from omlx_node.calibrate import row_costs
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a GPU's calls are timed on the wall clock")
+
+    def waits(x: mx.array) -> mx.array:
+        time.sleep(0.02)
+        return x + 1
+
+    rows = (1, 2, 4, 8)
+    costs = row_costs(waits, 16, "float32", rows=rows, repeats=3, budget_seconds=0.05)
+    assert tuple(costs) == rows
+    assert max(costs.values()) < 0.01
+
+
+def test_the_grammar_tokenizer_builds_at_the_loads_nice(tmp_path, monkeypatch):
+    """A worker's grammar tokenizer (built while its weights load) is built at the load's nice
+    value, once: the first grammar then finds it."""
+    from omlx_node.constraints import Grammars
+    from tests.tiny_models import build_model
+
+    seen: list[int] = []
+    spy_nice(monkeypatch, Grammars, "_build", seen)
+    grammars = Grammars(build_model(tmp_path / "m", "llama", num_layers=1))
+    grammars.warm(BACKGROUND_LOAD_NICE)
+    deadline = time.monotonic() + 60
+    while not seen:
+        assert time.monotonic() < deadline, "the tokenizer was never built"
+        time.sleep(0.01)
+    assert not grammars.matcher('{"grammars": [{"lark_grammar": "start: \\"a\\""}]}').error
+    assert seen == [max(thread_nice(), BACKGROUND_LOAD_NICE)]
+
+
+def wait_imported(standby, timeout: float = 120.0) -> dict:
+    """What a standby worker wrote once it imported the worker's modules."""
+    import json
+
+    from omlx_node.standby import IMPORTED, imported
+
+    deadline = time.monotonic() + timeout
+    while not imported(standby.ready_file):
+        assert standby.alive(), standby.log_tail()
+        assert time.monotonic() < deadline, "the standby did not import in time"
+        time.sleep(0.05)
+    return json.loads(standby.ready_file.with_name(IMPORTED).read_text())
+
+
+@pytest.mark.slow  # a standby worker process that then loads a model and serves
+def test_a_standby_imports_at_the_background_nice_and_serves_at_its_own(tmp_path, monkeypatch):
+    """The agent's standby worker imports MLX and mlx-lm on a thread at a background load's
+    nice value, beside the models that serve; its main thread keeps the agent's priority, no
+    thread is left at the imports', and the job it then gets loads at its reason's nice and
+    serves at the agent's."""
+    from omlx_node.worker_config import WorkerConfig, WorkerJob, worker_process
+    from tests.tiny_models import build_model
+
+    for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
+        monkeypatch.delenv(var, raising=False)
+    mine = thread_nice()
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    standby = worker_process("a standby shard worker", standby=True)
+    try:
+        assert wait_imported(standby)["nice"] == max(mine, BACKGROUND_LOAD_NICE)
+        threads = os.listdir(f"/proc/{standby.pid}/task")
+        assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == {mine}
+        standby.send_line(WorkerJob(WorkerConfig(path, "m", 0, None,
+                                                 load_reason=pb.LOAD_REQUESTED)).to_json())
+        ready = standby.wait_ready(180)
+        assert ready["load_nice"] == max(mine, LOAD_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == mine
+    finally:
+        standby.stop()
+
+
+def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it(monkeypatch):
+    """A standby still importing at the background nice is taken by a load nobody waits for,
+    not by one that requests wait for (a fresh worker imports at its own priority; the standby
+    stays for the next load); once imported, any load takes it."""
+    import signal
+
+    from omlx_node.agent import NodeAgent
+    from omlx_node.worker_config import worker_process
+
+    for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
+        monkeypatch.delenv(var, raising=False)
+    agent = NodeAgent(secret=None, node_id="standby-test", standby=False)
+    agent.server.stop(None)
+    standby = worker_process("a standby shard worker", standby=True)
+    try:
+        os.kill(standby.pid, signal.SIGSTOP)  # caught importing: stopped before it could end
+        assert not (standby.ready_file.parent / "imported.json").exists()
+        agent._standby = standby
+        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is None
+        assert agent._take_standby(load_nice(pb.LOAD_RECOVERY)) is None
+        assert agent._standby is standby  # kept for the next load
+        assert agent._take_standby(load_nice(pb.LOAD_PRELOAD)) is standby
+        assert agent._standby is None
+        os.kill(standby.pid, signal.SIGCONT)
+        wait_imported(standby)
+        agent._standby = standby
+        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is standby
+    finally:
+        os.kill(standby.pid, signal.SIGCONT)
+        standby.stop()
 
 
 @pytest.mark.slow  # a node agent starting real shard workers

@@ -288,6 +288,7 @@ def test_auto_drafts_only_where_a_wider_step_costs_little(model_path, monkeypatc
     assert measured.max_rows >= 1 and set(measured.costs) >= {1, 2, 3, 4, 5}
     for costs, on in (({1: 1.0, 5: 1.2}, True), ({1: 1.0, 5: 4.8}, False)):
         monkeypatch.setattr(speculation, "row_costs", lambda *a, costs=costs, **kw: costs)
+        stage = StageRunner(model_path)  # a stage's curve is measured once
         assert Speculator("auto", stage).on is on
         assert Speculator("ngram", stage).on  # asked for: one row at a time at least
 
