@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -622,9 +623,27 @@ def agent_ready(model: Path, tokens: int, work: Path) -> Path:
     return dest
 
 
+RESETS_RETRIED = 3
+
+
 async def sse_lines(client, url: str, body: dict, headers: dict | None = None):
-    """(arrival time, event name or None, parsed data) for each SSE event of a POST."""
-    async with client.stream("POST", url, json=body, headers=headers or {}) as r:
+    """(arrival time, event name or None, parsed data) for each SSE event of a POST. A request
+    whose connection is reset before any answer is sent again (at most RESETS_RETRIED times):
+    mlx_lm.server's ThreadingHTTPServer listens with a backlog of 5, and of 16 sessions'
+    connections opened at once the kernel resets some before the server reads them. The time
+    the retry takes counts, as it would for that server's clients."""
+    import httpx
+
+    async with contextlib.AsyncExitStack() as stack:
+        for attempt in range(RESETS_RETRIED + 1):
+            try:
+                r = await stack.enter_async_context(
+                    client.stream("POST", url, json=body, headers=headers or {}))
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                if attempt == RESETS_RETRIED:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         event = None
