@@ -28,7 +28,7 @@ from omlx_node.thunderbolt import rdma_ports
 from omlx_node.weight_store import WeightError, WeightStore
 from omlx_node.worker_config import WorkerConfig, WorkerJob, start_worker, worker_process
 from omlx_shared import __version__, auth, checks, cluster_tls, hardware, link_probe
-from omlx_shared.child import ChildError, ChildProcess, watch_parent
+from omlx_shared.child import ChildError, ChildProcess, on_stop_signals, watch_parent
 from omlx_shared.engine_config import EngineConfig
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.node_identity import default_node_id
@@ -607,8 +607,7 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
 
     def serve_forever(self, watch: bool = False) -> None:
         """Serves until SIGTERM/SIGINT, `shutdown`, or (with `watch`) the parent's exit."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.shutdown())
+        on_stop_signals(self.shutdown)
         if watch:
             watch_parent(self.shutdown)
         self.server.start()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from omlx_node.load_priority import (at_low_priority, encode_nice, load_nice,
                                      lower_this_process, reason_name, thread_nice)
 from omlx_node.transcriber import Transcriber
 from omlx_shared import __version__, auth, cluster_tls
-from omlx_shared.child import write_ready
+from omlx_shared.child import on_stop_signals, write_ready
 from omlx_shared.heap import freeze_startup_heap
 from omlx_shared.model_kinds import TRANSCRIBE, kind_of
 from proto import omlx_pb2 as pb
@@ -69,7 +68,7 @@ class EncoderService(pb_grpc.ShardWorkerServicer):
         self.model, self.model_id = model, model_id
         self.session = os.environ.get(auth.SESSION_ENV)
         self.jobs: queue.Queue[_Job] = queue.Queue()
-        self.stopping = False  # set by a signal handler: a plain flag takes no lock
+        self.stopping = False  # set by `stop`, from the stop-signal thread
 
     def serve(self) -> None:
         """Runs the queued calls on this (the main) thread until `stop`."""
@@ -224,8 +223,7 @@ def run_encoder_worker(model_path: Path, model_id: str, kind: str, host: str,
     freeze_startup_heap()
     service = EncoderService(model, model_id)
     server, port = start_server(service, host)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stop())
+    on_stop_signals(service.stop)
     if ready_file:
         dtype = model.dtype if isinstance(model, Encoder) else "float32"
         write_ready(ready_file, {"pid": os.getpid(), "dtype": dtype,

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from omlx_shared import __version__, auth, cluster_tls
-from omlx_shared.child import write_ready
+from omlx_shared.child import on_stop_signals, write_ready
 from omlx_shared.heap import freeze_startup_heap
 from omlx_node.batcher import Batcher, Engine
 from omlx_node.constraints import Grammars
@@ -434,8 +434,7 @@ def _serve(config: WorkerConfig, ready_file: Path | None, group,
     pb_grpc.add_ShardWorkerServicer_to_server(service, server)
     port = cluster_tls.add_port(server, f"{config.host}:0", cluster_tls.Credentials.from_env())
     server.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: engine.stop())
+    on_stop_signals(engine.stop)
     if ready_file:
         write_ready(ready_file, {**ready, "port": port})
     engine.run()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,3 +153,23 @@ def watch_parent(on_exit: Callable[[], None], interval: float = 1.0) -> None:
         on_exit()
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def on_stop_signals(stop: Callable[[], None]) -> None:
+    """Calls `stop` (from a daemon thread) on each SIGTERM or SIGINT.
+
+    A Python signal handler runs on the main thread between two of its bytecodes, maybe while
+    that thread holds a lock the handler's work takes (a queue's, an Event's): it would wait
+    for itself forever, and the process would ignore every later SIGTERM until its SIGKILL.
+    The handler here only puts the signal on a SimpleQueue, whose put is reentrant; a thread
+    of its own makes the call."""
+    received: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def watch() -> None:
+        while True:
+            received.get()
+            stop()
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: received.put(signum))

@@ -8,6 +8,8 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -116,3 +118,38 @@ def test_a_two_node_serve_stops_every_worker_with_code_0(model, tmp_path):
             assert len(workers) == 2 and None not in workers
         codes = collect(workers | agents, timeout=30)  # the server stopped (SIGTERM) above
     assert codes == {pid: 0 for pid in workers | agents}, (codes, server.log_tail())
+
+
+# The main thread holds a lock nearly all the time, as an engine's does a queue's at moments;
+# `stop` takes that lock.
+HOLDS_A_LOCK = """
+import threading
+from omlx_shared.child import on_stop_signals
+lock, stopped = threading.Lock(), threading.Event()
+
+def stop():
+    with lock:
+        stopped.set()
+
+on_stop_signals(stop)
+print("ready", flush=True)
+while not stopped.is_set():
+    with lock:
+        sum(range(20000))
+"""
+
+
+def test_a_sigterm_stops_a_process_whose_main_thread_holds_the_stop_lock():
+    """A SIGTERM's handler runs on the main thread between two bytecodes, maybe inside a `with
+    lock`: a handler that took the lock itself waited for its own thread, and the worker hung
+    until its SIGKILL (a tensor stage's rank 0, once in CI). The stop runs on a thread of its
+    own, and the process exits."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDS_A_LOCK], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -69,7 +69,7 @@ def tensor_stage(model: Path, ranks: int = 2, extra: tuple[str, ...] = ()):
         channel.close()
         for w in workers:  # a clean stop: rank 0's STOP ends every other rank
             w.stop()
-            assert w.proc.returncode == 0, w.log_tail()
+            assert w.proc.returncode == 0, (w.proc.returncode, w.log_tail())
     finally:
         for w in workers:
             w.stop()
