@@ -92,7 +92,7 @@ class PrefixTokenizer:
             ids, exact = prompt.ids[:n_tokens].tolist() + rest, prompt.exact
             if self._checks_left > 0 and not self._check(text, ids, None if exact else rest):
                 return self._tokenize(text)
-        self._keep(text, cuts, keys, ids, exact)
+        self._keep(text, cuts, keys, _int32(ids), exact)
         return ids
 
     def keep_answer(self, prompt_text: str, prompt_ids: list[int], text: str,
@@ -104,8 +104,8 @@ class PrefixTokenizer:
             return
         whole = prompt_text + text
         cuts = [m.start() for m in self._cut_re.finditer(whole)]
-        self._keep(whole, cuts, _chain(whole, [*cuts, len(whole)]), [*prompt_ids, *ids],
-                   exact=False)
+        self._keep(whole, cuts, _chain(whole, [*cuts, len(whole)]),
+                   np.concatenate([_int32(prompt_ids), _int32(ids)]), exact=False)
 
     def _check(self, text: str, ids: list[int], rest: list[int] | None) -> bool:
         """Whether `ids` are what tokenizing `text` whole gives; for ids holding generated ones
@@ -123,12 +123,11 @@ class PrefixTokenizer:
             self._index.clear()
         return False
 
-    def _keep(self, text: str, cuts: list[int], keys: list[bytes], ids: list[int],
+    def _keep(self, text: str, cuts: list[int], keys: list[bytes], arr: np.ndarray,
               exact: bool) -> None:
         """`keys`: one a cut, and one more for a cut at the text's end (an answer's)."""
-        arr = np.asarray(ids, dtype=np.int32)
         at = np.flatnonzero(np.isin(arr, self._cut_ids))
-        if len(at) != len(cuts) or len(ids) > MAX_TOKENS:
+        if len(at) != len(cuts) or len(arr) > MAX_TOKENS:
             return  # a special token's text that did not become the token: no cuts to trust
         if not all(text.startswith(self._names[int(arr[t])], c) for c, t in zip(cuts, at)):
             return
@@ -162,6 +161,11 @@ class PrefixTokenizer:
         for key in prompt.keys:
             if self._index.get(key, (None,))[0] is prompt:
                 del self._index[key]
+
+
+def _int32(ids: list[int]) -> np.ndarray:
+    # Twice as fast as np.asarray on a list: an answer is kept on the event loop.
+    return np.fromiter(ids, dtype=np.int32, count=len(ids))
 
 
 def _chain(text: str, cuts: list[int]) -> list[bytes]:
