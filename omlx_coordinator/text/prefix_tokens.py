@@ -52,8 +52,9 @@ class _Prompt:
 
 
 class PrefixTokenizer:
-    """`encode(text)` equals `tokenize(text)` (a function of the text alone); `special` maps the
-    tokenizer's special tokens that may serve as cuts to their ids."""
+    """`encode(text)` equals `tokenize(text)` (a function of the text alone), but for the
+    answers kept (`keep_answer`) that the text starts with, which keep their generated ids;
+    `special` maps the tokenizer's special tokens that may serve as cuts to their ids."""
 
     def __init__(self, tokenize: Callable[[str], list[int]], special: dict[str, int]):
         self._tokenize = tokenize
