@@ -149,3 +149,26 @@ def test_a_conversations_turns_keep_one_entry_and_the_cache_is_bounded(monkeypat
     for conv in range(10):
         pt.encode(f"\x01conversation {conv}\x01hello")
     assert len(pt._prompts) == 4 and pt._tokens == sum(len(p.ids) for p in pt._prompts)
+
+
+def test_an_answer_is_reused_as_generated_and_checked_from_its_cut_on(caplog):
+    """An answer kept with ids other than its text's tokens (here: one id for two letters) is
+    reused by the turn that renders it again, up to the special token that follows it, and
+    only the part after that cut is checked against the whole text's tokens; checked so, a
+    tokenizer that treats its first text apart still turns reuse off."""
+    pt = PrefixTokenizer(chars, {"\x01": 1})
+    prompt = "\x01system prompt\x01user: hi\x01assistant: "
+    ids = pt.encode(prompt)
+    pt.keep_answer(prompt, ids, "hello", [1000, 1001, ord("o")])
+    turn = prompt + "hello\x01user: more"
+    for _ in range(prefix_tokens.CHECKED_REUSES + 1):
+        assert pt.encode(turn) == ids + [1000, 1001, ord("o")] + chars("\x01user: more")
+    assert pt.encode(prompt + "hellO\x01user: more") == chars(prompt + "hellO\x01user: more")
+    assert pt.enabled
+
+    pt = PrefixTokenizer(lambda text: [0] + chars(text), {"\x01": 1})
+    ids = pt.encode(prompt)
+    pt.keep_answer(prompt, ids, "hello", [1000, 1001, ord("o")])
+    with caplog.at_level(logging.WARNING, logger="omlx_coordinator.text.prefix_tokens"):
+        assert pt.encode(turn) == [0] + chars(turn)
+    assert not pt.enabled

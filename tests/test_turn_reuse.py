@@ -2,7 +2,8 @@
 and the model's own answer, whole blocks and the tail after them, so the re-sent conversation is
 reused to its last token whose KV was computed (all but the answer's last token, which was
 sampled, never run), through token ids, the chat API and the Messages API with Qwen's
-template."""
+template; through the chat API even where the answer's text tokenizes to other ids than the
+model generated (the gateway gives the model its own ids back)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from tests.conftest import start_server
+from omlx_coordinator.text.tokenizer import ChatTokenizer
+from tests.helpers.fake_replica import shared_start
 from tests.tiny_models import build_model, qwen_tokenizer
 
 BLOCK = 16
@@ -58,13 +61,6 @@ def post(server, path: str, body: dict) -> dict:
                             "anthropic-version": "2023-06-01"})
     r.raise_for_status()
     return r.json()
-
-
-def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @slow
@@ -115,7 +111,7 @@ def test_the_re_sent_conversation_is_reused_through_the_apis(server, model, api)
     ask, then = "Where is the parser?", "Now explain it."
     p1 = conversation(tok, system, [(ask, "")])
     answer = tok.decode(greedy(model, p1))
-    resent = common(conversation(tok, system, [(ask, answer), (then, "")]),
+    resent = shared_start(conversation(tok, system, [(ask, answer), (then, "")]),
                     p1 + greedy(model, p1))
     assert resent > len(p1)  # the template gives the answer back token for token, at least part
 
@@ -134,3 +130,42 @@ def test_the_re_sent_conversation_is_reused_through_the_apis(server, model, api)
     cached = turn([{"role": "user", "content": ask}, {"role": "assistant", "content": answer},
                    {"role": "user", "content": then}])
     assert resent % BLOCK > 1 and resent - 1 <= cached <= resent  # (whole blocks: less)
+
+
+WORDS = {"type": "json_schema", "json_schema": {"name": "words", "schema": {
+    "type": "string", "pattern": "^[a-z ]{8,40}$"}}}
+
+
+@slow
+def test_an_answer_the_tokenizer_spells_otherwise_is_reused_whole(server, model) -> None:
+    """A sampled answer of random tokens (held to lowercase words by a schema, so that its text
+    is whole characters), which its text's tokenization spells otherwise: turn 2 through the
+    chat API gets the answer's own ids back (the gateway kept them), so its cached tokens cover
+    the whole prefix it re-sent, where a re-tokenization lost the answer from its first
+    differing token on."""
+    chat = ChatTokenizer(model)
+    by_bytes = {chat.token_bytes(i): i for i in range(len(chat.tokenizer))
+                if i not in chat.tokenizer.all_special_ids}
+    system = "You are a coding agent. " + "Read the files you are asked about. " * 8
+    ask, then = "Where is the parser?", "Now explain it."
+    for seed in range(8):  # a sample whose text re-tokenizes otherwise before its last token
+        history = [{"role": "system", "content": system}, {"role": "user", "content": ask}]
+        body = {"model": server.model_id, "temperature": 1.0, "seed": seed, "logprobs": True,
+                "max_tokens": 2 * ANSWER, "messages": history, "response_format": WORDS}
+        out = post(server, "/v1/chat/completions", body)
+        answer = out["choices"][0]["message"]["content"]
+        generated = [by_bytes.get(bytes(t["bytes"]))
+                     for t in out["choices"][0]["logprobs"]["content"]]
+        p1 = chat.encode_chat(history)
+        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": then}]
+        retokenized = chat.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        if None not in generated and shared_start(retokenized, p1 + generated) < (
+                len(p1) + len(generated) - 1):
+            break
+    else:
+        pytest.fail("no sampled answer re-tokenized otherwise")
+    assert len(p1) == out["usage"]["prompt_tokens"] and chat.decode(generated) == answer
+    body = {"model": server.model_id, "temperature": 0, "max_tokens": 1, "messages": history}
+    cached = post(server, "/v1/chat/completions", body)["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
+    assert len(p1) + len(generated) - 1 <= cached <= len(p1) + len(generated)

@@ -37,6 +37,7 @@ from omlx_coordinator.request.request_lease import RequestLease
 from omlx_coordinator.request.retry import Fail, RetryState, lost_by
 from omlx_coordinator.request.stop_strings import StopMatcher
 from omlx_coordinator.telemetry.metrics import GatewayMetrics
+from omlx_coordinator.text.tokenizer import ChatPrompt
 from omlx_shared.model_kinds import CHAT, EMBED, ENDPOINTS, RERANK, TRANSCRIBE
 from proto import omlx_pb2 as pb
 
@@ -201,10 +202,11 @@ class _Output:
     Deltas (detokenised, cut at a stop string) and, last, Done; the latency metrics."""
 
     def __init__(self, model: ServedModel, req: GenerationRequest, metrics: GatewayMetrics):
-        self.prompt, self.metrics = req.prompt, metrics
+        self.prompt, self.metrics, self.tokenizer = req.prompt, metrics, model.tokenizer
         self.detok = model.tokenizer.detokenizer(req.prompt)
         self.stops = StopMatcher(req.stop)
         self.generated: list[int] = []
+        self.text: list[str] = []  # what the generated tokens were detokenized to
         self.cached = 0
         self.predicted: tuple[int | None, int] = ((0, len(req.prediction)) if req.prediction
                                                   else (None, 0))
@@ -232,6 +234,7 @@ class _Output:
         out, hit, taken = self.stops.feed_tokens(self.detok, tokens, bool(item.finish_reason))
         tokens, logprobs = tokens[:taken], logprobs[:taken]
         self.generated += tokens
+        self.text.append(out)
         self.metrics.generated_tokens.inc(len(tokens))
         if hit:
             return self._end([Delta(out, tokens, logprobs)] if out or tokens else [],
@@ -240,7 +243,9 @@ class _Output:
             raise _node_error(item.error)
         if item.finish_reason == "cancelled":
             raise APIError(503, "the node cancelled this request", type="server_error")
-        out += self.stops.flush() if item.finish_reason else ""
+        if item.finish_reason:
+            self.text.append(flushed := self.stops.flush())
+            out += flushed
         events: list[Delta | Done] = [Delta(out, tokens, logprobs)] if out or tokens else []
         return self._end(events, item.finish_reason) if item.finish_reason else events
 
@@ -258,6 +263,10 @@ class _Output:
     def _end(self, events: list[Delta | Done], reason: str, stop: str | None = None
              ) -> list[Delta | Done]:
         self.done = True
+        # The next turn re-sends this answer after this prompt: kept before the client hears of
+        # the end. Not past a stop string, whose tokens spell more than the text kept.
+        if stop is None and isinstance(self.prompt, ChatPrompt):
+            self.tokenizer.keep_answer(self.prompt, "".join(self.text), self.generated)
         return [*events, Done(reason, len(self.prompt), len(self.generated), self.cached, stop,
                               *self.predicted)]
 

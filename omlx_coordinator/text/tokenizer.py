@@ -61,6 +61,16 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 MAX_CHARS_PER_TOKEN = 32
 
 
+class ChatPrompt(list):
+    """A rendered chat's token ids (a list of them, as any prompt) that also holds the text they
+    spell: an answer to it is kept against that text for the next turn (`keep_answer`). A copy
+    or an edit of the ids (slicing, `+`, `list()`) is a plain list and holds no text."""
+
+    def __init__(self, ids: list[int], text: str):
+        super().__init__(ids)
+        self.text = text
+
+
 class ChatTokenizer:
     def __init__(self, model_path: Path | str, max_context: int | None = None):
         path = Path(model_path)
@@ -108,7 +118,7 @@ class ChatTokenizer:
         """What apply_chat_template(tokenize=True) does with the text it renders."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
         if not self.has_chat_template:
             raise ValueError(
                 "this model has no chat template: use /v1/completions with a plain prompt"
@@ -117,7 +127,26 @@ class ChatTokenizer:
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         self._check_length(text, "messages")
-        return self.prefix_tokenizer.encode(text)
+        return ChatPrompt(self.prefix_tokenizer.encode(text), text)
+
+    def keep_answer(self, prompt: ChatPrompt, text: str, ids: list[int]) -> None:
+        """Remembers `ids`, generated after `prompt`, as the tokens of `text` (what they were
+        detokenized to) for the next turn, which re-sends the answer rendered after the prompt:
+        that turn is given the model's own ids rather than a re-tokenization of its text
+        (prefix_tokens.py says why). Not where the text cannot be the ids' spelling: a special
+        token decoding drops, or a character cut off at the end (U+FFFD)."""
+        if "\ufffd" in text or not self._dropped_ids.isdisjoint(ids):
+            return
+        self.prefix_tokenizer.keep_answer(prompt.text, prompt, text, ids)
+
+    @cached_property
+    def _dropped_ids(self) -> frozenset[int]:
+        """The ids `decode` leaves out of the text."""
+        skipped = self._skipped_ids
+        if skipped is not None:
+            return skipped
+        return frozenset(i for i, t in self.tokenizer.added_tokens_decoder.items()
+                         if t.special) | frozenset(self.tokenizer.all_special_ids)
 
     def encode_text(self, text: str, param: str) -> list[int]:
         """The tokens of `text` as a rendered chat holds it (no special tokens added): what

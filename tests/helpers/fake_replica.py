@@ -104,3 +104,32 @@ def serve(d: Deployment, worker: FakeWorker) -> Callable[[], None]:
 
     replan()
     return replan
+
+
+class CachingWorker(FakeWorker):
+    """A head worker that answers each sequence with the next of `answers` (token ids, ending
+    with `finish`) and reports as cached the longest start its prompt shares with a sequence run
+    before (its prompt and answer): a node's prefix cache that holds every token it was sent or
+    generated, at token granularity."""
+
+    def __init__(self, *answers: list[int], finish: str = "stop"):
+        super().__init__()
+        self.answers, self.finish = deque(answers), finish
+        self.held: list[list[int]] = []
+
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> FakeCall:
+        assert self.answers, f"no answer scripted for request {len(self.requests) + 1}"
+        prompt, answer = list(request.prompt_tokens), self.answers.popleft()
+        cached = max((shared_start(prompt, h) for h in self.held), default=0)
+        self.held.append(prompt + answer)
+        self.script.append([chunk(*answer, finish=self.finish,
+                                  cached=min(cached, len(prompt) - 1))])
+        return super().generate(request, timeout)
+
+
+def shared_start(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` start with alike."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
