@@ -9,7 +9,11 @@ import math
 import pytest
 
 from omlx_node.calibrate import METHOD, Calibration, measure_layer_ms, node_calibration
+from omlx_shared.blas import blas_env
 from omlx_shared.hardware import chip
+
+# What a shard worker preloads ("" where nothing): the calibration is measured with it.
+BLAS = blas_env().get("LD_PRELOAD", "")
 
 
 @pytest.mark.slow
@@ -18,19 +22,23 @@ def test_calibration_is_measured_once_and_kept(tmp_path):
     measured = node_calibration(cache)
     assert measured.speed_gbps > 0.01  # GB/s: even the slowest CPU streams more than 10 MB/s
     assert 0 < measured.layer_ms < 50
-    assert json.loads(cache.read_text()) == {"chip": chip(), "method": METHOD,
+    assert json.loads(cache.read_text()) == {"chip": chip(), "method": METHOD, "blas": BLAS,
                                              "speed_gbps": measured.speed_gbps,
                                              "layer_ms": measured.layer_ms}
-    cache.write_text(json.dumps({"chip": chip(), "method": METHOD, "speed_gbps": 123.5,
-                                 "layer_ms": 0.25}))
+    cache.write_text(json.dumps({"chip": chip(), "method": METHOD, "blas": BLAS,
+                                 "speed_gbps": 123.5, "layer_ms": 0.25}))
     assert node_calibration(cache) == Calibration(123.5, 0.25)  # reused, not measured again
     assert node_calibration(cache, recalibrate=True).speed_gbps not in (0.0, 123.5)
 
 
 @pytest.mark.slow
-def test_a_cache_of_another_machine_or_method_is_not_trusted(tmp_path):
+def test_a_cache_of_another_machine_method_or_blas_is_not_trusted(tmp_path):
     cache = tmp_path / "calibration.json"
-    cache.write_text(json.dumps({"chip": "some other chip", "method": METHOD,
+    cache.write_text(json.dumps({"chip": "some other chip", "method": METHOD, "blas": BLAS,
+                                 "speed_gbps": 999.0, "layer_ms": 1.0}))
+    assert node_calibration(cache).speed_gbps != 999.0
+    # Measured with another BLAS than the workers run with (OpenBLAS installed since, say).
+    cache.write_text(json.dumps({"chip": chip(), "method": METHOD, "blas": BLAS + "-other",
                                  "speed_gbps": 999.0, "layer_ms": 1.0}))
     assert node_calibration(cache).speed_gbps != 999.0
     # Measured by an older method (x @ w, twice the rate nn.Linear reads at on a CPU).
