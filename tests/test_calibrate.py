@@ -53,3 +53,25 @@ def test_a_layer_costs_a_step_more_than_its_weights():
     on any CPU or GPU, far from zero and from a second."""
     ms = measure_layer_ms(seconds=0.4)
     assert math.isfinite(ms) and 0.005 < ms < 100
+
+
+def test_a_calibration_times_the_nodes_own_work_not_the_machines_load():
+    """On a CPU, time this process spends waiting (for a core other processes hold, here a
+    sleep) is not the node's cost; time it computes is, on whichever clock reads less."""
+    import time
+
+    import mlx.core as mx
+
+    from omlx_node.calibrate import Stopwatch
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a GPU's calibration is timed on the wall clock")
+    waiting = Stopwatch()
+    time.sleep(0.3)
+    assert waiting.wall() >= 0.3 and waiting.seconds() < 0.1
+    working = Stopwatch()
+    x = mx.random.normal((512, 512))
+    while working.wall() < 0.3:
+        mx.eval(x @ x)
+    # Counted, though a busy shared machine may give it only part of a core meanwhile.
+    assert 0.01 < working.seconds() <= working.wall()
