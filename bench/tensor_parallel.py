@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def main() -> int:
     finally:
         for cluster in clusters.values():
             cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the model alone is 1 GB
     load = os.getloadavg()
     base = measured["one node"]["decode_tps"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
