@@ -62,8 +62,12 @@ def measure_speed(
 
     Each matrix is read as an nn.Linear reads its weight, `x @ w.T` (stored out x in): on a
     CPU, MLX streams that layout at about half the rate of `x @ w` (4.6 against 9.9 GB/s on
-    one core of an EPYC VM), so measuring the other one predicted decode twice as fast as
-    the model ran. `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
+    one core of an EPYC VM, the wheel's BLAS), so measuring the other one predicted decode
+    twice as fast as the model ran. Square matrices, though a BLAS streams each shape at its
+    own rate (with OpenBLAS on that core, 13-15 GB/s for a (512, 1024) KV projection, 9 for a
+    (1024, 2816) down projection, 5 for 4096^2): the seven matrices of a llama layer at hidden
+    2048 came no closer to real models' decode (in CPU seconds: 5.0-5.1 GB/s against 4.9-5.2
+    here, llamas of hidden 1024-4096 4.9-5.0, the 250M bench llama 5.7). `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
     exceeds the on-chip caches, as real weights do; one synchronising eval per pass over them,
     as a decode step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
     kernels are slow and the node computes in float32 anyway). Runs for about `seconds`.
