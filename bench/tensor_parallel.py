@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from omlx_coordinator.planning.layout_choice import candidates  # noqa: E402
 from omlx_coordinator.planning.model_layout import read_layout  # noqa: E402
 from omlx_coordinator.planning.planner import GiB, NodeSpec  # noqa: E402
 from omlx_node.calibrate import Calibration  # noqa: E402
+from omlx_shared.blas import blas_env  # noqa: E402
 
 # ~252M parameters: 16 layers of 11.6M (GQA attention 3.1M, MLP 8.7M), embedding and head 32.8M.
 LLAMA_250M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
@@ -71,10 +73,11 @@ if g.rank() == 0:
 
 
 def pinned_calibration() -> Calibration:
-    """What `join` measures of a node (its speed and a layer's fixed cost), pinned to core 0."""
+    """What `join` measures of a node (its speed and a layer's fixed cost), pinned to core 0,
+    with the BLAS its workers run with (as `join` measures it)."""
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "omlx_node.calibrate"],
                          capture_output=True, text=True, timeout=120, check=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+                         env=blas_env(dict(os.environ, PYTHONPATH=str(REPO))))
     return Calibration(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -159,6 +162,7 @@ def main() -> int:
     finally:
         for cluster in clusters.values():
             cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the model alone is 1 GB
     load = os.getloadavg()
     base = measured["one node"]["decode_tps"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,

@@ -30,6 +30,31 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
+class Stopwatch:
+    """Seconds of this node's own work since it was made: what a calibration times.
+
+    On a CPU, the lesser of the wall clock and this process's CPU seconds. The calibration is
+    kept for every later join, so it must not read a shared machine's passing load as this
+    node's speed: five runs on one core of a 2-core EPYC VM at load averages of 11 to 16 read
+    4.96-5.10 GB/s in CPU seconds (5.2 when quiet) and 2.64-5.04 on the wall clock; one at a
+    load of 24 read 3.8 there. The wall clock where it is less: a BLAS that runs
+    several threads (OPENBLAS_NUM_THREADS > 1) spends more CPU seconds than wall seconds. On a
+    GPU, the wall clock (its work is not this process's CPU time)."""
+
+    def __init__(self) -> None:
+        import mlx.core as mx
+
+        self._cpu = mx.default_device() == mx.cpu
+        self._wall, self._own = time.perf_counter(), time.process_time()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self._wall
+
+    def seconds(self) -> float:
+        wall = self.wall()
+        return min(wall, time.process_time() - self._own) if self._cpu else wall
+
+
 def measure_speed(
     seconds: float = 1.0, dim: int = 4096, matrices: int = 4, dtype: str | None = None
 ) -> float:
@@ -37,8 +62,12 @@ def measure_speed(
 
     Each matrix is read as an nn.Linear reads its weight, `x @ w.T` (stored out x in): on a
     CPU, MLX streams that layout at about half the rate of `x @ w` (4.6 against 9.9 GB/s on
-    one core of an EPYC VM), so measuring the other one predicted decode twice as fast as
-    the model ran. `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
+    one core of an EPYC VM, the wheel's BLAS), so measuring the other one predicted decode
+    twice as fast as the model ran. Square matrices, though a BLAS streams each shape at its
+    own rate (with OpenBLAS on that core, 13-15 GB/s for a (512, 1024) KV projection, 9 for a
+    (1024, 2816) down projection, 5 for 4096^2): the seven matrices of a llama layer at hidden
+    2048 came no closer to real models' decode (in CPU seconds: 5.0-5.1 GB/s against 4.9-5.2
+    here, llamas of hidden 1024-4096 4.9-5.0, the 250M bench llama 5.7). `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
     exceeds the on-chip caches, as real weights do; one synchronising eval per pass over them,
     as a decode step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
     kernels are slow and the node computes in float32 anyway). Runs for about `seconds`.
@@ -65,14 +94,13 @@ def measure_speed(
 
     one_pass()  # warm-up: kernel compilation and first-touch page faults are not bandwidth
     passes = 0
-    start = time.perf_counter()
-    while True:
+    watch = Stopwatch()
+    while True:  # bounded by the wall clock, timed by the node's own work (Stopwatch)
         one_pass()
         passes += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
+        if watch.wall() >= seconds:
             break
-    return passes * pass_bytes / elapsed
+    return passes * pass_bytes / watch.seconds()
 
 
 def measure_layer_ms(seconds: float = 1.0, depths: tuple[int, int] = (2, 10)) -> float:
@@ -101,10 +129,10 @@ def measure_layer_ms(seconds: float = 1.0, depths: tuple[int, int] = (2, 10)) ->
         start = time.perf_counter()
         # At least 5 steps, the first a warm-up; at most 200 (a context of 232 tokens).
         while len(times) < 5 or (time.perf_counter() - start < budget and len(times) < 200):
-            t = time.perf_counter()
+            watch = Stopwatch()
             y = mx.argmax(model(y, cache=cache)[:, -1:, :], axis=-1)
             mx.eval(y)
-            times.append(time.perf_counter() - t)
+            times.append(watch.seconds())
         return statistics.median(times[1:]) * 1e3
 
     shallow, deep = depths
@@ -160,8 +188,9 @@ def step_cost(costs: dict[int, float], rows: int) -> float:
 
 
 # What the saved measurement was made with: a cache of another method is measured again
-# (2: weights read as nn.Linear reads them, and each layer's fixed cost).
-METHOD = 2
+# (2: weights read as nn.Linear reads them, and each layer's fixed cost; 3: timed in the node's
+# own work, `Stopwatch`, with the workers' BLAS).
+METHOD = 3
 
 
 @dataclass(frozen=True)
@@ -176,21 +205,29 @@ def node_calibration(cache: Path, recalibrate: bool = False,
     """This machine's weight-streaming speed (GB/s) and a layer's fixed cost (ms) for the
     planner: measured once in a child process (a node agent never runs MLX itself) and kept in
     `cache` for the next join; zeros (uncalibrated) if the measurement fails, with a warning
-    that says why."""
+    that says why.
+
+    The child runs with the BLAS a shard worker runs with (`blas_env`): measured with the MLX
+    wheel's own BLAS, one core of an EPYC VM streamed 4.6 GB/s and a 250M llama decoded at 5.1
+    tok/s, while its workers, with OpenBLAS, decoded it at 6.0 (the planner predicted 17% low).
+    A cache measured with another BLAS (OpenBLAS installed since, OMLX_BLAS changed) is measured
+    again."""
+    from omlx_shared.blas import blas_env
     from omlx_shared.hardware import chip
 
-    here = chip()
+    here, env = chip(), blas_env()
+    blas = env.get("LD_PRELOAD", "")
     if not recalibrate:
         try:
             saved = json.loads(cache.read_text())
             if (saved.get("chip") == here and saved.get("method") == METHOD
-                    and saved.get("speed_gbps", 0) > 0):
+                    and saved.get("blas") == blas and saved.get("speed_gbps", 0) > 0):
                 return Calibration(float(saved["speed_gbps"]), float(saved["layer_ms"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
     try:
         out = subprocess.run([sys.executable, "-m", "omlx_node.calibrate"], capture_output=True,
-                             text=True, timeout=timeout, check=True)
+                             text=True, timeout=timeout, check=True, env=env)
         measured = Calibration(**json.loads(out.stdout.strip().splitlines()[-1]))
     except (subprocess.SubprocessError, OSError, ValueError, IndexError, TypeError) as e:
         detail = getattr(e, "stderr", "") or str(e)
@@ -199,7 +236,8 @@ def node_calibration(cache: Path, recalibrate: bool = False,
         return Calibration()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"chip": here, "method": METHOD, **asdict(measured)}))
+        cache.write_text(json.dumps({"chip": here, "method": METHOD, "blas": blas,
+                                     **asdict(measured)}))
     except OSError as e:
         log.warning("could not save the speed to %s: %s", cache, e)
     return measured
