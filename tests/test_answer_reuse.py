@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,7 @@ import pytest
 from omlx_coordinator.frontdoor.usage import Usage
 from omlx_coordinator.http.gateway import create_app
 from omlx_coordinator.request.generation import GatewaySettings
-from omlx_coordinator.text.tokenizer import ChatTokenizer
+from omlx_coordinator.text.tokenizer import ChatPrompt, ChatTokenizer
 from tests.helpers.fake_replica import CachingWorker, fake_manager, serve, shared_start
 from tests.tiny_models import build_model, qwen_tokenizer
 
@@ -54,6 +55,14 @@ class Gateway:
         self.worker, self.tok = worker, self.manager.models[0].tokenizer
         self.app = create_app(self.manager, GatewaySettings(keepalive_seconds=0.05),
                               start_cluster=False, usage=Usage(tmp / "usage.json"))
+        self.texts: dict[tuple[int, ...], str] = {}  # the text each prompt's ids were given for
+        encode_chat = self.tok.encode_chat
+
+        def recorded(*args, **kw) -> ChatPrompt:
+            prompt = encode_chat(*args, **kw)
+            self.texts[tuple(prompt)] = prompt.text
+            return prompt
+        self.tok.encode_chat = recorded
 
     def post(self, path: str, body: dict) -> httpx.Response:
         async def run() -> httpx.Response:
@@ -157,6 +166,23 @@ def test_each_of_n_choices_is_kept_and_a_stop_string_keeps_none(model, tmp_path)
     assert list(stopped.worker.requests[1].prompt_tokens) == stopped.whole(second)
 
 
+def assert_reused_to_where_it_differs(gw: Gateway, p1: list[int], answer: list[int],
+                                      p2: list[int], cached: int) -> int:
+    """Turn 2's prompt is turn 1's prompt, the answer's own ids up to the last one whose text
+    turn 2 still holds after it, then the rest of turn 2's text tokenized alone: ids that spell
+    turn 2's text, where tokenizing it whole spells the answer otherwise; the cache covers all
+    of the answer's ids reused. Returns how many they are."""
+    text1, text2 = gw.texts[tuple(p1)], gw.texts[tuple(p2)]
+    decode = partial(gw.tok.tokenizer.decode, skip_special_tokens=False)  # exact: byte-level
+    n = max(k for k in range(len(answer) + 1) if text2.startswith(decode(answer[:k]), len(text1)))
+    resent = len(p1) + n
+    assert p2[:resent] == p1 + answer[:n] and decode(p2) == text2
+    assert p2[resent:] == gw.tok.encode_text(text2[len(text1) + len(decode(answer[:n])):], "t")
+    assert shared_start(gw.tok.encode_text(text2, "t"), p1 + answer) < resent
+    assert cached == resent and gw.tok.prefix_tokenizer.enabled
+    return n
+
+
 READ = {"name": "Read", "description": "Reads a file.",
         "input_schema": {"type": "object", "required": ["path"],
                          "properties": {"path": {"type": "string"}}}}
@@ -165,18 +191,24 @@ READ = {"name": "Read", "description": "Reads a file.",
 SPACED = '<tool_call>\n{"name": "Read", "arguments": {"path": "parse.py"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("answer_text", [
-    SPACED, '<tool_call>\n{"name":"Read","arguments":{"path":"parse.py"}}\n</tool_call>',
-    " I will read it.\n" + SPACED])
-def test_a_messages_api_tool_use_answer_is_reused_where_the_template_writes_it_back(
-        model, tmp_path, answer_text):
+COMPACT = '<tool_call>\n{"name": "Read", "arguments":{"path":"parse.py"}}\n</tool_call>'
+TEXT = " I will read it.\n"  # the model's newline before its call stays in the text block
+
+
+@pytest.mark.parametrize("answer_text, letters", [
+    (SPACED, ("parse",)),
+    (COMPACT, ("arguments",)),
+    (TEXT + SPACED, ("read", "parse"))])
+def test_a_messages_api_tool_use_answer_is_reused_up_to_where_the_template_writes_otherwise(
+        model, tmp_path, answer_text, letters):
     """Anthropic's Messages API: the answer comes back as tool_use (and text) blocks, which the
     template renders again. A call written as the template writes one (json.dumps' spacing) is
-    the model's own ids; one written otherwise (compact JSON), or after text (the text block
-    keeps the newline before the call, and the template writes one more), renders other text
-    inside the answer, and the turn is tokenized whole, as before."""
+    the model's own ids, whole; one written otherwise (compact JSON) up to its first missing
+    space, and
+    text before a call up to the newline it ends with (the template writes one more before the
+    call): the rest of the turn is tokenized from there."""
     probe = ChatTokenizer(model)
-    answer = spelled(probe, answer_text, ("parse",))
+    answer = spelled(probe, answer_text, letters)
     gw = Gateway(model, CachingWorker(answer, [5]), tmp_path)
     ask = [{"role": "user", "content": ASK}]
     out = gw.post("/v1/messages", {"system": SYSTEM, "max_tokens": 64, "tools": [READ],
@@ -188,10 +220,32 @@ def test_a_messages_api_tool_use_answer_is_reused_where_the_template_writes_it_b
                                      "messages": ask + [
                                          {"role": "assistant", "content": out["content"]},
                                          {"role": "user", "content": [result]}]}).json()
-    cached = again["usage"]["cache_read_input_tokens"]
     p1, p2 = (list(r.prompt_tokens) for r in gw.worker.requests)
-    if answer_text == SPACED:
-        assert_answer_reused(gw, p1, answer, p2, rendered(gw, p2), cached)
-    else:
-        assert p2 == rendered(gw, p2) and cached == shared_start(p2, p1 + answer)
-        assert cached < len(p1 + answer)
+    n = assert_reused_to_where_it_differs(gw, p1, answer, p2,
+                                          again["usage"]["cache_read_input_tokens"])
+    reused = probe.decode(answer[:n])
+    assert reused == {SPACED: SPACED, COMPACT: COMPACT[:COMPACT.index(":{") + 1],
+                      TEXT + SPACED: TEXT}[answer_text]
+
+
+def test_the_chat_apis_tool_call_after_text_is_reused_up_to_the_text(model, tmp_path):
+    """The chat API: text, then a call (`content` keeps the newline before it, and the template
+    writes one more): the next turn, which re-sends the message with its `tool_calls` and the
+    tool's result, holds the answer's ids through the text."""
+    probe = ChatTokenizer(model)
+    answer = spelled(probe, TEXT + SPACED, ("read", "parse"))
+    gw = Gateway(model, CachingWorker(answer, [5]), tmp_path)
+    tools = [{"type": "function", "function": {
+        "name": "Read", "description": READ["description"], "parameters": READ["input_schema"]}}]
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
+    body = {"max_tokens": 64, "temperature": 0, "tools": tools}
+    (choice,) = gw.post("/v1/chat/completions", {**body, "messages": first}).json()["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and message["content"] == TEXT
+    (call,) = message["tool_calls"]
+    second = first + [message, {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]
+    out = gw.post("/v1/chat/completions", {**body, "messages": second}).json()
+    p1, p2 = (list(r.prompt_tokens) for r in gw.worker.requests)
+    n = assert_reused_to_where_it_differs(gw, p1, answer, p2,
+                                          out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert probe.decode(answer[:n]) == TEXT

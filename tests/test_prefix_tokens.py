@@ -7,6 +7,7 @@ ones whose first piece of text is treated apart (Metaspace `first`, Llama 2's Pr
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,76 @@ def test_an_answer_is_reused_as_generated_and_checked_from_its_cut_on(caplog):
     with caplog.at_level(logging.WARNING, logger="omlx_coordinator.text.prefix_tokens"):
         assert pt.encode(turn) == [0] + chars(turn)
     assert not pt.enabled
+
+
+def char_bytes(token: int) -> bytes:
+    """`chars`' token spelled (ids >= 1000: "ll" and "he", two-letter pieces a model may write)."""
+    return {1000: b"ll", 1001: b"he"}.get(token) or chr(token).encode()
+
+
+def test_an_answer_written_back_otherwise_is_reused_up_to_where_it_differs():
+    """A template that writes an answer back otherwise (here: a newline more before the call)
+    gets the answer's ids up to the last one whose text it still holds there, then its own text
+    tokenized from that character: the ids spell the text exactly, whatever the answer's ids
+    are; a character split over tokens is cut before (no id spells half of one)."""
+    pt = PrefixTokenizer(chars, {"\x01": 1}, char_bytes)
+    prompt = "\x01system prompt\x01user: hi\x01assistant: "
+    ids = pt.encode(prompt)
+    answer = [1001, 1000, ord("o"), ord("\n"), ord("<"), ord("c"), ord(">")]  # "hello\n<c>"
+    pt.keep_answer(prompt, ids, "hello\n<c>", answer)
+    turn = prompt + "hello\n\n<c>\x01user: more"
+    assert pt.encode(prompt + "hel") == ids + [1001] + chars("l")  # "ll" is not all there
+    for _ in range(prefix_tokens.CHECKED_REUSES + 1):  # the checks pass, then no check is run
+        got = pt.encode(turn)
+        assert got == ids + answer[:4] + chars("\n<c>\x01user: more")
+        assert b"".join(map(char_bytes, got)) == turn.encode()
+    # Turn 3 reuses turn 2's ids (with the answer's) through the cut after the answer, which
+    # turn 2's entry holds: the answer's own entry is dropped.
+    assert pt.encode(turn + "\x01ok") == got + chars("\x01ok")
+    assert not pt._answers and pt.enabled
+
+    # "é" is two bytes, one a token (as byte-level BPE may write a character).
+    pt = PrefixTokenizer(chars, {"\x01": 1}, lambda t: {900: b"\xc3", 901: b"\xa9"}.get(t)
+                         or char_bytes(t))
+    ids = pt.encode(prompt)
+    pt.keep_answer(prompt, ids, "he\u00e9!", [1001, 900, 901, ord("!")])
+    assert pt.encode(prompt + "he\u00e9?") == ids + [1001, 900, 901] + chars("?")
+    pt.keep_answer(prompt, ids, "he\u00e9!", [1001, 900, 901, ord("!")])
+    assert pt.encode(prompt + "he\u00e8") == ids + [1001] + chars("\u00e8")
+
+
+def test_a_tokenizer_that_adds_a_space_before_its_text_reuses_answers_only_to_a_cut(caplog):
+    """Where tokenizing text alone does not spell it (SentencePiece's dummy prefix: a space
+    first), reuse from inside an answer stops, and answers are reused only up to a cut."""
+    def tokenize(text: str) -> list[int]:
+        return chars(re.sub(r"(^|(?<=\x01))(?=[^\x01])", " ", text))
+
+    def spell(token: int) -> bytes:
+        return char_bytes(token)
+
+    pt = PrefixTokenizer(tokenize, {"\x01": 1}, spell)
+    prompt = "\x01system\x01assistant:"
+    ids = pt.encode(prompt)
+    pt.keep_answer(prompt, ids, "hello", [1001, 1000, ord("o")])
+    with caplog.at_level(logging.WARNING, logger="omlx_coordinator.text.prefix_tokens"):
+        assert pt.encode(prompt + "hello!\x01more") == tokenize(prompt + "hello!\x01more")
+    assert "only up to a special token" in caplog.text and pt.enabled
+    assert pt.encode(prompt + "hello\x01more") == ids + [1001, 1000, ord("o")] + tokenize(
+        "\x01more")
+
+
+def test_kept_answers_are_bounded_and_dropped_once_a_turn_holds_them(monkeypatch):
+    """Each of a prompt's answers (n choices, retries) is kept, the newest MAX_ANSWERS; the one
+    a later turn went on with is dropped once that turn is kept (its ids hold the answer's)."""
+    monkeypatch.setattr(prefix_tokens, "MAX_ANSWERS", 2)
+    pt = PrefixTokenizer(chars, {"\x01": 1}, char_bytes)
+    prompt = "\x01system\x01assistant:"
+    ids = pt.encode(prompt)
+    for answer in ([1000, *chars("ama")], [1001, 1000], [1001, 1000, ord("o")]):
+        pt.keep_answer(prompt, ids, b"".join(map(char_bytes, answer)).decode(), answer)
+    assert len(pt._prompts) == 2  # the prompt's own entry is held by its answers
+    assert pt.encode(prompt + "hell\x01x") == ids + [1001, 1000] + chars("\x01x")
+    assert pt.encode(prompt + "llama\x01x") == chars(prompt + "llama\x01x")  # 2 kept
+    (kept,) = pt._answers.values()  # "hello", beside the two turns' own entries
+    assert [list(p.ids[len(ids):]) for p in kept] == [[1001, 1000, ord("o")]]
+    assert len(pt._prompts) == 3 and pt._tokens == sum(p.size for p in pt._prompts)

@@ -112,7 +112,7 @@ class ChatTokenizer:
     def prefix_tokenizer(self) -> PrefixTokenizer:
         """Tokenizes rendered chats, reusing the tokens of an earlier one's start (agents resend
         their conversation every turn)."""
-        return PrefixTokenizer(self._encode_rendered, self.cut_tokens)
+        return PrefixTokenizer(self._encode_rendered, self.cut_tokens, self.token_bytes)
 
     def _encode_rendered(self, text: str) -> list[int]:
         """What apply_chat_template(tokenize=True) does with the text it renders."""
