@@ -34,7 +34,7 @@ from omlx_node.constraints import Grammars
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
-from omlx_node.load_priority import at_low_priority, load_nice, reason_name, thread_nice
+from omlx_node.load_priority import at_low_priority, load_idle, load_nice, reason_name, thread_nice
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
@@ -313,7 +313,8 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
-    log.info("rank %d: loading at nice %d (%s)", config.rank, nice,
+    log.info("rank %d: loading at nice %d%s (%s)", config.rank, nice,
+             ", SCHED_IDLE" if nice and load_idle() and tensor_group is None else "",
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,
