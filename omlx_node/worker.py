@@ -29,12 +29,15 @@ import grpc
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import on_stop_signals, write_ready
 from omlx_shared.heap import freeze_startup_heap
+from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_node.batcher import Batcher, Engine
 from omlx_node.constraints import Grammars
+from omlx_node.draft_model import draft_for
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
-from omlx_node.load_priority import at_low_priority, load_idle, load_nice, reason_name, thread_nice
+from omlx_node.load_priority import (at_low_priority, load_idle, load_nice, materialized,
+                                     reason_name, thread_nice)
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
@@ -276,18 +279,28 @@ def head_costs(config: WorkerConfig, stage: StageRunner,
     return None
 
 
+def load_draft(config: WorkerConfig, stage: StageRunner) -> None:
+    """The draft model of a head whose engine drafts with one (`draft=PATH`), loaded with its
+    target (draft_model.draft_for), its arrays evaluated here."""
+    path = draft_path(check_mode(config.engine.speculative))
+    if path and stage.trimmable:
+        materialized(draft_for(path, stage).stage)
+
+
 def finish_load(config: WorkerConfig, stage: StageRunner, grammars: Grammars,
                 tensor_group=None) -> tuple[float, int, dict[int, float] | None]:
     """The load's last part, on the loading thread at the load's priority like the weights
     (in place on a tensor stage, whose group belongs to this thread): the warm-up, and what the
     head's engine calibrates on (`head_costs`), once the head's grammar tokenizer is built: a
     CPU's calibration counts the process's CPU seconds, which nothing else may spend meanwhile.
-    Returns the warm-up's seconds, the nice value that thread read, and `head_costs`' curve."""
+    Its draft model (`load_draft`) too. Returns the warm-up's seconds, the nice value that
+    thread read, and `head_costs`' curve."""
     def work() -> tuple[float, int, dict[int, float] | None]:
         nice = thread_nice()
         seconds = warm_up(stage)
         if config.rank == 0:
             grammars.wait()
+            load_draft(config, stage)
         return seconds, nice, head_costs(config, stage, tensor_group)
 
     return at_low_priority(work, elsewhere=tensor_group is None,

@@ -245,6 +245,41 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
 
 
+def test_a_draft_model_loads_with_its_target_at_the_loads_priority(tmp_path, monkeypatch):
+    """A `draft=PATH` engine's draft model (its tokenizer's check, its weights) loads on the
+    loading thread, in the load's class and at its nice value; the engine that then serves on
+    this thread takes that one and drafts with it here."""
+    from omlx_node import draft_model
+    from omlx_node.batcher import Batcher
+    from omlx_node.constraints import Grammars
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.sequence import SeqRequest
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from omlx_shared.engine_config import EngineConfig
+    from tests.helpers.speculation import run_one
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    mine = thread_nice()
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    mode = f"draft={path}"  # itself: every draft token stands
+    stage = StageRunner(path)
+    seen: list[tuple[int, int]] = []
+    spy_nice(monkeypatch, draft_model, "check_same_tokenizer", seen, this_thread)
+    config = WorkerConfig(path, "m", 0, None, load_reason=pb.LOAD_PRELOAD,
+                          engine=EngineConfig(speculative=mode))
+    finish_load(config, stage, Grammars(path))
+    assert seen == [(os.SCHED_IDLE, max(mine, BACKGROUND_LOAD_NICE))]
+    batcher = Batcher(stage, NodeMetrics(), speculative=mode)
+    assert len(seen) == 1 and batcher.speculator.drafter is not None
+    tokens, reason, seq = run_one(batcher, SeqRequest("a", [5, 6, 7, 8], 16))
+    assert (len(tokens), reason) == (16, "length")
+    assert seq.spec.accepted == seq.spec.drafted > 0
+    assert this_thread() == (os.SCHED_OTHER, mine)
+
+
 def test_calibration_on_a_cpu_does_not_count_waiting_as_cost():
     """A load's calibration waits for the cores beside busy workers; row_costs times its calls
     (and its budget) in the process's CPU seconds, so waiting reads as no cost: a call that
