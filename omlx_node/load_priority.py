@@ -36,8 +36,11 @@ every thread of them (BLAS's pool does most of an encoder's work, and it exists 
 load): beside a decoding model they take about a tenth of the cores it wants, and all of them
 when it is idle. Not 19, although nobody watches a bulk batch: one pool of BLAS threads runs
 a RAG query (which a chat user waits for) and a bulk batch alike, and at 19 such a query took
-1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nothing of theirs
-is ever raised back.
+1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nor SCHED_IDLE,
+which a load runs in (below): an idle-class thread gets a few thousandths of a core beside
+threads that keep every core busy, so an embedding request beside chat models that fill a
+node's cores would wait for as long as they decode, where a load only finishes later. Nothing
+of theirs is ever raised back.
 
 On Linux a load's threads also run in the SCHED_IDLE class (`load_idle`; env
 OMLX_LOAD_IDLE=0: nice values only). A niced thread still keeps a core it runs on until its slice
