@@ -279,6 +279,12 @@ def head_costs(config: WorkerConfig, stage: StageRunner,
     return None
 
 
+def uses_grammars(config: WorkerConfig) -> bool:
+    """Whether this rank needs the model's grammar tokenizer: the head checks grammars at
+    submit, the tail applies them."""
+    return config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor)
+
+
 def load_draft(config: WorkerConfig, stage: StageRunner) -> None:
     """The draft model of a head whose engine drafts with one (`draft=PATH`), loaded with its
     target (draft_model.draft_for), its arrays evaluated here."""
@@ -290,16 +296,20 @@ def load_draft(config: WorkerConfig, stage: StageRunner) -> None:
 def finish_load(config: WorkerConfig, stage: StageRunner, grammars: Grammars,
                 tensor_group=None) -> tuple[float, int, dict[int, float] | None]:
     """The load's last part, on the loading thread at the load's priority like the weights
-    (in place on a tensor stage, whose group belongs to this thread): the warm-up, and what the
-    head's engine calibrates on (`head_costs`), once the head's grammar tokenizer is built: a
-    CPU's calibration counts the process's CPU seconds, which nothing else may spend meanwhile.
+    (in place on a tensor stage, whose group belongs to this thread): the warm-up, the grammar
+    tokenizer of a rank that `uses_grammars`, and what the head's engine calibrates on
+    (`head_costs`), once that tokenizer is built: a CPU's calibration counts the process's CPU
+    seconds, which nothing else may spend meanwhile.
     Its draft model (`load_draft`) too. Returns the warm-up's seconds, the nice value that
     thread read, and `head_costs`' curve."""
     def work() -> tuple[float, int, dict[int, float] | None]:
         nice = thread_nice()
         seconds = warm_up(stage)
-        if config.rank == 0:
+        if uses_grammars(config):
+            # Built here, not on the first request to need it: that one would wait for a
+            # thread at the load's priority, which beside busy workers gets next to no CPU.
             grammars.wait()
+        if config.rank == 0:
             load_draft(config, stage)
         return seconds, nice, head_costs(config, stage, tensor_group)
 
@@ -315,9 +325,9 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
                                   ready_file, config.load_reason)
     grammars = Grammars(config.model_path)
     nice = load_nice(config.load_reason)
-    if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
-        # The head checks grammars at submit, the tail applies them: their tokenizer is built
-        # while the group forms and the weights load, at the load's priority.
+    if uses_grammars(config):
+        # Their tokenizer is built while the group forms and the weights load, at the load's
+        # priority.
         grammars.warm(nice)
     group, doorbells = None, (None, None)
     if config.world_size > 1:

@@ -317,6 +317,26 @@ def test_the_grammar_tokenizer_builds_at_the_loads_nice(tmp_path, monkeypatch):
     assert seen == [max(thread_nice(), BACKGROUND_LOAD_NICE)]
 
 
+def test_a_pipeline_tail_builds_its_grammar_tokenizer_as_it_loads(tmp_path, monkeypatch):
+    """A pipeline's tail applies grammars: its tokenizer is built as part of its load, on the
+    loading thread in the load's class, not left to a thread that the first request to need
+    it would wait for."""
+    from omlx_node.constraints import Grammars
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    built: list[tuple[int, int]] = []
+    spy_nice(monkeypatch, Grammars, "_build", built, this_thread)
+    tail = WorkerConfig(path, "m", 1, 2, rank=1, peers=("a:1", "b:2"),
+                        load_reason=pb.LOAD_REPLICA)
+    finish_load(tail, StageRunner(path, 1, 2), Grammars(path))
+    assert built == [(os.SCHED_IDLE, max(thread_nice(), BACKGROUND_LOAD_NICE))]
+
+
 def wait_imported(standby, timeout: float = 120.0) -> dict:
     """What a standby worker wrote once it imported the worker's modules."""
     import json
