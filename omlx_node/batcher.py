@@ -576,8 +576,8 @@ class Batcher(Engine):
                  grammars: Grammars | None = None, speculative: str = "auto",
                  speculative_rows: int | None = None):
         """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
-        the draft model the load loaded, else loaded here); `speculative_rows`: the most rows a drafting step
-        holds (None: measured)."""
+        the draft model the load loaded, else loaded here); `speculative_rows`: the most rows
+        a drafting step holds (None: measured)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,

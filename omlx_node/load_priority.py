@@ -203,7 +203,8 @@ def on_niced_thread(work: Callable[[], T], nice: int, name: str = "load") -> T:
 
 def materialized(loaded: T) -> T:
     """`loaded` with every array of the modules it holds evaluated on the thread that loaded
-    it, private ones too (a RoPE's frequencies, Whisper's positions): an array left lazy names the loading thread's stream,
+    it, private ones too (a RoPE's frequencies, Whisper's positions): an array left lazy names
+    the loading thread's stream,
     which no other thread may evaluate ("There is no Stream(cpu, 0) in current thread")."""
     import mlx.core as mx
     import mlx.nn as nn

@@ -9,7 +9,7 @@ after each load, while the model just loaded starts serving beside the others; t
 them at nice 0. A standby imports at BACKGROUND_LOAD_NICE (a load nobody waits for yet); a
 worker started fresh for a job (no standby ready) at that job's load's priority. No thread
 outlives the imports to carry their priority on: MLX starts its stream threads at the first
-evaluation, from the thread that evaluates.
+evaluation, from the thread that evaluates, and OpenBLAS its pool when the process starts.
 
 Once imported, a standby leaves IMPORTED beside its ready file: a load that requests wait for
 takes a standby still importing below its nice value only where both import in the SCHED_IDLE
