@@ -12,12 +12,15 @@ LOAD_REQUESTED), the two in turn first; and over 3 s of E embedding batches of 6
 inputs back to back. E's inputs/s over those 3 s, and the median latency of 5 one-input
 embeddings (a RAG query's) while A decodes, then E's inputs/s with A idle.
 
-Settings, one after the other on the same machine: every load and embedding pass at the
-workers' own priority (all three variables 0, as before the fix); as shipped (omlx_node/
-load_priority.py: a preload at BACKGROUND_LOAD_NICE, a requested load at LOAD_NICE, embedding
-workers at ENCODE_NICE); and embedding workers at nice 19, to decide theirs.
+Settings, one after the other on the same machine (`--settings`, by key): every load and
+embedding pass at the workers' own priority (`zero`: the nice variables 0, as before the fix);
+loads at their nice values only (`nice`: OMLX_LOAD_IDLE=0); as shipped (`shipped`: omlx_node/
+load_priority.py: a preload at BACKGROUND_LOAD_NICE, a requested load at LOAD_NICE, both in
+the SCHED_IDLE class, embedding workers at ENCODE_NICE); and embedding workers at nice 19
+(`encode19`), to decide theirs.
 
-    python -m bench.neighbour [--runs 2] [--out bench/results/neighbour-cpu.md]
+    python -m bench.neighbour [--runs 2] [--settings zero,nice,shipped,encode19]
+                              [--out bench/results/neighbour-cpu.md]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tests.tiny_encoders import build_encoder  # noqa: E402
 from tests.tiny_models import build_model  # noqa: E402
 
 NICE_VARS = ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE", "OMLX_ENCODE_NICE")
+PRIORITY_VARS = (*NICE_VARS, "OMLX_LOAD_IDLE")
 BATCH = [[5 + (i * 7 + j) % 300 for j in range(100)] for i in range(64)]
 QUERIES = 5
 SETTLE_SECONDS = 4.0
@@ -53,6 +57,7 @@ ALONE_SECONDS = 2.0
 
 @dataclass(frozen=True)
 class Setting:
+    key: str  # its name for --settings
     label: str
     env: dict[str, str]
     loads: tuple[str, ...]  # which loads of B to time beside A: "preload", "requested"
@@ -60,12 +65,15 @@ class Setting:
 
 SETTINGS = (
     # At nice 0 both reasons load alike: one is timed.
-    Setting("before: OMLX_LOAD_NICE=0 OMLX_BACKGROUND_LOAD_NICE=0 OMLX_ENCODE_NICE=0",
+    Setting("zero", "before: OMLX_LOAD_NICE=0 OMLX_BACKGROUND_LOAD_NICE=0 OMLX_ENCODE_NICE=0",
             dict.fromkeys(NICE_VARS, "0"), ("preload",)),
-    Setting(f"as shipped: preloads at nice {BACKGROUND_LOAD_NICE}, requested loads at nice "
-            f"{LOAD_NICE}, embedding workers at nice {ENCODE_NICE}", {},
-            ("preload", "requested")),
-    Setting("as shipped but OMLX_ENCODE_NICE=19", {"OMLX_ENCODE_NICE": "19"}, ()),
+    Setting("nice", f"nice only (OMLX_LOAD_IDLE=0): preloads at nice {BACKGROUND_LOAD_NICE}, "
+            f"requested loads at nice {LOAD_NICE}, embedding workers at nice {ENCODE_NICE}",
+            {"OMLX_LOAD_IDLE": "0"}, ("preload", "requested")),
+    Setting("shipped", f"as shipped: loads SCHED_IDLE (preloads at nice "
+            f"{BACKGROUND_LOAD_NICE}, requested at nice {LOAD_NICE}), embedding workers at "
+            f"nice {ENCODE_NICE}", {}, ("preload", "requested")),
+    Setting("encode19", "as shipped but OMLX_ENCODE_NICE=19", {"OMLX_ENCODE_NICE": "19"}, ()),
 )
 
 
@@ -91,7 +99,7 @@ def query_ms(url: str) -> float:
 
 
 def measure(work: Path, a: Path, b: Path, e: Path, setting: Setting, runs: int) -> dict:
-    for var in NICE_VARS:
+    for var in PRIORITY_VARS:
         os.environ.pop(var, None)
     os.environ.update(setting.env)
     out: dict[str, list[float]] = {}
@@ -152,7 +160,7 @@ def measure(work: Path, a: Path, b: Path, e: Path, setting: Setting, runs: int) 
             out.setdefault("e_beside", []).append(embedded["beside"])
             out.setdefault("query_ms", []).append(embedded["query_ms"])
             out.setdefault("e_alone", []).append(embed_for(url, ALONE_SECONDS))
-    for var in NICE_VARS:
+    for var in PRIORITY_VARS:
         os.environ.pop(var, None)
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -167,8 +175,14 @@ def load_cells(r: dict, kind: str) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--settings", default=",".join(s.key for s in SETTINGS),
+                   help="which settings to run, by key, comma-separated (default: all)")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/neighbour-cpu.md")
     args = p.parse_args()
+    keys = args.settings.split(",")
+    if unknown := set(keys) - {s.key for s in SETTINGS}:
+        p.error(f"unknown settings {sorted(unknown)}: choose from "
+                f"{', '.join(s.key for s in SETTINGS)}")
     load_before = os.getloadavg()
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-neighbour-"))
@@ -176,7 +190,7 @@ def main() -> int:
     b = build_model(work / "model-b", "qwen3", num_layers=24, hidden_size=1024, seed=2)
     e = build_encoder(work / "e", "bert", hidden_size=256, num_layers=4, max_positions=512)
     rows = []
-    for setting in SETTINGS:
+    for setting in (s for s in SETTINGS if s.key in keys):
         r = measure(work, a, b, e, setting, args.runs)
         rows.append((setting.label, r))
         print(setting.label, {k: round(v, 2) for k, v in r.items()}, flush=True)
@@ -188,7 +202,8 @@ def main() -> int:
         f"{os.cpu_count()} cores shared with other engineers' work (load average 1/5/15 min "
         f"{'/'.join(f'{x:.1f}' for x in load_before)} before the run, "
         f"{'/'.join(f'{x:.1f}' for x in load_after)} after). Commit {commit}. "
-        f"`python -m bench.neighbour --runs {args.runs}`: {time.monotonic() - t0:.0f} s.", "",
+        f"`python -m bench.neighbour --runs {args.runs} --settings {args.settings}`: "
+        f"{time.monotonic() - t0:.0f} s.", "",
         "A: random llama, 8 layers, hidden 256, 8 streams of 32-token greedy completions. "
         "B: random qwen3, 24 layers, hidden 1024 (1.2 GB float32), preloaded (POST "
         "/cluster/models/b/load) or loaded for a request (a completion naming b). E: random "

@@ -165,14 +165,17 @@ class Cluster:
                     pass
 
 
-WORKER_COMMAND = b"-m\x00omlx_node.worker\x00"  # a shard worker's command line (worker_config)
+# A shard worker's command lines (worker_config.worker_process): imports at a load's priority
+# (a standby, a fresh worker for a niced load) or not.
+WORKER_COMMANDS = (b"-m\x00omlx_node.worker\x00", b"-m\x00omlx_node.standby\x00")
 
 
 def ours(pid: int, root: Path) -> bool:
     """Whether `pid` is still one of this soak's workers (its home under `root`), not a
     process that reused its number."""
     try:
-        return (WORKER_COMMAND in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return (any(c in command for c in WORKER_COMMANDS)
                 and str(root).encode() in Path(f"/proc/{pid}/environ").read_bytes())
     except OSError:
         return False

@@ -53,7 +53,7 @@ from collections import deque
 import mlx.core as mx
 
 from omlx_node.constraints import GrammarMatcher, Grammars, Verdict, advance_rows
-from omlx_node.draft_model import DraftModel
+from omlx_node.draft_model import draft_for
 from omlx_node.fuller_steps import SHARE, gather_window, wait_left
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.metrics import NodeMetrics
@@ -149,14 +149,15 @@ class Engine:
     def _speculate(self, mode: str, max_rows: int | None = None,
                    costs: dict[int, float] | None = None) -> None:
         """Turns speculative decoding on in `mode` (omlx_node.speculation's: "off", "ngram",
-        "auto", "draft=PATH", whose draft model is loaded here) where every layer's cache can
+        "auto", "draft=PATH", whose draft model is the one the load loaded, else loaded here:
+        draft_model.draft_for) where every layer's cache can
         be trimmed to a row's accepted tokens. `max_rows`: the most rows a drafting step holds
         (None: as the cost curve says); `costs`: that curve by positions, measured here unless
         given."""
         if not self.stage.trimmable:
             return
         path = draft_path(check_mode(mode))
-        draft = DraftModel(path, self.stage) if path else None
+        draft = draft_for(path, self.stage) if path else None
         self.speculator = Speculator(
             mode, self.stage, self.metrics, max_batch=self.max_batch, costs=costs,
             max_rows=max_rows,
@@ -575,8 +576,8 @@ class Batcher(Engine):
                  grammars: Grammars | None = None, speculative: str = "auto",
                  speculative_rows: int | None = None):
         """`speculative`: omlx_node.speculation's mode ("off", "ngram", "auto", "draft=PATH":
-        the draft model is loaded here); `speculative_rows`: the most rows a drafting step
-        holds (None: measured)."""
+        the draft model the load loaded, else loaded here); `speculative_rows`: the most rows
+        a drafting step holds (None: measured)."""
         if not (stage.info.is_first and stage.info.is_last):
             raise ValueError("the single-node batcher needs a stage that holds every layer")
         super().__init__(stage, metrics, prefill_chunk, max_batch,

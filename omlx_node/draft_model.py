@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -38,6 +39,21 @@ DRAFT_PREFILL_CHUNK = 512
 
 class DraftError(ValueError):
     """A draft model this target cannot use; the message says why and what to do."""
+
+
+# Each target's draft model, loaded once (`draft_for`).
+_loaded: WeakKeyDictionary[StageRunner, DraftModel] = WeakKeyDictionary()
+
+
+def draft_for(path: Path | str, target: StageRunner) -> DraftModel:
+    """The draft model in `path` for `target`, loaded once a target: a worker loads it with its
+    target, on its loading thread at the load's priority (omlx_node.worker.finish_load), and
+    its engine takes the same one, so that reading its weights and tokenizer does not run at
+    the serving thread's priority beside a neighbour's decode."""
+    draft = _loaded.get(target)
+    if draft is None or draft.path != Path(path):
+        draft = _loaded[target] = DraftModel(path, target)
+    return draft
 
 
 def _vocabulary(path: Path) -> tuple[dict[str, int], object]:
@@ -73,7 +89,7 @@ class DraftModel:
 
     def __init__(self, path: Path | str, target: StageRunner):
         """`target`: the whole model it drafts for (its folder's tokenizer must be the same)."""
-        path = Path(path)
+        self.path = path = Path(path)
         if not (path / "config.json").is_file():
             raise DraftError(f"draft model folder {path} has no config.json: give draft=PATH "
                              f"the folder of an mlx-lm model on this node")

@@ -10,18 +10,20 @@ runs on), which inherit it. How far depends on why it loads (LoadShardRequest.lo
 
 - a load nobody waits for (a model preloaded at start or by /load, a replica added while the
   others serve, make before break's next plan while the current one serves) runs at
-  BACKGROUND_LOAD_NICE (19; env OMLX_BACKGROUND_LOAD_NICE): beside decoding workers it takes
-  about a seventieth of the cores, and an idle node's cores all the same;
+  BACKGROUND_LOAD_NICE (19; env OMLX_BACKGROUND_LOAD_NICE);
 - a load that requests wait for (a model a request named, a re-plan while the model serves
-  nowhere, a coordinator that does not say) runs at LOAD_NICE (10; env OMLX_LOAD_NICE): about
-  a tenth of the cores beside busy workers, so that a failover's reload does not crawl behind
-  them.
+  nowhere, a coordinator that does not say) runs at LOAD_NICE (10; env OMLX_LOAD_NICE).
 
-The load's last part runs on that thread too: the warm-up, and the curves its engine calibrates
-on (speculation's cost by positions, a pipeline head's by rows: omlx_node.worker.finish_load),
-which on the serving thread took a third of a preload's window at nice 0. So do the imports of
-the standby worker an agent starts after each load (omlx_node/standby.py), at
-BACKGROUND_LOAD_NICE.
+These nice values are what a load runs at where SCHED_IDLE is not (below, `load_idle`): beside
+decoding workers a nice-19 load takes about a seventieth of the cores, a nice-10 one a tenth
+(so that a failover's reload does not crawl behind them), and an idle node's cores all the same.
+
+The load's last part runs on that thread too: the warm-up, the draft model of a `draft=PATH`
+engine, and the curves its engine calibrates on (speculation's cost by positions, a pipeline
+head's by rows: omlx_node.worker.finish_load), which on the serving thread took a third of a
+preload's window at nice 0. So do a worker's imports (MLX, mlx-lm, transformers: about 1.2 s of
+a core, omlx_node/standby.py): a standby's, started after each load, at BACKGROUND_LOAD_NICE,
+and a fresh worker's at its job's load's.
 
 0 is the worker's own priority. The serving threads never had theirs lowered, so nothing needs
 restoring once the load is done, which an unprivileged process could not do (lowering a nice
@@ -34,11 +36,29 @@ every thread of them (BLAS's pool does most of an encoder's work, and it exists 
 load): beside a decoding model they take about a tenth of the cores it wants, and all of them
 when it is idle. Not 19, although nobody watches a bulk batch: one pool of BLAS threads runs
 a RAG query (which a chat user waits for) and a bulk batch alike, and at 19 such a query took
-1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nothing of theirs
-is ever raised back.
+1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nor SCHED_IDLE,
+which a load runs in (below): an idle-class thread gets a few thousandths of a core beside
+threads that keep every core busy, so an embedding request beside chat models that fill a
+node's cores would wait for as long as they decode, where a load only finishes later. Nothing
+of theirs is ever raised back.
 
-Linux only: there a nice value belongs to a thread. Elsewhere (macOS, where it would be the
-whole process's) the work runs as before.
+On Linux a load's threads also run in the SCHED_IDLE class (`load_idle`; env
+OMLX_LOAD_IDLE=0: nice values only). A niced thread still keeps a core it runs on until its slice
+ends or a waking thread's deadline is earlier (EEVDF), so a decode whose threads wake every few
+milliseconds found the spare core taken by the load often enough to lose a sixth of its rate at
+nice 19; a SCHED_IDLE thread is preempted at once by any other class's wakeup (0.99x against
+0.93x in one A/B, bench/results/neighbour-cpu.md). Its weight (3, against a nice-19 thread's 15
+and a nice-10 one's 110) makes a load beside workers that keep every core busy slower still, a
+requested one too: the price of a neighbour that keeps its rate. Where the kernel refuses the
+class (a seccomp profile), the load logs it and runs at its nice value as before. Nothing is
+set back afterwards: the threads a load lowers end with it (the loading thread, the grammar
+tokenizer's, a worker's importing thread) or stay idle (the MLX stream the load evaluated on),
+and the serving threads never had their class or nice value changed; leaving SCHED_IDLE would
+need CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value.
+
+Linux only: there a nice value and a scheduling class belong to a thread. Elsewhere (macOS,
+where a nice value would be the whole process's, and SCHED_IDLE does not exist) the work runs
+as before.
 """
 
 from __future__ import annotations
@@ -83,6 +103,19 @@ def load_nice(reason: int = pb.LOAD_REQUESTED) -> int:
     return nice_from_env("OMLX_LOAD_NICE", LOAD_NICE)
 
 
+def load_idle() -> bool:
+    """Whether a load's threads run in Linux's SCHED_IDLE class besides their nice value (env
+    OMLX_LOAD_IDLE=0: no); never where the OS has no such class."""
+    return (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")
+            and os.environ.get("OMLX_LOAD_IDLE", "1").strip() != "0")
+
+
+def thread_idle() -> bool:
+    """Whether the calling thread runs in the SCHED_IDLE class (never off Linux)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")
+            and os.sched_getscheduler(threading.get_native_id()) == os.SCHED_IDLE)
+
+
 def thread_nice() -> int:
     """The calling thread's nice value (elsewhere than on Linux: its process's)."""
     linux = sys.platform.startswith("linux")
@@ -100,10 +133,18 @@ def encode_nice() -> int:
 
 
 def lower_this_thread(nice: int) -> None:
-    """The calling thread at `nice` at least (the threads it starts inherit it); nothing where
-    that is 0 or a nice value is not a thread's (elsewhere than on Linux)."""
-    if nice and sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(thread_nice(), nice))
+    """The calling thread, a load's, at `nice` at least and in the SCHED_IDLE class where
+    `load_idle` (the threads it starts inherit both); nothing where `nice` is 0 or a nice value
+    is not a thread's (elsewhere than on Linux)."""
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, max(thread_nice(), nice))
+    if load_idle():
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as e:  # a seccomp profile or security module may refuse it
+            log.warning("SCHED_IDLE refused (%s): this load runs at nice %d", e, thread_nice())
 
 
 def lower_this_process(nice: int) -> None:
@@ -121,8 +162,8 @@ def lower_this_process(nice: int) -> None:
 def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
                     nice: int | None = None) -> T:
     """`work()`'s result (or its exception), run on a thread at `nice` (default: a requested
-    load's, `load_nice()`)
-    and on an MLX stream that thread made (its compute thread inherits the nice value); on this
+    load's, `load_nice()`; `lower_this_thread`) and on an MLX stream that thread made (its
+    compute thread inherits the nice value and class); on this
     thread as it is where that is 0 or the work must stay on this thread (not `elsewhere`).
     Blocks until the work is done."""
     nice = load_nice() if nice is None else nice
@@ -133,15 +174,16 @@ def at_low_priority(work: Callable[[], T], elsewhere: bool = True,
     def run() -> T:
         if mx.default_device() == mx.cpu:  # a GPU's work is not a CPU thread's
             with mx.stream(mx.new_stream(mx.cpu)):
-                return _materialized(work())
-        return _materialized(work())
+                return materialized(work())
+        return materialized(work())
 
     return on_niced_thread(run, nice)
 
 
 def on_niced_thread(work: Callable[[], T], nice: int, name: str = "load") -> T:
-    """`work()`'s result (or its exception), run on a new thread at `nice` at least (the
-    threads it starts inherit it); blocks until it is done. This thread keeps its priority."""
+    """`work()`'s result (or its exception), run on a new thread at `nice` at least, a load's
+    (`lower_this_thread`: the threads it starts inherit it); blocks until it is done. This
+    thread keeps its priority."""
     out: dict[str, object] = {}
 
     def run() -> None:
@@ -159,9 +201,10 @@ def on_niced_thread(work: Callable[[], T], nice: int, name: str = "load") -> T:
     return out["result"]
 
 
-def _materialized(loaded: T) -> T:
-    """`loaded` with every array of the modules it holds evaluated, private ones too (a RoPE's
-    frequencies, Whisper's positions): an array left lazy names the loading thread's stream,
+def materialized(loaded: T) -> T:
+    """`loaded` with every array of the modules it holds evaluated on the thread that loaded
+    it, private ones too (a RoPE's frequencies, Whisper's positions): an array left lazy names
+    the loading thread's stream,
     which no other thread may evaluate ("There is no Stream(cpu, 0) in current thread")."""
     import mlx.core as mx
     import mlx.nn as nn

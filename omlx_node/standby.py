@@ -1,18 +1,19 @@
-"""A shard worker started ahead of its plan, a node agent's standby (omlx_node/agent.py):
-`python -m omlx_node.standby`, which is `python -m omlx_node.worker` with the worker's modules
-imported at a background load's priority.
+"""A shard worker whose imports run at a load's priority: `python -m omlx_node.standby
+[--import-nice N]`, which is `python -m omlx_node.worker` with the worker's modules imported on
+a thread at nice N (and SCHED_IDLE where omlx_node.load_priority says), while the main thread,
+which serves once a job comes, keeps its priority.
 
-The agent starts its standby right after each load, while the model just loaded starts serving
-beside the others; the imports (MLX, mlx-lm, transformers' tokenizers, grpc: about 1.2 s of a
-core here) took that core from them at nice 0. Here they run on a thread of their own at
-BACKGROUND_LOAD_NICE (a load nobody waits for yet) and take what the serving workers leave,
-while the main thread, which serves once a job comes, keeps its priority. No thread outlives
-the imports to carry their nice value on: MLX starts its stream threads at the first
-evaluation, and OpenBLAS its pool when the process starts, both from the main thread.
+The agent starts its standby (a worker started ahead of its plan, omlx_node/agent.py) right
+after each load, while the model just loaded starts serving beside the others; the imports
+(MLX, mlx-lm, transformers' tokenizers, grpc: about 1.2 s of a core here) took that core from
+them at nice 0. A standby imports at BACKGROUND_LOAD_NICE (a load nobody waits for yet); a
+worker started fresh for a job (no standby ready) at that job's load's priority. No thread
+outlives the imports to carry their priority on: MLX starts its stream threads at the first
+evaluation, from the thread that evaluates, and OpenBLAS its pool when the process starts.
 
 Once imported, a standby leaves IMPORTED beside its ready file: a load that requests wait for
-takes a standby only then (`imported`), and starts a fresh worker rather than wait for one
-still importing behind busy workers.
+takes a standby still importing below its nice value only where both import in the SCHED_IDLE
+class (`imported`); else it starts a fresh worker rather than wait for one behind busy workers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from omlx_node.load_priority import load_nice, on_niced_thread, thread_nice
+from omlx_node.load_priority import load_nice, on_niced_thread, thread_idle, thread_nice
 from omlx_shared.child import write_ready
 from proto import omlx_pb2 as pb
 
@@ -43,17 +44,21 @@ def imported(ready_file: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--ready-file", type=Path)
-    ready_file = parser.parse_known_args(argv)[0].ready_file
-    nice, t0 = import_nice(), time.monotonic()
+    parser.add_argument("--import-nice", type=int, default=None)
+    known, rest = parser.parse_known_args(argv)
+    ready_file = known.ready_file
+    nice = import_nice() if known.import_nice is None else known.import_nice
+    t0 = time.monotonic()
 
     def load_worker():
-        return thread_nice(), importlib.import_module("omlx_node.worker")
+        return thread_nice(), thread_idle(), importlib.import_module("omlx_node.worker")
 
-    niced, worker = on_niced_thread(load_worker, nice, "imports") if nice else load_worker()
-    if ready_file is not None:  # the nice value the importing thread read
+    niced, idle, worker = (on_niced_thread(load_worker, nice, "imports") if nice
+                           else load_worker())
+    if ready_file is not None:  # the priority the importing thread read
         write_ready(ready_file.with_name(IMPORTED),
-                    {"nice": niced, "seconds": time.monotonic() - t0})
-    return worker.main(argv)
+                    {"nice": niced, "idle": idle, "seconds": time.monotonic() - t0})
+    return worker.main([*rest, *(["--ready-file", str(ready_file)] if ready_file else [])])
 
 
 if __name__ == "__main__":

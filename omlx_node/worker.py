@@ -29,12 +29,15 @@ import grpc
 from omlx_shared import __version__, auth, cluster_tls
 from omlx_shared.child import on_stop_signals, write_ready
 from omlx_shared.heap import freeze_startup_heap
+from omlx_shared.speculative_modes import check_mode, draft_path
 from omlx_node.batcher import Batcher, Engine
 from omlx_node.constraints import Grammars
+from omlx_node.draft_model import draft_for
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
-from omlx_node.load_priority import at_low_priority, load_nice, reason_name, thread_nice
+from omlx_node.load_priority import (at_low_priority, load_idle, load_nice, materialized,
+                                     reason_name, thread_nice)
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
 from omlx_node.stage import StageRunner
@@ -276,18 +279,38 @@ def head_costs(config: WorkerConfig, stage: StageRunner,
     return None
 
 
+def uses_grammars(config: WorkerConfig) -> bool:
+    """Whether this rank needs the model's grammar tokenizer: the head checks grammars at
+    submit, the tail applies them."""
+    return config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor)
+
+
+def load_draft(config: WorkerConfig, stage: StageRunner) -> None:
+    """The draft model of a head whose engine drafts with one (`draft=PATH`), loaded with its
+    target (draft_model.draft_for), its arrays evaluated here."""
+    path = draft_path(check_mode(config.engine.speculative))
+    if path and stage.trimmable:
+        materialized(draft_for(path, stage).stage)
+
+
 def finish_load(config: WorkerConfig, stage: StageRunner, grammars: Grammars,
                 tensor_group=None) -> tuple[float, int, dict[int, float] | None]:
     """The load's last part, on the loading thread at the load's priority like the weights
-    (in place on a tensor stage, whose group belongs to this thread): the warm-up, and what the
-    head's engine calibrates on (`head_costs`), once the head's grammar tokenizer is built: a
-    CPU's calibration counts the process's CPU seconds, which nothing else may spend meanwhile.
-    Returns the warm-up's seconds, the nice value that thread read, and `head_costs`' curve."""
+    (in place on a tensor stage, whose group belongs to this thread): the warm-up, the grammar
+    tokenizer of a rank that `uses_grammars`, and what the head's engine calibrates on
+    (`head_costs`), once that tokenizer is built: a CPU's calibration counts the process's CPU
+    seconds, which nothing else may spend meanwhile.
+    Its draft model (`load_draft`) too. Returns the warm-up's seconds, the nice value that
+    thread read, and `head_costs`' curve."""
     def work() -> tuple[float, int, dict[int, float] | None]:
         nice = thread_nice()
         seconds = warm_up(stage)
-        if config.rank == 0:
+        if uses_grammars(config):
+            # Built here, not on the first request to need it: that one would wait for a
+            # thread at the load's priority, which beside busy workers gets next to no CPU.
             grammars.wait()
+        if config.rank == 0:
+            load_draft(config, stage)
         return seconds, nice, head_costs(config, stage, tensor_group)
 
     return at_low_priority(work, elsewhere=tensor_group is None,
@@ -302,9 +325,9 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
                                   ready_file, config.load_reason)
     grammars = Grammars(config.model_path)
     nice = load_nice(config.load_reason)
-    if config.rank == 0 or (config.rank == config.world_size - 1 and not config.tensor):
-        # The head checks grammars at submit, the tail applies them: their tokenizer is built
-        # while the group forms and the weights load, at the load's priority.
+    if uses_grammars(config):
+        # Their tokenizer is built while the group forms and the weights load, at the load's
+        # priority.
         grammars.warm(nice)
     group, doorbells = None, (None, None)
     if config.world_size > 1:
@@ -313,7 +336,8 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     tensor_group = tensor_stage_group(config, group)
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
-    log.info("rank %d: loading at nice %d (%s)", config.rank, nice,
+    log.info("rank %d: loading at nice %d%s (%s)", config.rank, nice,
+             ", SCHED_IDLE" if nice and load_idle() and tensor_group is None else "",
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omlx_node.load_priority import load_nice
 from omlx_shared.blas import blas_env
 from omlx_shared.child import ChildProcess
 from omlx_shared.engine_config import EngineConfig
@@ -77,18 +78,26 @@ class WorkerJob:
         return from_json(cls, text)
 
 
-def worker_process(what: str, log_level: str = "info", standby: bool = False) -> ChildProcess:
+def worker_process(what: str, log_level: str = "info", standby: bool = False,
+                   import_nice: int | None = None) -> ChildProcess:
     """A shard worker process, up to where it waits for its job: send it
     `process.send_line(job.to_json())`. Its BLAS is chosen now: a library is preloaded when a
-    process starts. A `standby` (started before any job is due) imports at a background
-    load's priority (omlx_node/standby.py), any other at its own."""
-    module = "omlx_node.standby" if standby else "omlx_node.worker"
-    return ChildProcess([sys.executable, "-m", module, "--log-level", log_level],
+    process starts. It imports MLX and mlx-lm at a load's priority (omlx_node/standby.py): a
+    `standby` (started before any job is due) at a background load's, any other at
+    `import_nice` (its job's load's: `load_priority.load_nice`; None: its own)."""
+    if standby:
+        argv = ["-m", "omlx_node.standby"]
+    elif import_nice:
+        argv = ["-m", "omlx_node.standby", "--import-nice", str(import_nice)]
+    else:
+        argv = ["-m", "omlx_node.worker"]
+    return ChildProcess([sys.executable, *argv, "--log-level", log_level],
                         what, env=blas_env(), stdin_pipe=True)
 
 
 def start_worker(job: WorkerJob, what: str, log_level: str = "info") -> ChildProcess:
-    """A shard worker process given `job` at once (an agent without a standby, tests)."""
-    process = worker_process(what, log_level)
+    """A shard worker process given `job` at once (an agent without a standby, tests), which
+    imports at the priority of the job's load."""
+    process = worker_process(what, log_level, import_nice=load_nice(job.config.load_reason))
     process.send_line(job.to_json())
     return process

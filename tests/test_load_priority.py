@@ -1,6 +1,7 @@
 """A worker's load runs on a thread of its own (Linux) at the nice value its reason sets: 19
-where nobody waits for it, 10 where requests do; and the caller's priority, on which the
-worker serves, is never lowered."""
+where nobody waits for it, 10 where requests do, and in the SCHED_IDLE class; and the caller's
+priority, on which the worker serves, is never lowered. Each thread's class and nice value are
+read from /proc (the kernel's own account)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from omlx_node.load_priority import (
     LOAD_NICE,
     at_low_priority,
     encode_nice,
+    load_idle,
     load_nice,
+    thread_idle,
     thread_nice,
 )
 from proto import omlx_pb2 as pb
@@ -36,6 +39,31 @@ REQUESTS_WAIT = {"LOAD_REASON_UNSPECIFIED", "LOAD_REQUESTED", "LOAD_RECOVERY"}
 
 def nice_of_this_thread() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def threads_of(pid: int | str = "self") -> dict[int, tuple[int, int, int]]:
+    """Each thread of `pid`: its scheduling policy, nice value and CPU ticks so far, as
+    /proc/PID/task/TID/stat says (fields 41, 19, 14 + 15)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        fields = text.rsplit(")", 1)[1].split()  # from field 3 on: a name may hold spaces
+        out[int(tid)] = (int(fields[38]), int(fields[16]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+def this_thread() -> tuple[int, int]:
+    """The calling thread's (policy, nice value), from /proc."""
+    return threads_of()[threading.get_native_id()][:2]
+
+
+@pytest.fixture(autouse=True)
+def default_classes(monkeypatch):
+    """SCHED_IDLE as shipped, unless a test turns it off."""
+    monkeypatch.delenv("OMLX_LOAD_IDLE", raising=False)
 
 
 def test_each_reason_maps_to_its_priority(monkeypatch):
@@ -57,9 +85,30 @@ def test_the_loading_thread_runs_at_its_reasons_nice(monkeypatch, reason):
     monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
     monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
     mine = thread_nice()
-    seen = at_low_priority(thread_nice, nice=load_nice(pb.LoadReason.Value(reason)))
-    assert seen == max(mine, BACKGROUND_LOAD_NICE if reason in NOBODY_WAITS else LOAD_NICE)
-    assert thread_nice() == mine == nice_of_this_thread()
+    assert this_thread() == (os.SCHED_OTHER, mine)
+    seen = at_low_priority(this_thread, nice=load_nice(pb.LoadReason.Value(reason)))
+    assert seen == (os.SCHED_IDLE,
+                    max(mine, BACKGROUND_LOAD_NICE if reason in NOBODY_WAITS else LOAD_NICE))
+    assert this_thread() == (os.SCHED_OTHER, mine) and thread_nice() == mine
+    assert not thread_idle()
+
+
+def test_sched_idle_off_or_refused_leaves_the_nice_value(monkeypatch, caplog):
+    """OMLX_LOAD_IDLE=0: a load at its nice value only, as before; a kernel that refuses the
+    class (a seccomp profile, here the refusal it would raise) logs it and keeps the nice."""
+    mine = thread_nice()
+    assert load_idle()
+    monkeypatch.setenv("OMLX_LOAD_IDLE", "0")
+    assert not load_idle()
+    assert at_low_priority(this_thread) == (os.SCHED_OTHER, max(mine, LOAD_NICE))
+    monkeypatch.delenv("OMLX_LOAD_IDLE")
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    assert at_low_priority(this_thread) == (os.SCHED_OTHER, max(mine, LOAD_NICE))
+    assert "SCHED_IDLE refused" in caplog.text
 
 
 def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
@@ -74,9 +123,13 @@ def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
         mx.eval(weights)
         return weights
 
+    before = set(threads_of())
     weights = at_low_priority(load)
     assert seen["nice"] == max(mine, LOAD_NICE) and seen["thread"] != threading.get_native_id()
     assert nice_of_this_thread() == mine
+    # The MLX stream it evaluated on: a thread it started, which inherited its class.
+    started = {t: threads_of()[t][:2] for t in set(threads_of()) - before}
+    assert started and set(started.values()) == {(os.SCHED_IDLE, max(mine, LOAD_NICE))}
     assert (weights + 1).sum().item() == sum(2 * i + 1 for i in range(1000))  # used here
 
     with pytest.raises(ValueError, match="no such weights"):
@@ -141,13 +194,13 @@ def test_models_loaded_there_run_here(tmp_path, monkeypatch):
     assert there.text == Transcriber(whisper).run(audio, language="en", temperature=0.0).text
 
 
-def spy_nice(monkeypatch, owner, name: str, seen: list[int]) -> None:
-    """`owner.name` (the real function, for this test) records the nice value of each thread
-    it runs on."""
+def spy_nice(monkeypatch, owner, name: str, seen: list, read=thread_nice) -> None:
+    """`owner.name` (the real function, for this test) records the nice value (or what `read`
+    reads) of each thread it runs on."""
     real = getattr(owner, name)
 
     def spied(*args, **kwargs):
-        seen.append(thread_nice())
+        seen.append(read())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, spied)
@@ -192,6 +245,41 @@ def test_the_engines_calibration_runs_at_the_loads_nice(tmp_path, monkeypatch, r
     assert seen == [expected] * 3 and len(by_rows) >= 2  # speculation's, then the rows'
 
 
+def test_a_draft_model_loads_with_its_target_at_the_loads_priority(tmp_path, monkeypatch):
+    """A `draft=PATH` engine's draft model (its tokenizer's check, its weights) loads on the
+    loading thread, in the load's class and at its nice value; the engine that then serves on
+    this thread takes that one and drafts with it here."""
+    from omlx_node import draft_model
+    from omlx_node.batcher import Batcher
+    from omlx_node.constraints import Grammars
+    from omlx_node.metrics import NodeMetrics
+    from omlx_node.sequence import SeqRequest
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from omlx_shared.engine_config import EngineConfig
+    from tests.helpers.speculation import run_one
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    mine = thread_nice()
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    mode = f"draft={path}"  # itself: every draft token stands
+    stage = StageRunner(path)
+    seen: list[tuple[int, int]] = []
+    spy_nice(monkeypatch, draft_model, "check_same_tokenizer", seen, this_thread)
+    config = WorkerConfig(path, "m", 0, None, load_reason=pb.LOAD_PRELOAD,
+                          engine=EngineConfig(speculative=mode))
+    finish_load(config, stage, Grammars(path))
+    assert seen == [(os.SCHED_IDLE, max(mine, BACKGROUND_LOAD_NICE))]
+    batcher = Batcher(stage, NodeMetrics(), speculative=mode)
+    assert len(seen) == 1 and batcher.speculator.drafter is not None
+    tokens, reason, seq = run_one(batcher, SeqRequest("a", [5, 6, 7, 8], 16))
+    assert (len(tokens), reason) == (16, "length")
+    assert seq.spec.accepted == seq.spec.drafted > 0
+    assert this_thread() == (os.SCHED_OTHER, mine)
+
+
 def test_calibration_on_a_cpu_does_not_count_waiting_as_cost():
     """A load's calibration waits for the cores beside busy workers; row_costs times its calls
     (and its budget) in the process's CPU seconds, so waiting reads as no cost: a call that
@@ -229,6 +317,26 @@ def test_the_grammar_tokenizer_builds_at_the_loads_nice(tmp_path, monkeypatch):
     assert seen == [max(thread_nice(), BACKGROUND_LOAD_NICE)]
 
 
+def test_a_pipeline_tail_builds_its_grammar_tokenizer_as_it_loads(tmp_path, monkeypatch):
+    """A pipeline's tail applies grammars: its tokenizer is built as part of its load, on the
+    loading thread in the load's class, not left to a thread that the first request to need
+    it would wait for."""
+    from omlx_node.constraints import Grammars
+    from omlx_node.stage import StageRunner
+    from omlx_node.worker import finish_load
+    from omlx_node.worker_config import WorkerConfig
+    from tests.tiny_models import build_model
+
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
+    path = build_model(tmp_path / "m", "llama", num_layers=2)
+    built: list[tuple[int, int]] = []
+    spy_nice(monkeypatch, Grammars, "_build", built, this_thread)
+    tail = WorkerConfig(path, "m", 1, 2, rank=1, peers=("a:1", "b:2"),
+                        load_reason=pb.LOAD_REPLICA)
+    finish_load(tail, StageRunner(path, 1, 2), Grammars(path))
+    assert built == [(os.SCHED_IDLE, max(thread_nice(), BACKGROUND_LOAD_NICE))]
+
+
 def wait_imported(standby, timeout: float = 120.0) -> dict:
     """What a standby worker wrote once it imported the worker's modules."""
     import json
@@ -243,37 +351,59 @@ def wait_imported(standby, timeout: float = 120.0) -> dict:
     return json.loads(standby.ready_file.with_name(IMPORTED).read_text())
 
 
-@pytest.mark.slow  # a standby worker process that then loads a model and serves
-def test_a_standby_imports_at_the_background_nice_and_serves_at_its_own(tmp_path, monkeypatch):
-    """The agent's standby worker imports MLX and mlx-lm on a thread at a background load's
-    nice value, beside the models that serve; its main thread keeps the agent's priority, no
-    thread is left at the imports', and the job it then gets loads at its reason's nice and
-    serves at the agent's."""
-    from omlx_node.worker_config import WorkerConfig, WorkerJob, worker_process
+@pytest.mark.slow  # a worker process that loads a model and serves
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "fresh"])
+def test_a_worker_imports_and_loads_idle_and_serves_at_its_own_priority(tmp_path, monkeypatch,
+                                                                        standby):
+    """A worker imports MLX and mlx-lm on a thread of its own in the SCHED_IDLE class: the
+    agent's standby at a background load's nice value, a worker started fresh for a job at
+    that job's load's; its main thread keeps the agent's priority, and no thread is left at
+    the imports'. The job loads at its reason's nice, and every thread that then serves (those
+    whose CPU time grows while it decodes) runs at the agent's priority in the normal class."""
+    import grpc
+
+    from omlx_node.worker_config import WorkerConfig, WorkerJob, start_worker, worker_process
+    from proto import omlx_pb2_grpc as pb_grpc
+    from tests.helpers.session import generate_chunks
     from tests.tiny_models import build_model
 
     for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
         monkeypatch.delenv(var, raising=False)
     mine = thread_nice()
+    normal = (os.SCHED_OTHER, mine)
     path = build_model(tmp_path / "m", "llama", num_layers=2)
-    standby = worker_process("a standby shard worker", standby=True)
+    job = WorkerJob(WorkerConfig(path, "m", 0, None, load_reason=pb.LOAD_REQUESTED))
+    worker = (worker_process("a standby shard worker", standby=True) if standby
+              else start_worker(job, "a fresh shard worker"))
     try:
-        assert wait_imported(standby)["nice"] == max(mine, BACKGROUND_LOAD_NICE)
-        threads = os.listdir(f"/proc/{standby.pid}/task")
-        assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == {mine}
-        standby.send_line(WorkerJob(WorkerConfig(path, "m", 0, None,
-                                                 load_reason=pb.LOAD_REQUESTED)).to_json())
-        ready = standby.wait_ready(180)
+        imported = wait_imported(worker)
+        assert (imported["nice"], imported["idle"]) == (
+            max(mine, BACKGROUND_LOAD_NICE if standby else LOAD_NICE), True)
+        if standby:
+            assert {t[:2] for t in threads_of(worker.pid).values()} == {normal}
+            worker.send_line(job.to_json())
+        ready = worker.wait_ready(180)
         assert ready["load_nice"] == max(mine, LOAD_NICE)
-        assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == mine
+        before = threads_of(ready["pid"])
+        with grpc.insecure_channel(f"127.0.0.1:{ready['port']}") as channel:
+            chunks = generate_chunks(pb_grpc.ShardWorkerStub(channel), pb.GenerateRequest(
+                request_id="r", prompt_tokens=[5, 6, 7], max_tokens=256, ignore_eos=True))
+        assert sum(len(c.tokens) for c in chunks) == 256
+        after = threads_of(ready["pid"])
+        served = {after[t][:2] for t in after if after[t][2] > before.get(t, (0, 0, 0))[2]}
+        assert served == {normal}, (before, after)
+        # The load's: its MLX stream, idle from now on.
+        assert (os.SCHED_IDLE, max(mine, LOAD_NICE)) in {t[:2] for t in after.values()}
     finally:
-        standby.stop()
+        worker.stop()
 
 
 def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it(monkeypatch):
-    """A standby still importing at the background nice is taken by a load nobody waits for,
-    not by one that requests wait for (a fresh worker imports at its own priority; the standby
-    stays for the next load); once imported, any load takes it."""
+    """With nice values only (OMLX_LOAD_IDLE=0), a standby still importing at the background
+    nice is taken by a load nobody waits for, not by one that requests wait for (a fresh worker
+    imports at its own priority; the standby stays for the next load); once imported, any load
+    takes it. Where both would import in the SCHED_IDLE class, whose weight no nice value
+    changes, any load takes it at once, unless it loads at nice 0."""
     import signal
 
     from omlx_node.agent import NodeAgent
@@ -281,6 +411,7 @@ def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it
 
     for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMLX_LOAD_IDLE", "0")
     agent = NodeAgent(secret=None, node_id="standby-test", standby=False)
     agent.server.stop(None)
     standby = worker_process("a standby shard worker", standby=True)
@@ -293,6 +424,11 @@ def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it
         assert agent._standby is standby  # kept for the next load
         assert agent._take_standby(load_nice(pb.LOAD_PRELOAD)) is standby
         assert agent._standby is None
+        monkeypatch.delenv("OMLX_LOAD_IDLE")
+        agent._standby = standby
+        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is standby
+        agent._standby = standby
+        assert agent._take_standby(0) is None  # a load at the worker's own priority
         os.kill(standby.pid, signal.SIGCONT)
         wait_imported(standby)
         agent._standby = standby
