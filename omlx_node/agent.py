@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from omlx_node.kept_workers import KeptWorkers
-from omlx_node.load_priority import load_idle, load_nice
+from omlx_node.load_priority import load_nice
 from omlx_node.standby import import_nice, imported
 from omlx_node.stay_awake import StayAwake
 from omlx_node.thunderbolt import rdma_ports
@@ -553,13 +553,11 @@ class NodeAgent(pb_grpc.NodeAgentServicer):
     def _take_standby(self, nice: int) -> ChildProcess | None:
         """The standby worker for a load at `nice`, or None: start a fresh one. A standby
         still importing at a lower priority than the load's stays the next load's: a fresh
-        worker imports at its own priority sooner than that one would behind busy workers;
-        not where both import in the SCHED_IDLE class, whose weight no nice value changes."""
+        worker imports at its own priority sooner than that one would behind busy workers."""
         worker, self._standby = self._standby, None
         if worker is None or not worker.alive():
             return None
-        both_idle = nice > 0 and load_idle()
-        if nice < import_nice() and not both_idle and not imported(worker.ready_file):
+        if nice < import_nice() and not imported(worker.ready_file):
             log.info("the standby worker is still importing at nice %d: a load at nice %d "
                      "starts a fresh one", import_nice(), nice)
             self._standby = worker

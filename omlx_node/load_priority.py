@@ -42,14 +42,17 @@ threads that keep every core busy, so an embedding request beside chat models th
 node's cores would wait for as long as they decode, where a load only finishes later. Nothing
 of theirs is ever raised back.
 
-On Linux a load's threads also run in the SCHED_IDLE class (`load_idle`; env
-OMLX_LOAD_IDLE=0: nice values only). A niced thread still keeps a core it runs on until its slice
+On Linux the threads of a load nobody waits for also run in the SCHED_IDLE class (`idle_class`;
+env OMLX_LOAD_IDLE=0: nice values only). A niced thread still keeps a core it runs on until its slice
 ends or a waking thread's deadline is earlier (EEVDF), so a decode whose threads wake every few
 milliseconds found the spare core taken by the load often enough to lose a sixth of its rate at
 nice 19; a SCHED_IDLE thread is preempted at once by any other class's wakeup (0.99x against
 0.93x in one A/B, bench/results/neighbour-cpu.md). Its weight (3, against a nice-19 thread's 15
-and a nice-10 one's 110) makes a load beside workers that keep every core busy slower still, a
-requested one too: the price of a neighbour that keeps its rate. Where the kernel refuses the
+and a nice-10 one's 110) makes a load beside workers that keep every core busy about 37 times slower
+than at nice 10: the price of a neighbour that keeps its rate, paid only where nobody waits. A
+load that requests wait for (a model they named, a re-plan of a model that serves nowhere until
+it is done) keeps its nice value alone: in the idle class it would crawl behind busy workers
+while its requests wait, a failover's with every one of that model's. Where the kernel refuses the
 class (a seccomp profile), the load logs it and runs at its nice value as before. Nothing is
 set back afterwards: the threads a load lowers end with it (the loading thread, the grammar
 tokenizer's, a worker's importing thread) or stay idle (the MLX stream the load evaluated on),
@@ -110,6 +113,12 @@ def load_idle() -> bool:
             and os.environ.get("OMLX_LOAD_IDLE", "1").strip() != "0")
 
 
+def idle_class(nice: int) -> bool:
+    """Whether a load at `nice` also runs in the SCHED_IDLE class: where `load_idle`, a load
+    nobody waits for (the background loads' nice value marks it), not one requests wait for."""
+    return nice > 0 and load_idle() and nice >= load_nice(pb.LOAD_PRELOAD)
+
+
 def thread_idle() -> bool:
     """Whether the calling thread runs in the SCHED_IDLE class (never off Linux)."""
     return (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")
@@ -134,13 +143,13 @@ def encode_nice() -> int:
 
 def lower_this_thread(nice: int) -> None:
     """The calling thread, a load's, at `nice` at least and in the SCHED_IDLE class where
-    `load_idle` (the threads it starts inherit both); nothing where `nice` is 0 or a nice value
+    `idle_class(nice)` (the threads it starts inherit both); nothing where `nice` is 0 or a nice value
     is not a thread's (elsewhere than on Linux)."""
     if not nice or not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
     os.setpriority(os.PRIO_PROCESS, tid, max(thread_nice(), nice))
-    if load_idle():
+    if idle_class(nice):
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError as e:  # a seccomp profile or security module may refuse it

@@ -36,7 +36,7 @@ from omlx_node.draft_model import draft_for
 from omlx_node.kv_cache import PrefixCache
 from omlx_node.kv_cache.blocks import Layout, cache_layout
 from omlx_node.kv_cache.device_tier import default_max_bytes
-from omlx_node.load_priority import (at_low_priority, load_idle, load_nice, materialized,
+from omlx_node.load_priority import (at_low_priority, idle_class, load_nice, materialized,
                                      reason_name, thread_nice)
 from omlx_node.metrics import KINDS, NodeMetrics
 from omlx_node.session import Session
@@ -337,7 +337,7 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
     # A tensor stage's load and warm-up run collectives on its group, which belongs to this
     # thread: they run here at the worker's priority.
     log.info("rank %d: loading at nice %d%s (%s)", config.rank, nice,
-             ", SCHED_IDLE" if nice and load_idle() and tensor_group is None else "",
+             ", SCHED_IDLE" if idle_class(nice) and tensor_group is None else "",
              reason_name(config.load_reason))
     stage = at_low_priority(lambda: StageRunner(
         config.model_path, config.layer_start, config.layer_end,

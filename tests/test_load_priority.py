@@ -1,5 +1,5 @@
 """A worker's load runs on a thread of its own (Linux) at the nice value its reason sets: 19
-where nobody waits for it, 10 where requests do, and in the SCHED_IDLE class; and the caller's
+where nobody waits for it (and in the SCHED_IDLE class), 10 where requests do; and the caller's
 priority, on which the worker serves, is never lowered. Each thread's class and nice value are
 read from /proc (the kernel's own account)."""
 
@@ -87,8 +87,9 @@ def test_the_loading_thread_runs_at_its_reasons_nice(monkeypatch, reason):
     mine = thread_nice()
     assert this_thread() == (os.SCHED_OTHER, mine)
     seen = at_low_priority(this_thread, nice=load_nice(pb.LoadReason.Value(reason)))
-    assert seen == (os.SCHED_IDLE,
-                    max(mine, BACKGROUND_LOAD_NICE if reason in NOBODY_WAITS else LOAD_NICE))
+    # The idle class only where nobody waits: a failover's reload must not crawl.
+    assert seen == ((os.SCHED_IDLE, max(mine, BACKGROUND_LOAD_NICE)) if reason in NOBODY_WAITS
+                    else (os.SCHED_OTHER, max(mine, LOAD_NICE)))
     assert this_thread() == (os.SCHED_OTHER, mine) and thread_nice() == mine
     assert not thread_idle()
 
@@ -100,19 +101,20 @@ def test_sched_idle_off_or_refused_leaves_the_nice_value(monkeypatch, caplog):
     assert load_idle()
     monkeypatch.setenv("OMLX_LOAD_IDLE", "0")
     assert not load_idle()
-    assert at_low_priority(this_thread) == (os.SCHED_OTHER, max(mine, LOAD_NICE))
+    background = (os.SCHED_OTHER, max(mine, BACKGROUND_LOAD_NICE))
+    assert at_low_priority(this_thread, nice=BACKGROUND_LOAD_NICE) == background
     monkeypatch.delenv("OMLX_LOAD_IDLE")
 
     def refused(*args):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setscheduler", refused)
-    assert at_low_priority(this_thread) == (os.SCHED_OTHER, max(mine, LOAD_NICE))
+    assert at_low_priority(this_thread, nice=BACKGROUND_LOAD_NICE) == background
     assert "SCHED_IDLE refused" in caplog.text
 
 
 def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
-    monkeypatch.delenv("OMLX_LOAD_NICE", raising=False)
+    monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
     mine = nice_of_this_thread()
     seen: dict[str, object] = {}
 
@@ -124,12 +126,12 @@ def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
         return weights
 
     before = set(threads_of())
-    weights = at_low_priority(load)
-    assert seen["nice"] == max(mine, LOAD_NICE) and seen["thread"] != threading.get_native_id()
+    weights = at_low_priority(load, nice=BACKGROUND_LOAD_NICE)
+    assert seen["nice"] == max(mine, BACKGROUND_LOAD_NICE) and seen["thread"] != threading.get_native_id()
     assert nice_of_this_thread() == mine
     # The MLX stream it evaluated on: a thread it started, which inherited its class.
     started = {t: threads_of()[t][:2] for t in set(threads_of()) - before}
-    assert started and set(started.values()) == {(os.SCHED_IDLE, max(mine, LOAD_NICE))}
+    assert started and set(started.values()) == {(os.SCHED_IDLE, max(mine, BACKGROUND_LOAD_NICE))}
     assert (weights + 1).sum().item() == sum(2 * i + 1 for i in range(1000))  # used here
 
     with pytest.raises(ValueError, match="no such weights"):
@@ -377,8 +379,9 @@ def test_a_worker_imports_and_loads_idle_and_serves_at_its_own_priority(tmp_path
               else start_worker(job, "a fresh shard worker"))
     try:
         imported = wait_imported(worker)
+        # The standby's imports nobody waits for; a fresh worker's, its requested load's.
         assert (imported["nice"], imported["idle"]) == (
-            max(mine, BACKGROUND_LOAD_NICE if standby else LOAD_NICE), True)
+            (max(mine, BACKGROUND_LOAD_NICE), True) if standby else (max(mine, LOAD_NICE), False))
         if standby:
             assert {t[:2] for t in threads_of(worker.pid).values()} == {normal}
             worker.send_line(job.to_json())
@@ -392,18 +395,17 @@ def test_a_worker_imports_and_loads_idle_and_serves_at_its_own_priority(tmp_path
         after = threads_of(ready["pid"])
         served = {after[t][:2] for t in after if after[t][2] > before.get(t, (0, 0, 0))[2]}
         assert served == {normal}, (before, after)
-        # The load's: its MLX stream, idle from now on.
-        assert (os.SCHED_IDLE, max(mine, LOAD_NICE)) in {t[:2] for t in after.values()}
+        # The load's: its MLX stream, idle from now on (a requested load's: niced only).
+        assert (os.SCHED_OTHER, max(mine, LOAD_NICE)) in {t[:2] for t in after.values()}
     finally:
         worker.stop()
 
 
 def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it(monkeypatch):
-    """With nice values only (OMLX_LOAD_IDLE=0), a standby still importing at the background
-    nice is taken by a load nobody waits for, not by one that requests wait for (a fresh worker
-    imports at its own priority; the standby stays for the next load); once imported, any load
-    takes it. Where both would import in the SCHED_IDLE class, whose weight no nice value
-    changes, any load takes it at once, unless it loads at nice 0."""
+    """A standby still importing at the background priority is taken by a load nobody waits
+    for, not by one that requests wait for (a fresh worker imports at its own priority; the
+    standby stays for the next load), nor by a load at nice 0; once imported, any load takes
+    it."""
     import signal
 
     from omlx_node.agent import NodeAgent
@@ -411,7 +413,6 @@ def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it
 
     for var in ("OMLX_LOAD_NICE", "OMLX_BACKGROUND_LOAD_NICE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("OMLX_LOAD_IDLE", "0")
     agent = NodeAgent(secret=None, node_id="standby-test", standby=False)
     agent.server.stop(None)
     standby = worker_process("a standby shard worker", standby=True)
@@ -424,9 +425,6 @@ def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it
         assert agent._standby is standby  # kept for the next load
         assert agent._take_standby(load_nice(pb.LOAD_PRELOAD)) is standby
         assert agent._standby is None
-        monkeypatch.delenv("OMLX_LOAD_IDLE")
-        agent._standby = standby
-        assert agent._take_standby(load_nice(pb.LOAD_REQUESTED)) is standby
         agent._standby = standby
         assert agent._take_standby(0) is None  # a load at the worker's own priority
         os.kill(standby.pid, signal.SIGCONT)
