@@ -119,7 +119,18 @@ class ModelManager:
         order (the main model first; its failure is the start's). The rest load on demand."""
         await self._start()
         self.started = True
-        freeze_startup_heap()  # every model's tokenizer and the app: not walked again
+        freeze_startup_heap()  # the app and what the start loaded: not walked again
+
+    async def load_tokenizers(self) -> None:
+        """Loads every model's tokenizer on a thread, one after another, beside the start: a
+        request that comes first loads its model's itself (ServedModel.load_tokenizer). One
+        that fails is logged; its model's requests then fail saying why."""
+        for m in self.models:
+            try:
+                await asyncio.to_thread(m.load_tokenizer)
+            except Exception as e:  # transformers raises many kinds for a broken folder
+                log.error("the tokenizer of %s did not load: %s", m.name, e)
+        freeze_startup_heap()  # the tokenizers: not walked again
 
     async def _start(self) -> None:
         await self.cluster.start()

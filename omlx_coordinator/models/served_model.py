@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -56,9 +57,11 @@ class ServedModel:
         self.max_context = _text_setting(settings, "max_position_embeddings")
         if self.kind.kind != CHAT:  # the longest input its position table takes
             self.max_context = max_input_tokens(settings)
-        self.tokenizer = ChatTokenizer(path, self.max_context)
-        self.vocab_size = (_text_setting(settings, "vocab_size")
-                           or len(self.tokenizer.tokenizer))
+        # Loaded on first use or by load_tokenizer, whichever comes first, not here: see
+        # load_tokenizer.
+        self._tokenizer: ChatTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self._vocab_size = _text_setting(settings, "vocab_size")
         self.layout: ModelLayout = (
             read_layout(path, model_id=config.name) if self.kind.kind == CHAT else
             whole_model_layout(path, config.name,
@@ -86,6 +89,27 @@ class ServedModel:
         self._released = asyncio.Event()  # set whenever a lease ends
         self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
         self._draft_source: WeightSource | None = None  # its draft model's, likewise
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """Its tokenizer, loaded now if load_tokenizer has not yet (or is loading it: then this
+        waits for that load, on whatever thread asks)."""
+        return self.load_tokenizer()
+
+    def load_tokenizer(self) -> ChatTokenizer:
+        """Loads its tokenizer once. The gateway calls it on a thread once it listens
+        (gateway.py): a coordinator restarted under a load spent most of its time to its first
+        answer importing transformers and loading tokenizers, which nothing needs before a
+        request does, while its nodes could not register (bench/results/restart-cpu.md)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = ChatTokenizer(self.path, self.max_context)
+            return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Its vocabulary's size: the config's, else its tokenizer's."""
+        return self._vocab_size or len(self.tokenizer.tokenizer)
 
     @property
     def names(self) -> tuple[str, ...]:
