@@ -78,7 +78,8 @@ class ServedModel:
         # (Ollama's keep_alive, api/ollama.py).
         self.ttl_seconds = config.ttl_seconds
         self.leases = 0  # requests admitted and not yet finished
-        self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE)  # the queue bound
+        self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE,  # the queue bound
+                                   slots=config.slots or NODE_DEFAULT_BATCH)
         self.gate = PriorityGate(config.slots or NODE_DEFAULT_BATCH, config.batch_share)
         self.last_used = time.monotonic()
         self.error = ""  # why its last load failed ("" when it did not)
