@@ -158,7 +158,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if start_cluster:
             task = asyncio.create_task(manager.start())
             task.add_done_callback(started)
-        # Not before it listens: nodes register over HTTP meanwhile (ModelManager.load_tokenizers).
+        # Not before it listens, nor before a model serves: ModelManager.load_tokenizers.
         tokenizers = asyncio.create_task(manager.load_tokenizers())
         rebalancer.start()
         saving = asyncio.create_task(usage.keep_saved())

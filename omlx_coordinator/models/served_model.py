@@ -98,10 +98,11 @@ class ServedModel:
         return self.load_tokenizer()
 
     def load_tokenizer(self) -> ChatTokenizer:
-        """Loads its tokenizer once. The gateway calls it on a thread once it listens
-        (gateway.py): a coordinator restarted under a load spent most of its time to its first
-        answer importing transformers and loading tokenizers, which nothing needs before a
-        request does, while its nodes could not register (bench/results/restart-cpu.md)."""
+        """Loads its tokenizer once. The gateway calls it on a thread once a model serves
+        (ModelManager.load_tokenizers): a coordinator restarted under a load spent most of its
+        time to its first answer importing transformers and loading tokenizers, which nothing
+        needs before a request does, while its nodes could not register
+        (bench/results/restart-cpu.md)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = ChatTokenizer(self.path, self.max_context)
