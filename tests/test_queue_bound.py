@@ -72,16 +72,34 @@ def test_retry_after_stays_within_its_range():
     clock = Clock()
     a = Admission(1000, clock)
     a.admit(1000)
-    clock.now += adm.DRAIN_WINDOW_SECONDS
-    a.release(1000)  # 1000 in a busy minute: ~16.7 a second
+    clock.now += 0.5
+    a.release(1000)  # all at once, half a second each
     a.admit(1)
-    assert a.retry_after() == adm.MIN_RETRY_SECONDS  # one held: a fraction of a second
+    assert a.retry_after() == adm.MIN_RETRY_SECONDS  # one held: half a second
     a.admit(999)
     clock.now += adm.DRAIN_WINDOW_SECONDS + 1
-    a.release(1)
+    a.release(1)  # one in a busy minute of 1000 held: those before are forgotten
     a.admit(1)
-    assert a.drain_rate() == pytest.approx(1 / adm.DRAIN_WINDOW_SECONDS)  # the rest left
     assert a.retry_after() == adm.MAX_RETRY_SECONDS
+
+
+def test_a_burst_drains_at_a_full_batch_rate_not_one_request_at_a_time():
+    clock = Clock()
+    a = Admission(32, clock, slots=8)
+    for _ in range(4):  # requests one at a time, half a second each
+        a.admit()
+        clock.now += 0.5
+        a.release()
+    for _ in range(32):  # then a burst fills the bound
+        a.admit()
+    # Eight run at once, half a second each: the 32 drain in 2 s, not in 32 x 0.5 s.
+    assert a.drain_rate() == pytest.approx(16)
+    assert a.retry_after() == 2
+    clock.now += 0.5  # eight finish; the next eight take the slots
+    for _ in range(8):
+        a.release()
+        a.admit()
+    assert a.retry_after() == 2  # 12 finished in 6 slot-seconds: 16 a second at a full batch
 
 
 def test_refused_before_the_body_only_while_every_model_is_full():

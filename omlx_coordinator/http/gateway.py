@@ -158,6 +158,8 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         if start_cluster:
             task = asyncio.create_task(manager.start())
             task.add_done_callback(started)
+        # Not before it listens, nor before a model serves: ModelManager.load_tokenizers.
+        tokenizers = asyncio.create_task(manager.load_tokenizers())
         rebalancer.start()
         saving = asyncio.create_task(usage.keep_saved())
         try:
@@ -165,6 +167,7 @@ def create_app(manager: ModelManager, settings: GatewaySettings | None = None,
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            tokenizers.cancel()
             saving.cancel()
             await rebalancer.stop()
             await manager.stop()

@@ -37,6 +37,7 @@ from proto import omlx_pb2 as pb
 log = logging.getLogger(__name__)
 
 TTL_CHECK_SECONDS = 1.0
+TOKENIZERS_WAIT_SECONDS = 60.0  # the longest the tokenizers wait for a model to serve first
 # Memory a node must have free (as its OS reports it) beyond a new stage's bytes before the
 # stage loads: the planner's bytes leave out the worker process itself.
 WATERMARK_HEADROOM_BYTES = 1 << 30
@@ -119,7 +120,25 @@ class ModelManager:
         order (the main model first; its failure is the start's). The rest load on demand."""
         await self._start()
         self.started = True
-        freeze_startup_heap()  # every model's tokenizer and the app: not walked again
+        freeze_startup_heap()  # the app and what the start loaded: not walked again
+
+    async def load_tokenizers(self) -> None:
+        """Loads every model's tokenizer on a thread, one after another, once a model serves
+        (or TOKENIZERS_WAIT_SECONDS after the start): before, their CPU (a second or more on
+        a small machine, many on a loaded one) would be taken from finding the nodes and
+        loading a plan, which /health waits for, while in a restart side by side they delayed
+        its ready as much as they had delayed its listening. A request that comes first loads
+        its model's itself (ServedModel.load_tokenizer). One that fails is logged; its
+        model's requests then fail saying why."""
+        deadline = time.monotonic() + TOKENIZERS_WAIT_SECONDS
+        while not any(d.ready for d in self.deployments()) and time.monotonic() < deadline:
+            await asyncio.sleep(TTL_CHECK_SECONDS / 4)
+        for m in self.models:
+            try:
+                await asyncio.to_thread(m.load_tokenizer)
+            except Exception as e:  # transformers raises many kinds for a broken folder
+                log.error("the tokenizer of %s did not load: %s", m.name, e)
+        freeze_startup_heap()  # the tokenizers: not walked again
 
     async def _start(self) -> None:
         await self.cluster.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -56,9 +57,11 @@ class ServedModel:
         self.max_context = _text_setting(settings, "max_position_embeddings")
         if self.kind.kind != CHAT:  # the longest input its position table takes
             self.max_context = max_input_tokens(settings)
-        self.tokenizer = ChatTokenizer(path, self.max_context)
-        self.vocab_size = (_text_setting(settings, "vocab_size")
-                           or len(self.tokenizer.tokenizer))
+        # Loaded on first use or by load_tokenizer, whichever comes first, not here: see
+        # load_tokenizer.
+        self._tokenizer: ChatTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self._vocab_size = _text_setting(settings, "vocab_size")
         self.layout: ModelLayout = (
             read_layout(path, model_id=config.name) if self.kind.kind == CHAT else
             whole_model_layout(path, config.name,
@@ -75,7 +78,8 @@ class ServedModel:
         # (Ollama's keep_alive, api/ollama.py).
         self.ttl_seconds = config.ttl_seconds
         self.leases = 0  # requests admitted and not yet finished
-        self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE)  # the queue bound
+        self.admission = Admission(config.max_queue or DEFAULT_MAX_QUEUE,  # the queue bound
+                                   slots=config.slots or NODE_DEFAULT_BATCH)
         self.gate = PriorityGate(config.slots or NODE_DEFAULT_BATCH, config.batch_share)
         self.last_used = time.monotonic()
         self.error = ""  # why its last load failed ("" when it did not)
@@ -86,6 +90,28 @@ class ServedModel:
         self._released = asyncio.Event()  # set whenever a lease ends
         self._weight_source: WeightSource | None = None  # indexed when a remote node needs it
         self._draft_source: WeightSource | None = None  # its draft model's, likewise
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """Its tokenizer, loaded now if load_tokenizer has not yet (or is loading it: then this
+        waits for that load, on whatever thread asks)."""
+        return self.load_tokenizer()
+
+    def load_tokenizer(self) -> ChatTokenizer:
+        """Loads its tokenizer once. The gateway calls it on a thread once a model serves
+        (ModelManager.load_tokenizers): a coordinator restarted under a load spent most of its
+        time to its first answer importing transformers and loading tokenizers, which nothing
+        needs before a request does, while its nodes could not register
+        (bench/results/restart-cpu.md)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = ChatTokenizer(self.path, self.max_context)
+            return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Its vocabulary's size: the config's, else its tokenizer's."""
+        return self._vocab_size or len(self.tokenizer.tokenizer)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -107,6 +107,10 @@ class Member:
     dequantizes: bool = False  # its workers run on a CPU, which dequantizes (its handshake)
     chip: str = ""
     alive: bool = True
+    # Admitted, its links still being measured (add_remote): no plan may use it yet, and a
+    # restarted coordinator does not count it back. A plan loading on it meanwhile raced the
+    # probes for its data port: the load's pipeline never linked (60 s lost, then a re-plan).
+    joining: bool = False
     last_seen: float = 0.0
     answering_since: float | None = None  # lost, but answering every heartbeat since then
     lost_before: bool = False  # lost at least once: it may come back holding a stale plan
@@ -285,7 +289,7 @@ class Cluster:
 
     def servable(self) -> list[Member]:
         """The live members a plan may use, in ring order."""
-        return [m for m in self.members if m.alive and not m.weights_error]
+        return [m for m in self.members if m.alive and not m.joining and not m.weights_error]
 
     async def add_remote(self, address: str, node_id: str) -> Member | None:
         """Admits node `node_id`'s agent at `address` (over TLS it must hold a certificate for
@@ -322,7 +326,20 @@ class Cluster:
             else:
                 self._react(_close_later(member.agent))
                 member.agent = agent
-            member.alive, member.last_seen = True, time.monotonic()
+            member.alive, member.last_seen, member.joining = True, time.monotonic(), True
+        try:
+            await self._welcome(member, agent, hello)
+        finally:
+            member.joining = False
+        log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
+                 member.budget_bytes / 2**30)
+        self._remember_members()
+        if self.on_joined is not None:
+            await self.on_joined(member)
+        return member
+
+    async def _welcome(self, member: Member, agent: AgentClient, hello: pb.HandshakeReply) -> None:
+        """Records what `member`, admitted just now, said of itself, and measures its links."""
         member.weights_error = ""
         member.rdma_ports = list(hello.rdma_ports)
         # It may come back with RDMA enabled or recabled: jaccl is tried again (JacclFailures).
@@ -335,14 +352,8 @@ class Cluster:
         try:
             member.health = await agent.health()
         except grpc.aio.AioRpcError as e:
-            log.warning("node %s: no health after admission: %s", node_id, e.details())
+            log.warning("node %s: no health after admission: %s", member.name, e.details())
         await self._survey(member)
-        log.info("node %s (%s, %s, %.1f GiB usable) joined", node_id, address, hello.chip,
-                 budget / 2**30)
-        self._remember_members()
-        if self.on_joined is not None:
-            await self.on_joined(member)
-        return member
 
     async def _survey(self, member: Member) -> None:
         """Measures the links of `member`, admitted just now, before any plan counts it."""
@@ -369,8 +380,9 @@ class Cluster:
 
     def _remember_members(self) -> None:
         if self.known is not None:
-            self.expected -= {m.name for m in self.members if m.alive}
-            self.known.save({m.name for m in self.members if m.alive})
+            back = {m.name for m in self.members if m.alive and not m.joining}
+            self.expected -= back
+            self.known.save(back)
 
     async def gathered(self) -> None:
         """Returns once the members this coordinator had before its restart are back, or

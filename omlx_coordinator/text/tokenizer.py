@@ -12,8 +12,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from omlx_coordinator.errors import APIError
 from omlx_coordinator.text.prefix_tokens import PrefixTokenizer
 from omlx_coordinator.text.tool_calls import ToolCallFormat
@@ -73,6 +71,11 @@ class ChatPrompt(list):
 
 class ChatTokenizer:
     def __init__(self, model_path: Path | str, max_context: int | None = None):
+        # Imported here, not with the module: transformers costs a second or more of CPU to
+        # import, which a restarted coordinator must not spend before it listens (its nodes
+        # register over HTTP) but while it waits for them (ServedModel.load_tokenizer).
+        from transformers import AutoTokenizer
+
         path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
