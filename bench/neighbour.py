@@ -70,9 +70,9 @@ SETTINGS = (
     Setting("nice", f"nice only (OMLX_LOAD_IDLE=0): preloads at nice {BACKGROUND_LOAD_NICE}, "
             f"requested loads at nice {LOAD_NICE}, embedding workers at nice {ENCODE_NICE}",
             {"OMLX_LOAD_IDLE": "0"}, ("preload", "requested")),
-    Setting("shipped", f"as shipped: loads SCHED_IDLE (preloads at nice "
-            f"{BACKGROUND_LOAD_NICE}, requested at nice {LOAD_NICE}), embedding workers at "
-            f"nice {ENCODE_NICE}", {}, ("preload", "requested")),
+    Setting("shipped", f"as shipped: preloads SCHED_IDLE at nice {BACKGROUND_LOAD_NICE}, "
+            f"requested loads at nice {LOAD_NICE}, embedding workers at nice {ENCODE_NICE}",
+            {}, ("preload", "requested")),
     Setting("encode19", "as shipped but OMLX_ENCODE_NICE=19", {"OMLX_ENCODE_NICE": "19"}, ()),
 )
 
