@@ -199,7 +199,7 @@ def main() -> int:
     lines = [
         "# A chat model's decode beside a loading model and an embedding batch (CPU)", "",
         f"Machine: {platform.machine()} {platform.system()}, MLX CPU backend, "
-        f"{os.cpu_count()} cores shared with other engineers' work (load average 1/5/15 min "
+        f"{os.cpu_count()} cores (load average 1/5/15 min "
         f"{'/'.join(f'{x:.1f}' for x in load_before)} before the run, "
         f"{'/'.join(f'{x:.1f}' for x in load_after)} after). Commit {commit}. "
         f"`python -m bench.neighbour --runs {args.runs} --settings {args.settings}`: "
