@@ -35,9 +35,8 @@ class Stopwatch:
 
     On a CPU, the lesser of the wall clock and this process's CPU seconds. The calibration is
     kept for every later join, so it must not read a shared machine's passing load as this
-    node's speed: five runs on one core of a 2-core EPYC VM at load averages of 11 to 16 read
-    4.96-5.10 GB/s in CPU seconds (5.2 when quiet) and 2.64-5.04 on the wall clock; one at a
-    load of 24 read 3.8 there. The wall clock where it is less: a BLAS that runs
+    node's speed: on the wall clock, time spent waiting for a core counts as the node's
+    (bench/results/tensor-parallel-cpu.md). The wall clock where it is less: a BLAS that runs
     several threads (OPENBLAS_NUM_THREADS > 1) spends more CPU seconds than wall seconds. On a
     GPU, the wall clock (its work is not this process's CPU time)."""
 
@@ -61,16 +60,17 @@ def measure_speed(
     """Weight bytes per second this node streams through (1, dim) x (dim, dim) matmuls.
 
     Each matrix is read as an nn.Linear reads its weight, `x @ w.T` (stored out x in): on a
-    CPU, MLX streams that layout at about half the rate of `x @ w` (4.6 against 9.9 GB/s on
-    one core of an EPYC VM, the wheel's BLAS), so measuring the other one predicted decode
-    twice as fast as the model ran. Square matrices, though a BLAS streams each shape at its
-    own rate (with OpenBLAS on that core, 13-15 GB/s for a (512, 1024) KV projection, 9 for a
-    (1024, 2816) down projection, 5 for 4096^2): the seven matrices of a llama layer at hidden
-    2048 came no closer to real models' decode (in CPU seconds: 5.0-5.1 GB/s against 4.9-5.2
-    here, llamas of hidden 1024-4096 4.9-5.0, the 250M bench llama 5.7). `matrices` distinct matrices (4 x 4096^2 fp16 = 128 MiB) so the working set
-    exceeds the on-chip caches, as real weights do; one synchronising eval per pass over them,
-    as a decode step has. dtype defaults to float16 on a GPU and float32 on a CPU (where MLX's half-precision
-    kernels are slow and the node computes in float32 anyway). Runs for about `seconds`.
+    CPU, MLX streams that layout at about half the rate of `x @ w`, so measuring the other one
+    predicted decode twice as fast as the model ran. Square matrices, though a BLAS streams
+    each shape at its own rate: the seven matrices of a llama layer came no closer to real
+    models' decode (the numbers: bench/results/tensor-parallel-cpu.md). `matrices` distinct
+    matrices (4 x 4096^2 fp16 = 128 MiB) so the working set exceeds the on-chip caches, as real
+    weights do; one synchronising eval per pass over them, as a decode step has. dtype defaults
+    to float16 on a GPU and float32 on a CPU (where MLX's half-precision kernels are slow and
+    the node computes in float32 anyway). Runs for about `seconds`; the speed is the fastest
+    pass's: one that another process's burst slowed (a page cache's writeback, a neighbour
+    sharing the memory bus) is not the node's, and a mean over the passes let one such burst
+    move the node's speed by a fifth between two runs on a quiet machine.
     """
     import mlx.core as mx
 
@@ -93,14 +93,15 @@ def measure_speed(
         mx.eval(y)
 
     one_pass()  # warm-up: kernel compilation and first-touch page faults are not bandwidth
-    passes = 0
-    watch = Stopwatch()
-    while True:  # bounded by the wall clock, timed by the node's own work (Stopwatch)
+    fastest = math.inf
+    started = time.perf_counter()
+    while True:  # bounded by the wall clock, each pass timed by the node's own work
+        watch = Stopwatch()
         one_pass()
-        passes += 1
-        if watch.wall() >= seconds:
+        fastest = min(fastest, watch.seconds())
+        if time.perf_counter() - started >= seconds:
             break
-    return passes * pass_bytes / watch.seconds()
+    return pass_bytes / max(fastest, 1e-9)
 
 
 def measure_layer_ms(seconds: float = 1.0, depths: tuple[int, int] = (2, 10)) -> float:
@@ -108,8 +109,9 @@ def measure_layer_ms(seconds: float = 1.0, depths: tuple[int, int] = (2, 10)) ->
     a batch-1 step's time over the depth of a tiny random llama (mlx-lm's own layers, hidden size
     64, so its weights read in microseconds), each step built, evaluated and its token sampled
     as the engine does. What is left is the dispatch of each layer's ~20 ops, its norms, rope
-    and attention over a short context: 0.5-0.8 ms a layer on one core of an EPYC VM, which a
-    tensor-parallel rank's share of the weights does not shrink. Runs for about `seconds`."""
+    and attention over a short context (a fraction of a millisecond a layer on a CPU core),
+    which a tensor-parallel rank's share of the weights does not shrink. Runs for about
+    `seconds`."""
     import statistics
 
     import mlx.core as mx
@@ -189,8 +191,8 @@ def step_cost(costs: dict[int, float], rows: int) -> float:
 
 # What the saved measurement was made with: a cache of another method is measured again
 # (2: weights read as nn.Linear reads them, and each layer's fixed cost; 3: timed in the node's
-# own work, `Stopwatch`, with the workers' BLAS).
-METHOD = 3
+# own work, `Stopwatch`, with the workers' BLAS; 4: the fastest pass's speed).
+METHOD = 4
 
 
 @dataclass(frozen=True)
@@ -208,10 +210,9 @@ def node_calibration(cache: Path, recalibrate: bool = False,
     that says why.
 
     The child runs with the BLAS a shard worker runs with (`blas_env`): measured with the MLX
-    wheel's own BLAS, one core of an EPYC VM streamed 4.6 GB/s and a 250M llama decoded at 5.1
-    tok/s, while its workers, with OpenBLAS, decoded it at 6.0 (the planner predicted 17% low).
-    A cache measured with another BLAS (OpenBLAS installed since, OMLX_BLAS changed) is measured
-    again."""
+    wheel's own BLAS, a node read slower than its workers, which preload OpenBLAS, decode
+    (bench/results/tensor-parallel-cpu.md). A cache measured with another BLAS (OpenBLAS
+    installed since, OMLX_BLAS changed) is measured again."""
     from omlx_shared.blas import blas_env
     from omlx_shared.hardware import chip
 
