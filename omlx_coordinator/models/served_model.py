@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 # hidden size: omlx_node/encoders.py's passes of up to 16k padded tokens, float32 hidden states
 # and a few intermediates of each.
 WORK_BYTES_PER_HIDDEN = 16384 * 4 * 8
+# One tokenizer loads at a time, whichever model it is: the first load imports transformers,
+# whose lazily built module is not safe to import from two threads at once (a request's load
+# on the event loop beside load_tokenizers' thread raised "cannot import name AutoTokenizer").
+_TOKENIZER_LOAD = threading.Lock()
 
 # What /v1/models and `status` show of a model.
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
@@ -60,7 +64,6 @@ class ServedModel:
         # Loaded on first use or by load_tokenizer, whichever comes first, not here: see
         # load_tokenizer.
         self._tokenizer: ChatTokenizer | None = None
-        self._tokenizer_lock = threading.Lock()
         self._vocab_size = _text_setting(settings, "vocab_size")
         self.layout: ModelLayout = (
             read_layout(path, model_id=config.name) if self.kind.kind == CHAT else
@@ -103,7 +106,9 @@ class ServedModel:
         time to its first answer importing transformers and loading tokenizers, which nothing
         needs before a request does, while its nodes could not register
         (bench/results/restart-cpu.md)."""
-        with self._tokenizer_lock:
+        if self._tokenizer is not None:  # every request asks: no lock once loaded
+            return self._tokenizer
+        with _TOKENIZER_LOAD:
             if self._tokenizer is None:
                 self._tokenizer = ChatTokenizer(self.path, self.max_context)
             return self._tokenizer
