@@ -12,8 +12,8 @@ outlives the imports to carry their priority on: MLX starts its stream threads a
 evaluation, from the thread that evaluates, and OpenBLAS its pool when the process starts.
 
 Once imported, a standby leaves IMPORTED beside its ready file: a load that requests wait for
-takes a standby still importing below its nice value only where both import in the SCHED_IDLE
-class (`imported`); else it starts a fresh worker rather than wait for one behind busy workers.
+takes a standby only then (`imported`), and starts a fresh worker rather than wait for one
+still importing behind busy workers.
 """
 
 from __future__ import annotations
