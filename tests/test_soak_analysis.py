@@ -1,9 +1,9 @@
-"""The soak's growth measure (bench/soak.py `steady`): restarts are not growth, a process that
-grows steadily is, whatever restarts happen around it."""
+"""The soak's growth measure (bench/soak_report.py `steady`): restarts are not growth, a
+process that grows steadily is, whatever restarts happen around it."""
 
 from __future__ import annotations
 
-from bench.soak import LONG_LIVED, SAMPLE_EVERY, WARM_UP, steady
+from bench.soak_report import LONG_LIVED, SAMPLE_EVERY, WARM_UP, steady
 
 MIB = 2**20
 
