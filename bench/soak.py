@@ -1,8 +1,11 @@
 """A chaos soak: a mixed load against a cluster while a fault injector breaks it (issue 46, 5).
 
-A `coordinator` with two `join` nodes on loopback (each process its own OMLX_CLUSTER_HOME, the
-tests' cluster secret, an admin API key) serves two tiny random models, the main one a 2-stage
-pipeline over both nodes. For `--minutes`:
+A `coordinator` with two `join` nodes (each process its own OMLX_CLUSTER_HOME, the tests'
+cluster secret, an admin API key) serves two tiny random models, the main one a 2-stage
+pipeline over both nodes. Node b runs in a network namespace of its own, joined to the hub's
+(the coordinator's, node a's and this script's threads') by a veth pair (bench/soak_network.py,
+tests/netns.py); where namespaces cannot be made (not root, no `ip` or `tc`) all of it runs on
+loopback and no link is dropped. For `--minutes`:
 
 - a bounded pool of client threads sends a mixed load: both APIs, streaming and not, long and
   short prompts, `n = 4`, a tool-call request, cancels (a stream closed after a few chunks),
@@ -10,11 +13,12 @@ pipeline over both nodes. For `--minutes`:
   references computed fault-free at the start;
 - a seeded fault injector, every 20-60 s (every kind once a round, in a random order): SIGKILL
   a random shard worker, SIGKILL a join agent (started again with the same flags and home),
-  SIGKILL the coordinator (started again), SIGSTOP a worker or agent for 5-15 s, or fill a
+  SIGKILL the coordinator (started again), SIGSTOP a worker or agent for 5-15 s, fill a
   node's cache disk for 10-20 s (each node's SSD KV tier is on a tmpfs of its own, as root;
-  a file takes it to 16 MiB from full, then goes); each fault's pause is the time until
-  /health is 200 and a greedy request succeeds again. Dropping a link needs the cluster in
-  network namespaces (tests/test_partitions.py does that): not done here.
+  a file takes it to 16 MiB from full, then goes), or drop b's link for 5-20 s (tc drops
+  every packet on it: past the heartbeat's bound b is lost and main planned on a alone; once
+  healed b joins again). Each fault's pause is the time until /health is 200 and a greedy
+  request succeeds again;
 - every 5 s, each process's RSS, open fds and threads from /proc, summed per role.
 
 Writes soak-cpu.md, soak-cpu.svg and soak-cpu.json under --out. Not part of the test suite.
@@ -35,12 +39,15 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
+from concurrent.futures import wait
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 from bench.common import REPO, RESULTS
+from bench.soak_network import Network, network
 from bench.soak_report import (FAULTS, HOT_CACHE, RECOVERY_LIMIT, SAMPLE_EVERY, STAGE_GAUGES, Fault,
                                Outcome, report, report_again)
 from tests.conftest import descendants, free_port
@@ -72,6 +79,7 @@ FULL_LEFT = 16 << 20  # bytes the fault leaves free: far inside the tier's reser
 class Cluster:
     root: Path
     port: int
+    net: Network
     coordinator_args: list[str]
     node_args: dict[str, list[str]]
     coordinator: subprocess.Popen | None = None
@@ -82,17 +90,19 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.net.host_of('coordinator')}:{self.port}"
 
     def start_coordinator(self) -> None:
         self.restarts += 1
         self.coordinator = launch(self.coordinator_args, self.root / "home-coordinator",
-                                  self.root / f"coordinator-{self.restarts}.log")
+                                  self.root / f"coordinator-{self.restarts}.log",
+                                  self.net.namespace_of("coordinator"))
         self.started.append(self.coordinator)
 
     def start_agent(self, name: str) -> None:
         n = sum(1 for p in self.root.glob(f"{name}-*.log")) + 1
-        p = launch(self.node_args[name], self.root / f"home-{name}", self.root / f"{name}-{n}.log")
+        p = launch(self.node_args[name], self.root / f"home-{name}", self.root / f"{name}-{n}.log",
+                   self.net.namespace_of(name))
         self.agents[name] = p
         self.started.append(p)
 
@@ -151,6 +161,18 @@ def ours(pid: int, root: Path) -> bool:
                 and str(root).encode() in Path(f"/proc/{pid}/environ").read_bytes())
     except OSError:
         return False
+
+
+def main_stages(status: dict) -> set[str]:
+    """The live nodes with a stage of main's plan, while it is ready."""
+    if status.get("ready") is not True:
+        return set()
+    return {n["id"] for n in status.get("nodes") or [] if n["alive"] and n["layers"]}
+
+
+def alive(status: dict, node: str) -> bool | None:
+    """Whether the coordinator counts `node` alive; None when it does not say."""
+    return next((n["alive"] for n in status.get("nodes") or [] if n["id"] == node), None)
 
 
 def planned(cluster: Cluster) -> bool:
@@ -426,6 +448,8 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop: threading.Even
         return pause_process(pid, target, kind, rng, stop)
     if kind == "fill_disk":
         return fill_disk(cluster, rng, stop)
+    if kind == "drop_link":
+        return drop_link(cluster, rng, stop)
     if kind in ("kill_agent", "stop_agent"):
         name = rng.choice(sorted(cluster.agents))
         p = cluster.agents[name]
@@ -470,15 +494,64 @@ def fill_disk(cluster: Cluster, rng: random.Random, stop: threading.Event) -> Fa
                  detail=f"{size >> 20} MiB taken for {length:.1f}s")
 
 
+def drop_link(cluster: Cluster, rng: random.Random, stop: threading.Event) -> Fault:
+    """Node b's link cut for 5-20 s, then healed: every packet dropped, no RST, so its calls
+    and streams only time out. Notes when the coordinator declared b lost and, when b had a
+    stage of main, when main ran on a alone (a cut past the heartbeat's bound has b lost and
+    main planned again without it)."""
+    before = sorted(main_stages(cluster.status()))
+    now = time.monotonic()
+    length = rng.uniform(5, 20)
+    seen: dict[str, float] = {}
+    cluster.net.cut()
+    try:
+        while (left := now + length - time.monotonic()) > 0 and not stop.is_set():
+            s = cluster.status()
+            if alive(s, "b") is False:
+                seen.setdefault("b lost", time.monotonic() - now)
+            if "b" in before and main_stages(s) == {"a"}:
+                seen.setdefault("main on a alone", time.monotonic() - now)
+            stop.wait(min(1.0, left))
+    finally:
+        cluster.net.heal()
+    cut_for = time.monotonic() - now
+    notes = ", ".join(f"{what} after {t:.1f}s" for what, t in seen.items())
+    return Fault("drop_link", "link of b", now, main_before=before,
+                 detail=f"main on {'+'.join(before) or 'no ready plan'}; cut {cut_for:.1f}s: "
+                        f"{notes or 'b never declared lost'}")
+
+
+def rejoined(cluster: Cluster, f: Fault, stop: threading.Event) -> None:
+    """After a dropped link: notes when b was alive again and, when it had a stage of main at
+    the cut, when it had one again (a join keeps a plan that did not lose b: nothing to wait
+    for then)."""
+    back, replan = None, "b" in (f.main_before or [])
+    while time.monotonic() < f.at + RECOVERY_LIMIT and not stop.is_set():
+        s = cluster.status()
+        if alive(s, "b"):
+            if back is None:
+                back = time.monotonic() - f.at
+                f.detail += f"; b back after {back:.1f}s"
+            if not replan:
+                return
+            if "b" in main_stages(s):
+                f.detail += f", in main's plan after {time.monotonic() - f.at:.1f}s"
+                return
+        stop.wait(1)
+    f.detail += "; b not back" if back is None else ", not in main's plan"
+    f.detail += f" within {RECOVERY_LIMIT:.0f}s"
+
+
 def injector(cluster: Cluster, refs: dict[str, str], rng: random.Random, end: float,
              faults: list[Fault], stop: threading.Event, gap: tuple[float, float]) -> None:
     next_at = time.monotonic() + rng.uniform(*gap)
+    kinds = [k for k in FAULTS if k != "drop_link" or cluster.net.wire is not None]
     queue: list[str] = []
     while not stop.is_set() and time.monotonic() < end:
         if stop.wait(max(0.0, min(next_at, end) - time.monotonic())) or time.monotonic() >= end:
             return
         if not queue:  # every kind once a round, in a seeded order: short runs see them all
-            queue = rng.sample(FAULTS, len(FAULTS))
+            queue = rng.sample(kinds, len(kinds))
         kind = queue.pop()
         try:
             f = inject(cluster, kind, rng, stop)
@@ -487,7 +560,9 @@ def injector(cluster: Cluster, refs: dict[str, str], rng: random.Random, end: fl
         faults.append(f)
         print(f"[{time.strftime('%H:%M:%S')}] fault {f.kind} {f.target} {f.detail}", flush=True)
         recovered(cluster, refs, f.at, f, stop)
-        print(f"    pause {f.pause}", flush=True)
+        if f.kind == "drop_link":
+            rejoined(cluster, f, stop)
+        print(f"    pause {f.pause} {f.detail if f.kind == 'drop_link' else ''}", flush=True)
         next_at = f.at + rng.uniform(*gap)
 
 
@@ -604,22 +679,14 @@ def main() -> None:
         report_again(args.report_from, args.out)
         return
 
+    if (why := tmpfs_unavailable()) is not None:
+        raise SystemExit(f"the soak fills the nodes' cache disks: {why}")
     root = Path(tempfile.mkdtemp(prefix="omlx-soak-"))
     print(f"logs and homes under {root}", flush=True)
     # Qwen's template: its tool-call markup lets the tool-call requests through.
     models = {name: build_model(root / name, "llama", num_layers=4, seed=i,
                                 chat_template=QWEN_TEMPLATE)
               for i, name in enumerate(MODELS)}
-    port = free_port()
-    cluster = Cluster(
-        root=root, port=port,
-        coordinator_args=["coordinator", "--port", str(port), "--no-discovery", "--os-reserve",
-                          "1GiB", "--api-key", KEY,
-                          *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))],
-        node_args={name: ["join", "--name", name, "--port", str(free_port()), "--no-announce",
-                          "--coordinator", f"127.0.0.1:{port}", "--hot-cache-max-size",
-                          HOT_CACHE, "--orphan-grace", "120", "--paged-ssd-cache-dir",
-                          str(root / f"cache-{name}")] for name in ("a", "b")})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     outcomes: list[Outcome] = []
@@ -628,51 +695,80 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     t_start = time.monotonic()
-    if (why := tmpfs_unavailable()) is not None:
-        raise SystemExit(f"the soak fills the nodes' cache disks: {why}")
-    disks = ExitStack()
-    try:
-        for name in cluster.node_args:
-            disks.enter_context(tmpfs(cluster.cache_dir(name), CACHE_DISK))
-            cluster.start_agent(name)
-        cluster.start_coordinator()
-        wait_for(lambda: planned(cluster), 180, "main planned over both nodes")
-        refs = references(cluster.url)
-        print(f"references: {refs}", flush=True)
-        layers = {n["id"]: [w["layers"] for w in n["workers"]]
-                  for n in cluster.status()["nodes"]}
-        print(f"layers per node: {layers}", flush=True)
-        t_start = time.monotonic()
-        end = t_start + args.minutes * 60
-        rng = random.Random(args.seed)
-        threads = [threading.Thread(target=client, daemon=True, args=(
-            cluster.url, refs, args.seed * 100 + i, end, args.deadline, outcomes, stop))
-            for i in range(args.clients)]
-        threads.append(threading.Thread(target=sampler, daemon=True,
-                                        args=(cluster, t_start, samples, stop, end)))
-        threads.append(threading.Thread(target=injector, daemon=True, args=(
-            cluster, refs, rng, end, faults, stop, (args.gap_min, args.gap_max))))
-        for t in threads:
-            t.start()
-        # Clients finish their request in flight: at most the deadline past the end.
-        for t in threads:
-            t.join(max(0.0, end + args.deadline + RECOVERY_LIMIT - time.monotonic()))
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up", flush=True)
-    finally:
-        stop.set()
-        duration = time.monotonic() - t_start
-        cluster.stop()
-        disks.close()
+    with network() as net, ExitStack() as disks:
+        if net.wire is None:
+            print(f"no link is dropped: {net.reason}", flush=True)
+        cluster = make_cluster(root, models, net)
+        # The soak's own threads run in the hub, where they reach the gateway.
+        with net.threads(args.clients + 2) as pool:
+            try:
+                for name in cluster.node_args:
+                    disks.enter_context(tmpfs(cluster.cache_dir(name), CACHE_DISK))
+                    cluster.start_agent(name)
+                cluster.start_coordinator()
+                refs = pool.submit(prepare, cluster, stop).result()
+                t_start = time.monotonic()
+                end = t_start + args.minutes * 60
+                rng = random.Random(args.seed)
+                tasks = [pool.submit(client, cluster.url, refs, args.seed * 100 + i, end,
+                                     args.deadline, outcomes, stop) for i in range(args.clients)]
+                tasks.append(pool.submit(sampler, cluster, t_start, samples, stop, end))
+                tasks.append(pool.submit(injector, cluster, refs, rng, end, faults, stop,
+                                         (args.gap_min, args.gap_max)))
+                # Clients finish their request in flight: at most the deadline past the end.
+                done, _ = wait(tasks, max(0.0, end + args.deadline + RECOVERY_LIMIT
+                                          - time.monotonic()))
+                for t in done:
+                    if t.exception() is not None:
+                        print("a soak thread failed:", flush=True)
+                        traceback.print_exception(t.exception())
+            except KeyboardInterrupt:
+                print("interrupted: cleaning up", flush=True)
+            finally:
+                stop.set()
+                duration = time.monotonic() - t_start
+                cluster.stop()
+    no_link_drops = (None if net.wire is not None else "node b needs a network namespace of "
+                     f"its own, and none could be made here: {net.reason}")
     # What the report is made from, first: should the analysis fail, --report-from remakes it.
     raw = root / "soak-raw.json"
     raw.write_text(json.dumps({
         "args": vars(args), "requests": [asdict(o) for o in outcomes],
         "faults": [asdict(f) for f in faults], "samples": samples,
-        "duration_s": round(duration, 1), "commit": commit, "logs": str(root)}, default=str))
+        "duration_s": round(duration, 1), "commit": commit, "logs": str(root),
+        "no_link_drops": no_link_drops}, default=str))
     print(f"raw results in {raw}", flush=True)
-    report(args.out, args, outcomes, faults, samples, duration, commit, root)
+    report(args.out, args, outcomes, faults, samples, duration, commit, root, no_link_drops)
     print((args.out / "soak-cpu.md").read_text())
+
+
+def make_cluster(root: Path, models: dict[str, Path], net: Network) -> Cluster:
+    """Two join nodes and a coordinator over them, each listening where `net` puts it."""
+    port = free_port()  # the hub's ports are all free: the host's free one is too
+    at = f"{net.host_of('coordinator')}:{port}"
+    return Cluster(
+        root=root, port=port, net=net,
+        coordinator_args=["coordinator", "--host", net.host_of("coordinator"), "--port",
+                          str(port), "--no-discovery", "--os-reserve", "1GiB", "--api-key", KEY,
+                          *(f for n, p in models.items() for f in ("--model", f"{n}={p}"))],
+        node_args={name: ["join", "--name", name, "--host", net.host_of(name), "--port",
+                          str(free_port()), "--no-announce", "--coordinator", at,
+                          "--hot-cache-max-size", HOT_CACHE, "--orphan-grace", "120",
+                          "--paged-ssd-cache-dir", str(root / f"cache-{name}")]
+                   for name in ("a", "b")})
+
+
+def prepare(cluster: Cluster, stop: threading.Event) -> dict[str, str]:
+    """Waits for main's plan over both nodes; the greedy references, computed fault-free ({}
+    when the soak was stopped meanwhile: Ctrl-C does not reach this thread)."""
+    wait_for(lambda: stop.is_set() or planned(cluster), 180, "main planned over both nodes")
+    if stop.is_set():
+        return {}
+    refs = references(cluster.url)
+    print(f"references: {refs}", flush=True)
+    layers = {n["id"]: [w["layers"] for w in n["workers"]] for n in cluster.status()["nodes"]}
+    print(f"layers per node: {layers}", flush=True)
+    return refs
 
 
 if __name__ == "__main__":

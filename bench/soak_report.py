@@ -22,7 +22,7 @@ PROC_WARM_UP = 60.0  # seconds of a process's own life it loads and warms (a res
 LONG_LIVED = 150.0
 HOT_CACHE = "16MiB"  # each worker's RAM KV tier: small, so that it is full after warm-up
 FAULTS = ("kill_worker", "kill_agent", "kill_coordinator", "stop_worker", "stop_agent",
-          "fill_disk")
+          "fill_disk", "drop_link")
 
 # What each shard worker's /metrics says of its memory: the RAM KV tier, MLX's allocator
 # (in use and freed-but-kept), the sequences' KV. Lets a growing RSS be told apart.
@@ -51,6 +51,7 @@ class Fault:
     pause: float | None = None  # until /health 200 and a greedy request succeeded
     health_after: float | None = None
     detail: str = ""
+    main_before: list[str] | None = None  # drop_link: the nodes with a stage of main at the cut
 
 
 def explained(o: Outcome, faults: list[Fault], kills: tuple[str, ...]) -> bool:
@@ -214,7 +215,8 @@ def plain_change(c: dict | None) -> str:
 
 
 def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], samples: list[dict],
-           duration: float, commit: str, root: Path) -> None:
+           duration: float, commit: str, root: Path, no_link_drops: str | None) -> None:
+    """`no_link_drops`: why the run dropped no link (no network namespaces), None if it did."""
     out.mkdir(parents=True, exist_ok=True)
     table = classify(outcomes, faults)
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
@@ -231,7 +233,8 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
            "args": vars(args), "outcomes": table, "faults_by_kind": by_kind,
            "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
            "faults": [asdict(f) for f in faults], "requests": [asdict(o) for o in outcomes],
-           "samples": samples, "growth": grow, "logs": str(root)}
+           "samples": samples, "growth": grow, "logs": str(root),
+           "no_link_drops": no_link_drops}
     (out / "soak-cpu.json").write_text(json.dumps(raw, indent=1, default=str))
     if samples:
         (out / "soak-cpu.svg").write_text(svg_chart(samples))
@@ -247,12 +250,15 @@ def report(out: Path, args, outcomes: list[Outcome], faults: list[Fault], sample
         f"- Commit: `{commit}`; duration {duration / 60:.1f} min; {args.clients} client threads;"
         f" seed {args.seed}; a fault every {args.gap_min:.0f}-{args.gap_max:.0f} s;"
         f" per-request deadline {args.deadline:.0f} s.",
-        "- Cluster: a coordinator and two `join` nodes on loopback, two tiny random llama "
-        "models (`main` a 2-stage pipeline over both nodes, `side` loaded on demand).",
+        "- Cluster: a coordinator and two `join` nodes, two tiny random llama models (`main` "
+        "a 2-stage pipeline over both nodes, `side` loaded on demand).",
         "- Each node's SSD KV tier on a tmpfs of its own (1100 MiB: the tier keeps 1 GiB "
         "free); `fill_disk` takes one to 16 MiB from full for 10-20 s.",
-        "- Not injected: dropped links (the cluster would have to run in network namespaces, "
-        "as tests/test_partitions.py does).", "",
+        *(["- Node b (its agent and workers) in a network namespace of its own, joined by a "
+           "veth pair to the coordinator's and node a's, where the clients run too; "
+           "`drop_link` drops every packet on it (tc) for 5-20 s, then heals it. Every fault "
+           "kind the issue names is injected."] if no_link_drops is None else
+          [f"- All on loopback. Not injected: dropped links ({no_link_drops})."]), "",
         "## Faults", "",
         "| kind | count |", "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(by_kind.items())), "",
@@ -326,5 +332,6 @@ def report_again(path: Path, out: Path) -> None:
     raw = json.loads(path.read_text())
     args = argparse.Namespace(**raw["args"])
     report(out, args, [Outcome(**o) for o in raw["requests"]], [Fault(**f) for f in raw["faults"]],
-           raw["samples"], raw["duration_s"], raw["commit"], Path(raw["logs"]))
+           raw["samples"], raw["duration_s"], raw["commit"], Path(raw["logs"]),
+           raw.get("no_link_drops", "the soak did not drop links at this commit"))
     print((out / "soak-cpu.md").read_text())

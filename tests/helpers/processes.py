@@ -13,12 +13,17 @@ from omlx_shared.child import omlx_command
 from tests.cluster_secret import SECRET
 from tests.conftest import descendants
 from tests.helpers.waiting import wait_for
+from tests.netns import netns_popen
 
 
-def launch(args: list[str], home: Path, log: Path) -> subprocess.Popen:
+def launch(args: list[str], home: Path, log: Path, ns: str | None = None) -> subprocess.Popen:
+    """`omlx-cluster ARGS` with its own home and log; inside network namespace `ns` when given
+    (tests/netns.py: `ip netns exec` execs it, so the pid is the process's own)."""
     env = dict(os.environ, OMLX_CLUSTER_HOME=str(home), OMLX_CLUSTER_SECRET=SECRET)
-    return subprocess.Popen(omlx_command(*args), stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=env)
+    command, out = omlx_command(*args), dict(stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    if ns is not None:
+        return netns_popen(ns, command, env=env, **out)
+    return subprocess.Popen(command, env=env, **out)
 
 
 def settled_count(pid: int) -> int:
