@@ -171,6 +171,9 @@ class Cluster:
         # waits for them (gathered).
         self.known = KnownNodes(data_home() / FILE_NAME) if self.options.nodes == 0 else None
         self.expected: set[str] = set()  # members before the restart, not back yet
+        # The links measured between them before the restart, each kept for its pair's first
+        # survey after it, where a probe finds none (known_nodes.py).
+        self.kept_links: dict[frozenset[str], LinkMeasurement] = {}
         # The event loop's stalls (when each ended, how long), the last STALL_BUDGET_SECONDS
         # and NODE_LOST_SECONDS of them: what a node's silence is excused.
         self._stalls: deque[tuple[float, float]] = deque()
@@ -250,7 +253,7 @@ class Cluster:
         to join); the models load afterwards."""
         self._started_at = time.monotonic()
         if self.known is not None:  # a coordinator alone: nodes join over the network
-            self.expected = self.known.load()
+            self.expected, self.kept_links = self.known.load(), self.known.load_links()
             self.status = ("waiting for nodes: run `omlx-cluster join` on a Mac with this "
                            "cluster's secret")
             log.info("waiting for nodes to join (Bonjour discovery %s)",
@@ -366,6 +369,14 @@ class Cluster:
         async with self._surveying:
             others = [m for m in self.members if m.alive and m is not member]
             await survey(member, others)
+        for other in others:
+            before = self.kept_links.pop(link_key(member.name, other.name), None)
+            if before is not None and not isinstance(member.links.get(other.name),
+                                                     LinkMeasurement):
+                member.links[other.name] = other.links[member.name] = before
+                log.info("link %s <-> %s: the reading from before the restart kept "
+                         "(%.2f GB/s, %.0f us)", member.name, other.name, before.gb_per_s,
+                         before.latency_us)
 
     def _keep_links_fresh(self) -> None:
         policy = FreshnessPolicy(self.options.link_max_age_s if self.options.link_probe else 0)
@@ -382,7 +393,7 @@ class Cluster:
         if self.known is not None:
             back = {m.name for m in self.members if m.alive and not m.joining}
             self.expected -= back
-            self.known.save(back)
+            self.known.save(back, self.measured_links())
 
     async def gathered(self) -> None:
         """Returns once the members this coordinator had before its restart are back, or
