@@ -217,6 +217,14 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_2_layers(tmp_path_factory) -> Path:
+    """The tiny llama with 2 layers (hidden 64, ChatML tokenizer, context 2048), built once a
+    session."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-llama-2", "llama",
+                       num_layers=2)
+
+
+@pytest.fixture(scope="session")
 def model(tiny_model_path: Path) -> Path:
     """The model a test runs unless its module defines a `model` of its own: the tiny llama,
     built once a session."""

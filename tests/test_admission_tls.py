@@ -24,7 +24,7 @@ from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.cluster_secret import SECRET
-from tests.tiny_models import build_model, serving
+from tests.tiny_models import serving
 
 NODE = "mac-a"
 
@@ -36,11 +36,6 @@ def node():
     info = proc.wait_ready(60)
     yield f"127.0.0.1:{info['port']}", proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("tls") / "tiny-tls", "llama", num_layers=2)
 
 
 def run(coro):
@@ -316,7 +311,7 @@ def test_a_coordinator_refuses_a_replayed_handshake_answer(node):
     run(scenario())
 
 
-def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
+def test_a_stolen_session_token_is_useless_from_another_channel(node, llama_2_layers):
     address, _ = node
 
     async def scenario():
@@ -325,7 +320,7 @@ def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
         thief = AgentClient(address, NODE, SECRET)
         try:
             await client.admit()
-            reply = await client.load_shard(pb.LoadShardRequest(model_path=str(model),
+            reply = await client.load_shard(pb.LoadShardRequest(model_path=str(llama_2_layers),
                                                                 model_id="m"))
             thief.session = client.session
             for call in (thief.health(), thief.worker(reply.worker_address).health()):
@@ -342,14 +337,14 @@ def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
     run(scenario())
 
 
-def test_a_registration_never_displaces_a_live_member(node, model, caplog):
+def test_a_registration_never_displaces_a_live_member(node, llama_2_layers, caplog):
     """The audit's serve-mode failure: a relay registered under the node's id took its place.
     Registrations are signed now, and no admission takes a live member's place."""
     address, _ = node
     relay = TcpRelay(address)
 
     async def scenario():
-        manager = serving(model, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
+        manager = serving(llama_2_layers, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
                                                             os_reserve_bytes=0))
         cluster, served = manager.cluster, manager.main
         app = create_app(manager, start_cluster=False)

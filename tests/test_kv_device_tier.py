@@ -25,15 +25,13 @@ from tests.helpers.kv import (
     rand_tokens,
     synthetic_cache,
 )
-from tests.tiny_models import build_model
 
 HITS = "omlx_node_kv_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def stage(tmp_path_factory) -> StageRunner:
-    return StageRunner(build_model(tmp_path_factory.mktemp("dev") / "llama", "llama",
-                                   num_layers=4))
+def stage(tiny_model_path) -> StageRunner:
+    return StageRunner(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,6 @@ from tests.helpers.kv import (
     rand_tokens,
     synthetic_cache,
 )
-from tests.tiny_models import build_model
 
 WARN_DEGRADED = "continuing with the RAM tier only"
 
@@ -50,13 +49,8 @@ WARN_DEGRADED = "continuing with the RAM tier only"
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("kv") / "llama", "llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def stage(model_path) -> StageRunner:
-    return StageRunner(model_path)
+def stage(tiny_model_path) -> StageRunner:
+    return StageRunner(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -701,8 +695,8 @@ def test_store_does_no_disk_io_on_the_calling_thread(tmp_path, monkeypatch):
 # ---- (g) a middle stage ------------------------------------------------------------------------
 
 
-def test_middle_stage_caches_only_its_layers(tmp_path, model_path, stage, vocab):
-    stages = [StageRunner(model_path, a, b) for a, b in ((0, 1), (1, 3), (3, 4))]
+def test_middle_stage_caches_only_its_layers(tmp_path, tiny_model_path, stage, vocab):
+    stages = [StageRunner(tiny_model_path, a, b) for a, b in ((0, 1), (1, 3), (3, 4))]
     caches = [make_pc(tmp_path, layers=(s.info.layer_start, s.info.layer_end)) for s in stages]
 
     def run(prompt: list[int]) -> tuple[int, mx.array]:
@@ -784,13 +778,13 @@ def assert_kv_equal(kv: list[KVCache], layers: tuple[int, int], n: int, tokens: 
 
 
 @pytest.fixture(scope="module")
-def stages(model_path):
+def stages(tiny_model_path):
     """StageRunners by layer range, loaded once."""
     cache: dict[tuple[int, int], StageRunner] = {}
 
     def get(a: int, b: int) -> StageRunner:
         if (a, b) not in cache:
-            cache[(a, b)] = StageRunner(model_path, a, b)
+            cache[(a, b)] = StageRunner(tiny_model_path, a, b)
         return cache[(a, b)]
 
     return get
@@ -1087,8 +1081,8 @@ def test_a_killed_stage_lets_go_of_its_range(tmp_path):
     assert range_dirs(tmp_path) == ["0-2"]  # the OS dropped its lock with it
 
 
-def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, model_path,
-                                                                     stage, vocab):
+def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, tiny_model_path,
+                                                                      stage, vocab):
     """A worker knows its blocks' shapes from its first forward pass: a block on disk under
     the same model, layers and dtype but of other shapes (an mlx-lm that kept the family's KV
     otherwise wrote it) is a miss for the first request after a restart, which gets mlx-lm's
@@ -1103,13 +1097,14 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
     from omlx_node.worker_config import WorkerConfig
     from omlx_shared.engine_config import EngineConfig
 
-    config = WorkerConfig(model_path=model_path, model_id="tiny", layer_start=0, layer_end=None,
+    config = WorkerConfig(model_path=tiny_model_path, model_id="tiny", layer_start=0,
+                          layer_end=None,
                           engine=EngineConfig(cache_block_size=BS, hot_cache_bytes=BIG,
                                               ssd_cache_dir=str(tmp_path), ssd_cache_bytes=BIG,
                                               device_cache_bytes=0))
     prompt = rand_tokens(3 * BS + 1, vocab, seed=11)
-    odd = PrefixCache(f"tiny@{weights_fingerprint(model_path)}", (0, stage.info.num_layers), BS,
-                      ssd_dir=tmp_path, dtype=stage.info.dtype)
+    odd = PrefixCache(f"tiny@{weights_fingerprint(tiny_model_path)}", (0, stage.info.num_layers),
+                      BS, ssd_dir=tmp_path, dtype=stage.info.dtype)
     c = [KVCache() for _ in range(stage.info.num_layers)]
     for x in c:
         x.update_and_fetch(mx.zeros((1, 3, 3 * BS, 5)), mx.zeros((1, 3, 3 * BS, 5)))
@@ -1125,7 +1120,7 @@ def test_a_block_of_other_shapes_on_disk_is_a_miss_before_any_store(tmp_path, mo
     events = []
     while not seq.events.empty():
         events.append(seq.events.get_nowait())
-    model, _ = load(str(model_path))
+    model, _ = load(str(tiny_model_path))
     assert events[:-1] == [int(t) for t, _ in generate_step(mx.array(prompt), model,
                                                              max_tokens=6)]
     assert events[-1].reason == "length" and seq.cached == 0
