@@ -15,7 +15,6 @@ import pytest
 import omlx_node.kv_cache.host_copy as host_copy
 from omlx_node.kv_cache import device_tier
 from omlx_node.kv_cache.blocks import Block
-from omlx_node.stage import StageRunner
 from tests.helpers.kv import (
     BS,
     cached_logits,
@@ -27,16 +26,6 @@ from tests.helpers.kv import (
 )
 
 HITS = "omlx_node_kv_cache_hits_total"
-
-
-@pytest.fixture(scope="module")
-def stage(tiny_model_path) -> StageRunner:
-    return StageRunner(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def vocab(stage) -> int:
-    return stage.embed_tokens.weight.shape[0]
 
 
 def cut_bytes(stage, tokens: int) -> int:
