@@ -209,6 +209,7 @@ def test_admission_records_cost_only_what_rows_ask():
 # ---- a two-stage pipeline --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two shard worker processes
 def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(llama_2_layers, batcher,
                                                                       mlx_lm_model):
     model, tok = mlx_lm_model
