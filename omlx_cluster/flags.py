@@ -174,8 +174,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "its drafts save)")
     p.add_argument("--stream-interval", type=validators.milliseconds, default=20.0, metavar="MS",
                    help="where a node decodes faster than this, the tokens of one interval go "
-                        "to the gateway as one message (a third less gateway CPU a token at "
-                        "batch 1 on a GPU); a stream's first token and its end are never held; "
+                        "to the gateway as one message (less gateway CPU a token); a stream's "
+                        "first token and its end are never held; "
                         "0 sends every step's tokens at once (default: 20)")
     add_hot_cache_flag(p, "RAM for the prefix KV cache of each stage, e.g. 4GiB; 0 turns the "
                            "prefix cache off; plans count it beside the stage's weights and KV")

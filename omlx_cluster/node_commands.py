@@ -101,8 +101,8 @@ def register_periodically(coordinator: str, address: str, node_id: str, secret: 
 
     def loop() -> None:
         url = f"http://{coordinator}/cluster/register"
-        # One client for good: each new one builds a TLS context, costly in CPU, which every
-        # 2 s was most of what an idle `join` spent.
+        # One client for good: each new one builds a TLS context, costly in CPU, which at every
+        # registration was most of what an idle `join` spent.
         client = httpx.Client(timeout=5)
         failing_since, warned, refused = None, False, 0
         delay = 0.0  # the first at once

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not announce over Bonjour (use with --coordinator)")
     join.add_argument("--speed", type=float, default=None, metavar="GBPS",
                       help="this Mac's weight-streaming speed in GB/s for the planner (default: "
-                           "measured once, about 2 s, and kept in "
+                           "measured once, at the first join, and kept in "
                            "$OMLX_CLUSTER_HOME/calibration.json)")
     join.add_argument("--recalibrate", action="store_true",
                       help="measure the speed again instead of using the saved measurement")

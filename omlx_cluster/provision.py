@@ -55,6 +55,7 @@ Report = Callable[[str, str, str, str], None]  # (host, step, outcome, detail)
 DONE, UNCHANGED, FAILED, SKIPPED = "done", "unchanged", "failed", "skipped"
 WAITING = "waiting"  # a step still under way: said every PROGRESS_SECONDS
 PROGRESS_SECONDS = 10.0
+ADMISSION_POLL_SECONDS = 1.0  # how often `up` asks the coordinator whether a node was admitted
 
 
 class StepFailed(RuntimeError):
@@ -215,7 +216,7 @@ async def _admitted(address: str, options: UpOptions,
             if time.monotonic() - said >= PROGRESS_SECONDS:
                 said = time.monotonic()
                 progress(f"{last} after {said - start:.0f} s (waiting up to {options.wait:.0f} s)")
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(ADMISSION_POLL_SECONDS)
     raise StepFailed(f"{node} not admitted within {options.wait:.0f} s ({last}): see the "
                      "node's log (/tmp/omlx-cluster-join.log on a Mac, join.log next to the "
                      "secret elsewhere)")

@@ -60,8 +60,8 @@ def measure_speed(
     """Weight bytes per second this node streams through (1, dim) x (dim, dim) matmuls.
 
     Each matrix is read as an nn.Linear reads its weight, `x @ w.T` (stored out x in): on a
-    CPU, MLX streams that layout at about half the rate of `x @ w`, so measuring the other one
-    predicted decode twice as fast as the model ran. Square matrices, though a BLAS streams
+    CPU, MLX streams that layout at a lower rate than `x @ w`, so measuring the other one
+    predicted decode faster than the model ran. Square matrices, though a BLAS streams
     each shape at its own rate: the seven matrices of a llama layer came no closer to real
     models' decode (the numbers: bench/results/tensor-parallel-cpu.md). `matrices` distinct
     matrices (4 x 4096^2 fp16 = 128 MiB) so the working set exceeds the on-chip caches, as real
@@ -70,7 +70,7 @@ def measure_speed(
     the node computes in float32 anyway). Runs for about `seconds`; the speed is the fastest
     pass's: one that another process's burst slowed (a page cache's writeback, a neighbour
     sharing the memory bus) is not the node's, and a mean over the passes let one such burst
-    move the node's speed by a fifth between two runs on a quiet machine.
+    move the node's speed between two runs even on a quiet machine.
     """
     import mlx.core as mx
 
@@ -154,10 +154,10 @@ def row_costs(fn: Callable, width: int, dtype: str,
     On a CPU the calls and the budget are timed in this process's CPU seconds (nothing else of
     it should run meanwhile): a thread at a low priority beside busy workers (a load's, where
     a worker calibrates) waits for the cores during and between its calls. On the wall clock
-    that wait read as cost and ate the budget: beside two busy processes at nice 10 and 19 the
-    curve ended after 2 or 3 row counts, one of them as dear as 5 (speculation went on for 64
-    rows), against 8 row counts, 5 at 1.3 times 1, in CPU seconds. A GPU's work is not this
-    process's CPU time: there, the wall clock."""
+    that wait read as cost and ate the budget: beside busy processes at low priorities the
+    curve ended after its first few row counts, each far dearer than its calls were (and
+    speculation then went on for rows it could not afford), where CPU seconds gave the whole
+    curve. A GPU's work is not this process's CPU time: there, the wall clock."""
     import mlx.core as mx
 
     dt = getattr(mx, dtype)

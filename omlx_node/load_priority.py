@@ -20,10 +20,10 @@ decoding workers a nice-19 load takes about a seventieth of the cores, a nice-10
 
 The load's last part runs on that thread too: the warm-up, the draft model of a `draft=PATH`
 engine, and the curves its engine calibrates on (speculation's cost by positions, a pipeline
-head's by rows: omlx_node.worker.finish_load), which on the serving thread took a third of a
-preload's window at nice 0. So do a worker's imports (MLX, mlx-lm, transformers: about 1.2 s of
-a core, omlx_node/standby.py): a standby's, started after each load, at BACKGROUND_LOAD_NICE,
-and a fresh worker's at its job's load's.
+head's by rows: omlx_node.worker.finish_load), which on the serving thread took a large part
+of a preload's window at nice 0. So do a worker's imports (MLX, mlx-lm, transformers; see
+omlx_node/standby.py): a standby's, started after each load, at BACKGROUND_LOAD_NICE, and a
+fresh worker's at its job's load's.
 
 0 is the worker's own priority. The serving threads never had theirs lowered, so nothing needs
 restoring once the load is done, which an unprivileged process could not do (lowering a nice
@@ -35,8 +35,8 @@ model's decode is. Their workers run at ENCODE_NICE (env OMLX_ENCODE_NICE) from 
 every thread of them (BLAS's pool does most of an encoder's work, and it exists before any
 load): beside a decoding model they take about a tenth of the cores it wants, and all of them
 when it is idle. Not 19, although nobody watches a bulk batch: one pool of BLAS threads runs
-a RAG query (which a chat user waits for) and a bulk batch alike, and at 19 such a query took
-1.6 times as long beside a busy chat model (bench/results/neighbour-cpu.md). Nor SCHED_IDLE,
+a RAG query (which a chat user waits for) and a bulk batch alike, so a nice value low enough
+for the batch holds the query back too (bench/results/neighbour-cpu.md times both). Nor SCHED_IDLE,
 which a load runs in (below): an idle-class thread gets a few thousandths of a core beside
 threads that keep every core busy, so an embedding request beside chat models that fill a
 node's cores would wait for as long as they decode, where a load only finishes later. Nothing
@@ -45,9 +45,9 @@ of theirs is ever raised back.
 On Linux the threads of a load nobody waits for also run in the SCHED_IDLE class (`idle_class`;
 env OMLX_LOAD_IDLE=0: nice values only). A niced thread still keeps a core it runs on until its slice
 ends or a waking thread's deadline is earlier (EEVDF), so a decode whose threads wake every few
-milliseconds found the spare core taken by the load often enough to lose a sixth of its rate at
-nice 19; a SCHED_IDLE thread is preempted at once by any other class's wakeup (0.99x against
-0.93x in one A/B, bench/results/neighbour-cpu.md). Its weight (3, against a nice-19 thread's 15
+milliseconds found the spare core taken by the load often enough to lose part of its rate at
+nice 19; a SCHED_IDLE thread is preempted at once by any other class's wakeup
+(bench/results/neighbour-cpu.md). Its weight (3, against a nice-19 thread's 15
 and a nice-10 one's 110) makes a load beside workers that keep every core busy about 37 times slower
 than at nice 10: the price of a neighbour that keeps its rate, paid only where nobody waits. A
 load that requests wait for (a model they named, a re-plan of a model that serves nowhere until

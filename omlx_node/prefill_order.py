@@ -16,7 +16,8 @@ Agents of one kind start sessions with the same system prompt and tools, a secon
 A prompt's cached prefix is looked up when its prefill is planned, and the engine plans the next
 waiting prompt into the same chunk as the last piece of the one ahead of it: the second session
 then restored what the first had stored so far and prefilled the rest of the shared prompt
-itself (on the CPU agent benchmark, 384 of its 1,504 shared tokens). Waiting one iteration, until
+itself (a good part of the shared prompt on the CPU agent benchmark,
+bench/results/agent-sessions-cpu.md). Waiting one iteration, until
 the prompt ahead is prefilled and kept, it restores all of them.
 """
 

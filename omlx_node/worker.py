@@ -353,7 +353,7 @@ def run_worker(config: WorkerConfig, ready_file: Path | None) -> int:
             prefix_cache.close()
     log.info("rank %d of %d exits with code %d", config.rank, config.world_size, code)
     if group is not None:
-        # MLX's ring backend takes about a second to tear down at interpreter exit (mlx 0.32,
+        # MLX's ring backend is slow to tear down at interpreter exit (mlx 0.32,
         # even once the group is dropped): longer than an agent waits for a worker it stops,
         # which then kills it. Everything is flushed and closed by now: end here.
         logging.shutdown()

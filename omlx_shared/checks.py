@@ -432,7 +432,7 @@ def judge_blas(out: Output, ctx: Context) -> CheckResult:
     if "reference" in found:
         return CheckResult("blas", PASS, "MLX's reference BLAS, as OMLX_BLAS=reference asks")
     return CheckResult("blas", WARN, "MLX's CPU backend runs on its reference BLAS: prompts "
-                                     "prefill about 6x slower than with OpenBLAS",
+                                     "prefill several times slower than with OpenBLAS",
                        f"sudo apt-get install {OPENBLAS_PACKAGE} (Debian, Ubuntu); nodes "
                        "preload it when they start")
 

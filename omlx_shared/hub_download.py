@@ -21,6 +21,9 @@ from omlx_shared.private_files import private_opener
 
 # Attempts per file within one run before giving up (a later run resumes from the same .part).
 ATTEMPTS = 5
+# The wait before a file's second attempt, doubled before each later one (up to 4 s): a hub
+# that dropped one connection is given a moment, one that keeps failing a little longer.
+FIRST_RETRY_SECONDS = 0.25
 CHUNK = 1 << 20
 
 
@@ -72,7 +75,7 @@ def _download_file(repo_id: str, revision: str, name: str, size: int, target: Pa
     error: Exception | None = None
     for attempt in range(ATTEMPTS):
         if attempt:
-            time.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+            time.sleep(min(FIRST_RETRY_SECONDS * 2 ** (attempt - 1), 4.0))
         start = part.stat().st_size if part.exists() else 0
         headers = build_hf_headers()
         if start:

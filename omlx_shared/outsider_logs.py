@@ -1,7 +1,7 @@
 """Logging what outsiders send without letting them write the log.
 
-A refused registration used to log the attacker's address at any length (twenty 1 MiB bodies
-added 20 MiB to the log) and a line per refusal (a thousand added 2,002 lines in a second). So
+A refused registration used to log the attacker's address at any length (each body's whole
+size went into the log) and a line per refusal (a flood of refusals, a flood of lines). So
 every string a client, a LAN peer or a Bonjour announcement controls goes through `cut` before
 it is logged: at most ~200 characters, one line (control characters escaped, so a value cannot
 forge a log line of its own). And refusals go through `Refusals`: one line a minute for each

@@ -217,6 +217,29 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_2_layers(tmp_path_factory) -> Path:
+    """The tiny llama with 2 layers (hidden 64, ChatML tokenizer, context 2048), built once a
+    session."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-llama-2", "llama",
+                       num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_model_path: Path):
+    """The tiny llama as one stage of every layer (omlx_node.stage.StageRunner), one a module:
+    what the KV cache tests prefill and decode with."""
+    from omlx_node.stage import StageRunner
+
+    return StageRunner(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def vocab(stage) -> int:
+    """The rows of `stage`'s embedding."""
+    return stage.embed_tokens.weight.shape[0]
+
+
+@pytest.fixture(scope="session")
 def model(tiny_model_path: Path) -> Path:
     """The model a test runs unless its module defines a `model` of its own: the tiny llama,
     built once a session."""

@@ -26,7 +26,8 @@ class HubStandIn:
         self.broken: str | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # close() waits for the loop's next look at its flag: every 0.05 s, not the default 0.5.
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def add_folder(self, repo_id: str, folder: Path) -> None:
         self.repos[repo_id] = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}

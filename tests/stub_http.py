@@ -25,7 +25,8 @@ class QuietHandler(BaseHTTPRequestHandler):
 def stub_server(handler: type[QuietHandler]) -> Iterator[str]:
     """Serves `handler` on a free loopback port; yields its base URL."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for the loop's next look at its flag: every 0.05 s, not the default 0.5.
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}"
     finally:

@@ -17,6 +17,8 @@ from proto import omlx_pb2_grpc as pb_grpc
 from tests.cluster_secret import SECRET
 from tests.tiny_models import build_model
 
+pytestmark = pytest.mark.slow  # every test drives a node agent process (`node`)
+
 
 @pytest.fixture(scope="module")
 def node():
@@ -95,7 +97,6 @@ def test_version_mismatch_is_refused(node):
     assert "runs omlx-cluster 0.0.1" in proc.log_tail()
 
 
-@pytest.mark.slow
 def test_calls_need_the_session_and_the_secret_never_travels(node, tmp_path):
     address, _ = node
     model = build_model(tmp_path / "m", "llama", num_layers=2)

@@ -24,7 +24,7 @@ from omlx_shared.child import ChildProcess, omlx_command
 from proto import omlx_pb2 as pb
 from proto import omlx_pb2_grpc as pb_grpc
 from tests.cluster_secret import SECRET
-from tests.tiny_models import build_model, serving
+from tests.tiny_models import serving
 
 NODE = "mac-a"
 
@@ -36,11 +36,6 @@ def node():
     info = proc.wait_ready(60)
     yield f"127.0.0.1:{info['port']}", proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("tls") / "tiny-tls", "llama", num_layers=2)
 
 
 def run(coro):
@@ -149,6 +144,7 @@ async def refused_admission(servicer: pb_grpc.NodeAgentServicer,
         await server.stop(None)
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_a_relay_without_the_secret_is_not_admitted_and_cannot_drive_the_agent(node):
     address, proc = node
 
@@ -177,6 +173,7 @@ def test_a_relay_without_the_secret_is_not_admitted_and_cannot_drive_the_agent(n
     assert admissions(proc) == before
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_a_relay_with_the_secret_cannot_pass_on_an_admission(node):
     """A relay that does hold a valid certificate terminates TLS itself, so the agent sees the
     relay's client certificate, not the coordinator's: the node's proof covers that one, and the
@@ -212,6 +209,7 @@ def replay(address: str, data: bytes) -> bytes:
     return answer
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_a_man_in_the_middle_sees_only_ciphertext_and_cannot_replay_it(node):
     address, proc = node
     relay = TcpRelay(address)
@@ -244,6 +242,7 @@ def test_a_man_in_the_middle_sees_only_ciphertext_and_cannot_replay_it(node):
         relay.close()
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_replayed_handshake_and_admit_messages_are_refused(node):
     address, _ = node
 
@@ -302,6 +301,7 @@ class ReplayedAnswers(pb_grpc.NodeAgentServicer):
         return pb.AdmitReply()
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_a_coordinator_refuses_a_replayed_handshake_answer(node):
     address, _ = node
 
@@ -316,7 +316,8 @@ def test_a_coordinator_refuses_a_replayed_handshake_answer(node):
     run(scenario())
 
 
-def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
+@pytest.mark.slow  # a node agent process (`node`)
+def test_a_stolen_session_token_is_useless_from_another_channel(node, llama_2_layers):
     address, _ = node
 
     async def scenario():
@@ -325,7 +326,7 @@ def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
         thief = AgentClient(address, NODE, SECRET)
         try:
             await client.admit()
-            reply = await client.load_shard(pb.LoadShardRequest(model_path=str(model),
+            reply = await client.load_shard(pb.LoadShardRequest(model_path=str(llama_2_layers),
                                                                 model_id="m"))
             thief.session = client.session
             for call in (thief.health(), thief.worker(reply.worker_address).health()):
@@ -342,14 +343,15 @@ def test_a_stolen_session_token_is_useless_from_another_channel(node, model):
     run(scenario())
 
 
-def test_a_registration_never_displaces_a_live_member(node, model, caplog):
+@pytest.mark.slow  # a node agent process (`node`)
+def test_a_registration_never_displaces_a_live_member(node, llama_2_layers, caplog):
     """The audit's serve-mode failure: a relay registered under the node's id took its place.
     Registrations are signed now, and no admission takes a live member's place."""
     address, _ = node
     relay = TcpRelay(address)
 
     async def scenario():
-        manager = serving(model, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
+        manager = serving(llama_2_layers, "tiny-tls", ClusterOptions(nodes=0, secret=SECRET,
                                                             os_reserve_bytes=0))
         cluster, served = manager.cluster, manager.main
         app = create_app(manager, start_cluster=False)
@@ -409,6 +411,7 @@ def test_without_a_secret_the_control_plane_says_it_is_open(caplog):
     assert any("NOT encrypted or authenticated" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # a node agent process (`node`)
 def test_a_guess_at_the_secret_costs_a_scrypt_not_a_hash(node):
     """An attacker on the LAN reads a node's certificate without any credential (the TLS
     handshake shows it before the node asks for the client's): its Authority Key Identifier

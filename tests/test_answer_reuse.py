@@ -20,7 +20,7 @@ from omlx_coordinator.http.gateway import create_app
 from omlx_coordinator.request.generation import GatewaySettings
 from omlx_coordinator.text.tokenizer import ChatPrompt, ChatTokenizer
 from tests.helpers.fake_replica import CachingWorker, fake_manager, serve, shared_start
-from tests.tiny_models import build_model, qwen_tokenizer
+from tests.tiny_models import tiny_qwen
 
 SYSTEM = "You are a coding agent. Use the tools you have. " * 6
 ASK, THEN = "Where is the parser?", "Now fix it."
@@ -29,9 +29,7 @@ ASK, THEN = "Where is the parser?", "Now fix it."
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-answers"
-    build_model(dest, "qwen2", num_layers=1, hidden_size=32, seed=3,
-                extra_config={"vocab_size": 400, "max_position_embeddings": 4096})
-    return qwen_tokenizer(dest)
+    return tiny_qwen(dest, seed=3, num_layers=1, hidden_size=32, context=4096)
 
 
 def spelled(tok: ChatTokenizer, text: str, letters: tuple[str, ...]) -> list[int]:

@@ -22,7 +22,7 @@ from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from omlx_coordinator.text.tool_calls import CallEnd, ToolCallStream
 from tests.conftest import Server, start_server
-from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
+from tests.tiny_models import build_tokenizer, qwen_tokenizer, tiny_qwen
 
 KEY = "sk-ant-test"
 CONTEXT = 2048
@@ -382,11 +382,8 @@ def test_error_types_follow_the_status() -> None:
 @pytest.fixture(scope="module", params=[1, 2], ids=["one node", "2-stage pipeline"])
 def qwen_server(request, tmp_path_factory):
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-anthropic"
-    # Room in the embedding for the two markup tokens qwen_tokenizer adds.
     # Seed 6: its greedy replies are whitespace, then text (held whitespace opens no block).
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": CONTEXT})
-    qwen_tokenizer(dest)
+    tiny_qwen(dest, seed=6, context=CONTEXT)
     # Keep-alives (pings) every 10 ms: a stream waiting for its prefill gets some.
     with start_server(dest, "--api-key", KEY, "--cache-block-size", str(BLOCK), "--nodes",
                       str(request.param), home=tmp_path_factory.mktemp("home"),
@@ -721,9 +718,7 @@ def test_a_long_tool_call_streams(tmp_path: Path) -> None:
     model writes them, from its name on: no stretch of the stream is silent for longer than the
     keep-alive interval (a proxy or a client's read timeout would drop it)."""
     dest = tmp_path / "tiny-qwen"
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": 4096})
-    qwen_tokenizer(dest)
+    tiny_qwen(dest, seed=6, context=4096)
     every = 0.3
     with start_server(dest, home=tmp_path / "home", keepalive=every) as server:
         def timeline(path: str, body: dict) -> list[tuple[float, str]]:

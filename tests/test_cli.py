@@ -15,6 +15,7 @@ import pytest
 
 from omlx_cluster.parser import build_parser
 from tests.conftest import alive, descendants, free_port
+from tests.helpers.cli import parse_cli
 
 SCRIPT = Path(sys.executable).parent / "omlx-cluster"
 
@@ -90,8 +91,8 @@ def test_no_command_is_a_usage_error(home: Path) -> None:
     (["models", "pull-default"], []),
 ])
 def test_subcommand_help_explains_every_flag(command: list[str], key_flags: list[str],
-                                             home: Path) -> None:
-    r = run_cli(*command, "--help", home=home)
+                                             capsys, monkeypatch) -> None:
+    r = parse_cli(*command, "--help", capsys=capsys, monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stderr
     help_text = r.stdout
     assert help_text.startswith("usage: omlx-cluster " + " ".join(command))
@@ -192,8 +193,9 @@ def test_serve_model_that_fails_to_load_exits_with_the_reason(home: Path, tmp_pa
     (["node", "--port", "x"], ["--port"]),
     (["models", "import-gguf"], ["file"]),
 ])
-def test_bad_flags_are_usage_errors(args: list[str], words: list[str], home: Path) -> None:
-    r = run_cli(*args, home=home, timeout=30)
+def test_bad_flags_are_usage_errors(args: list[str], words: list[str], capsys,
+                                    monkeypatch) -> None:
+    r = parse_cli(*args, capsys=capsys, monkeypatch=monkeypatch)
     assert r.returncode == 2, (r.stdout, r.stderr)
     for w in words:
         assert w in r.stderr, (w, r.stderr)

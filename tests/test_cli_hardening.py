@@ -16,6 +16,7 @@ import pytest
 from omlx_shared.child import omlx_command
 from tests.cluster_secret import OTHER_SECRET, SECRET
 from tests.conftest import descendants, free_port, start_server
+from tests.helpers.cli import parse_cli
 
 
 def run(*args: str, home: Path, env: dict | None = None,
@@ -199,16 +200,27 @@ def test_the_default_models_own_gguf_imports_under_its_name(tmp_path: Path) -> N
                                                                      "HOST:PORT"]),
     (["join", "--secret", "s", "--coordinator", "gateway"], ["--coordinator", "HOST:PORT"]),
     (["doctor", "--probe-port", "70000"], ["--probe-port", "0 to 65535"]),
-    (["serve", "--model", "foo=/nowhere", "--model-id", "bar"], ["--model-id bar",
-                                                                "name the model once"]),
-    (["node", "--host", "0.0.0.0"], ["0.0.0.0", "without a cluster secret", "--secret-file"]),
     (["models", "unload", "m", "--wait", "5000"], ["--wait", "at most 3600 seconds"]),
     (["models", "unload", "m", "--wait", "-1"], ["--wait", ">= 0 seconds"]),
 ])
-def test_bad_values_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
-                                                       words: list[str]) -> None:
+def test_bad_values_are_refused_before_anything_starts(args: list[str], words: list[str],
+                                                       capsys, monkeypatch) -> None:
     """A value that would make the server misbehave (0 s keep-alives flood every stream with
-    comments, a negative time limit fails every request) is an error naming the flag."""
+    comments, a negative time limit fails every request) is an error naming the flag, from
+    the parser."""
+    r = parse_cli(*args, capsys=capsys, monkeypatch=monkeypatch)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert all(w in r.stderr for w in words) and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--model", "foo=/nowhere", "--model-id", "bar"], ["--model-id bar",
+                                                                "name the model once"]),
+    (["node", "--host", "0.0.0.0"], ["0.0.0.0", "without a cluster secret", "--secret-file"]),
+])
+def test_bad_combinations_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
+                                                             words: list[str]) -> None:
+    """Flags each valid but wrong together, refused by the command before it starts anything."""
     r = run(*args, home=tmp_path, timeout=30)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert all(w in r.stderr for w in words) and "Traceback" not in r.stderr, r.stderr

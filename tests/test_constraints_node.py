@@ -7,7 +7,6 @@ import queue
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import llguidance
@@ -31,7 +30,6 @@ from proto import omlx_pb2 as pb
 from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
 from tests.helpers.engine import assert_logprobs_match, drain, reference, reference_logprobs
 from tests.helpers.pipeline import run_concurrently
-from tests.tiny_models import build_model
 
 BAD_GRAMMAR = llguidance.LLMatcher.grammar_from_lark("start: undefined_rule")
 PENALTIES = [
@@ -44,18 +42,13 @@ PROMPTS = ["Hello world", "The capital of France is", "x", "the the the cat cat 
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("constraints") / "tiny", "llama", num_layers=2)
+def mlx_lm_model(llama_2_layers):
+    return load(str(llama_2_layers))
 
 
 @pytest.fixture(scope="module")
-def mlx_lm_model(model_path):
-    return load(str(model_path))
-
-
-@pytest.fixture(scope="module")
-def batcher(model_path) -> Batcher:
-    return Batcher(StageRunner(model_path), NodeMetrics(), grammars=Grammars(model_path))
+def batcher(llama_2_layers) -> Batcher:
+    return Batcher(StageRunner(llama_2_layers), NodeMetrics(), grammars=Grammars(llama_2_layers))
 
 
 def penalized_reference(model, ids: list[int], n: int, **penalties) -> list[int]:
@@ -138,7 +131,7 @@ def test_logprobs_match_mlx_lm(batcher, mlx_lm_model):
     assert not plain.logprobs and results[-1][0] == reference(model, ids, n)
 
 
-def test_bad_grammar_fails_only_its_own_request(model_path, batcher, mlx_lm_model):
+def test_bad_grammar_fails_only_its_own_request(llama_2_layers, batcher, mlx_lm_model):
     model, tok = mlx_lm_model
     ids = tok.encode(PROMPTS[0])
     running = batcher.submit(SeqRequest("ok", ids, 30))
@@ -151,7 +144,7 @@ def test_bad_grammar_fails_only_its_own_request(model_path, batcher, mlx_lm_mode
     ]:
         with pytest.raises(ValueError, match=message):
             batcher.submit(SeqRequest("bad", ids, 8, grammar=grammar, resumed_tokens=resumed))
-    no_grammars = Batcher(StageRunner(model_path), NodeMetrics())
+    no_grammars = Batcher(StageRunner(llama_2_layers), NodeMetrics())
     with pytest.raises(ValueError, match="does not apply grammars"):
         no_grammars.submit(SeqRequest("bad", ids, 8, grammar=GRAMMAR))
     assert drain(batcher, [running])[0][0] == reference(model, ids, 30)
@@ -183,9 +176,9 @@ def test_a_grammar_request_dropped_while_its_compile_waits_is_never_compiled(bat
         session.outbox.get_nowait()
 
 
-def test_matcher_verdicts(model_path, mlx_lm_model):
+def test_matcher_verdicts(llama_2_layers, mlx_lm_model):
     _, tok = mlx_lm_model
-    grammars = Grammars(model_path)
+    grammars = Grammars(llama_2_layers)
     digits = grammars.matcher(llguidance.LLMatcher.grammar_from_regex("[0-9]+"))
     one = tok.encode("1")
     assert len(one) == 1
@@ -216,7 +209,8 @@ def test_admission_records_cost_only_what_rows_ask():
 # ---- a two-stage pipeline --------------------------------------------------------------------
 
 
-def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(model_path, batcher,
+@pytest.mark.slow  # two shard worker processes
+def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(llama_2_layers, batcher,
                                                                       mlx_lm_model):
     model, tok = mlx_lm_model
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -233,7 +227,7 @@ def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(model_path
             temperature=1.0, has_seed=True, seed=5)})]
         + [("logprobs", prompts[3], {"logprobs": True, "top_logprobs": 4, "sampling": penalized})]
     )
-    with two_stages(model_path, model_path, micro_batches=2) as stub:
+    with two_stages(llama_2_layers, llama_2_layers, micro_batches=2) as stub:
         outs = run_concurrently(lambda job: generate(stub, job[1], 64 if job[2] else 12,
                                                      **job[2]), jobs)
         for (kind, ids, _), chunks in zip(jobs, outs):
@@ -268,16 +262,16 @@ def test_pipeline_applies_grammars_penalties_and_logprobs_on_its_tail(model_path
 
 
 @pytest.mark.slow
-def test_grammar_failing_on_the_tail_ends_only_its_request(model_path, mlx_lm_model, tmp_path):
+def test_grammar_failing_on_the_tail_ends_only_its_request(llama_2_layers, mlx_lm_model, tmp_path):
     """A tail whose folder has no tokenizer cannot compile the grammar the head accepted: that
     request ends with the tail's error; the others in its micro-batch go on."""
     model, tok = mlx_lm_model
     tail = tmp_path / "no-tokenizer"
     tail.mkdir()
     for f in ("config.json", "model.safetensors"):
-        shutil.copy(model_path / f, tail / f)
+        shutil.copy(llama_2_layers / f, tail / f)
     ids = tok.encode(PROMPTS[0])
-    with two_stages(model_path, tail, micro_batches=1) as stub:  # both rows in one
+    with two_stages(llama_2_layers, tail, micro_batches=1) as stub:  # both rows in one
         plain, constrained = run_concurrently(
             lambda fields: generate(stub, ids, 12, **fields), [{}, {"grammar": GRAMMAR}])
         assert tokens_of(plain) == reference(model, ids, 12)

@@ -11,12 +11,6 @@ import pytest
 from omlx_cluster.cli import main
 from omlx_cluster.parser import build_parser
 from tests.stub_http import QuietHandler, stub_server
-from tests.tiny_models import build_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("hints") / "tiny", num_layers=2)
 
 
 def flags_of(command: str) -> set[str]:
@@ -24,8 +18,8 @@ def flags_of(command: str) -> set[str]:
     return {o for a in sub.choices[command]._actions for o in a.option_strings}
 
 
-def test_a_plan_that_does_not_fit_names_serves_own_flags(tiny: Path, capsys) -> None:
-    assert main(["serve", "--model", str(tiny), "--node-memory", "100MiB"]) == 2
+def test_a_plan_that_does_not_fit_names_serves_own_flags(llama_2_layers: Path, capsys) -> None:
+    assert main(["serve", "--model", str(llama_2_layers), "--node-memory", "100MiB"]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err
     named = set(re.findall(r"--[a-z][a-z-]+", err))
@@ -37,8 +31,9 @@ def test_a_plan_that_does_not_fit_names_serves_own_flags(tiny: Path, capsys) -> 
     assert "0 B OS reserve" not in err
 
 
-def test_serve_plans_with_its_kv_reserve(tiny: Path, capsys) -> None:
-    args = ["serve", "--model", str(tiny), "--node-memory", "2GiB", "--hot-cache-max-size", "0"]
+def test_serve_plans_with_its_kv_reserve(llama_2_layers: Path, capsys) -> None:
+    args = ["serve", "--model", str(llama_2_layers), "--node-memory", "2GiB",
+            "--hot-cache-max-size", "0"]
     assert main([*args, "--context", "10000000", "--sequences", "64"]) == 2
     assert "does not fit" in capsys.readouterr().err
 

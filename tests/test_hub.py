@@ -44,6 +44,10 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch):
+    from omlx_shared import hub_download
+
+    # Retries at once: the stand-in's failures are scripted, not a hub that needs a moment.
+    monkeypatch.setattr(hub_download, "FIRST_RETRY_SECONDS", 0.0)
     stand_in = HubStandIn()
     monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
     monkeypatch.delenv("HF_HUB_OFFLINE")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import mlx.core as mx
@@ -28,7 +27,6 @@ from tests.conftest import start_server
 from tests.helpers.constraints import GRAMMAR, generate, parse, tokens_of, two_stages
 from tests.helpers.engine import drain, reference
 from tests.helpers.pipeline import run_concurrently
-from tests.tiny_models import build_model
 
 PROMPTS = ["Hello world", "The capital of France is", "x", "def add(a, b):\n    return"]
 # Parameters mlx-lm's samplers refuse: only the gateway's checks and clamp keep them from a node.
@@ -37,18 +35,13 @@ POISON = [SamplingParams(temperature=1.0, top_k=100_000),
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("iso") / "tiny-iso", "llama", num_layers=2)
+def mlx_lm_model(llama_2_layers):
+    return load(str(llama_2_layers))
 
 
-@pytest.fixture(scope="module")
-def mlx_lm_model(model_path):
-    return load(str(model_path))
-
-
-def test_a_failing_row_ends_alone_and_the_batch_goes_on(model_path, mlx_lm_model):
+def test_a_failing_row_ends_alone_and_the_batch_goes_on(llama_2_layers, mlx_lm_model):
     model, tok = mlx_lm_model
-    batcher = Batcher(StageRunner(model_path), NodeMetrics())
+    batcher = Batcher(StageRunner(llama_2_layers), NodeMetrics())
     prompts = [tok.encode(p) for p in PROMPTS]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
     alone = drain(batcher, [batcher.submit(SeqRequest("a", prompts[0], 16, seeded))])[0][0]
@@ -78,12 +71,12 @@ def test_a_failing_row_ends_alone_and_the_batch_goes_on(model_path, mlx_lm_model
     assert fin.reason == "length" and len(tokens) == 8
 
 
-def test_a_step_no_row_explains_fails_the_batch_once_and_recovers(model_path, mlx_lm_model):
+def test_a_step_no_row_explains_fails_the_batch_once_and_recovers(llama_2_layers, mlx_lm_model):
     """mx.random's key left a placeholder (what a compiled mlx-lm sampler that raises while
     tracing leaves behind) before a step: the step fails, not any one request's fault. Every
     sequence ends once with a message that names no request, and the engine serves again."""
     model, tok = mlx_lm_model
-    batcher = Batcher(StageRunner(model_path), NodeMetrics())
+    batcher = Batcher(StageRunner(llama_2_layers), NodeMetrics())
     ids = tok.encode(PROMPTS[0])
     seqs = [batcher.submit(SeqRequest("g", ids, 16)),
             batcher.submit(SeqRequest("u", ids, 16, SamplingParams(temperature=0.9, top_k=7)))]
@@ -102,7 +95,7 @@ def test_a_step_no_row_explains_fails_the_batch_once_and_recovers(model_path, ml
 
 
 @pytest.mark.slow
-def test_a_row_failing_on_the_tail_ends_alone(model_path, mlx_lm_model):
+def test_a_row_failing_on_the_tail_ends_alone(llama_2_layers, mlx_lm_model):
     """The tail samples: it reports the failed rows in its answer, the head ends them with their
     own error, and the others (greedy, logprobs, a grammar) stream on unchanged."""
     model, tok = mlx_lm_model
@@ -116,7 +109,8 @@ def test_a_row_failing_on_the_tail_ends_alone(model_path, mlx_lm_model):
             + [("logprobs", prompts[3], {"logprobs": True, "top_logprobs": 2})]
             + [("grammar", prompts[1], {"grammar": GRAMMAR})]
             + [("poison", prompts[0], f) for f in poison])
-    with two_stages(model_path, model_path, micro_batches=1) as stub:  # every row in one batch
+    # every row in one batch
+    with two_stages(llama_2_layers, llama_2_layers, micro_batches=1) as stub:
         alone = tokens_of(generate(stub, prompts[1], 64, grammar=GRAMMAR))
         outs = run_concurrently(lambda job: generate(stub, job[1], 64 if job[2] else 12,
                                                      **job[2]), jobs)
@@ -242,8 +236,8 @@ def fuzz_with_bystanders(url: str, model_id: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_fuzzed_sampling_fields_never_disturb_bystanders(model_path, tmp_path, nodes):
-    with start_server(model_path, "--nodes", str(nodes), home=tmp_path / "h",
+def test_fuzzed_sampling_fields_never_disturb_bystanders(llama_2_layers, tmp_path, nodes):
+    with start_server(llama_2_layers, "--nodes", str(nodes), home=tmp_path / "h",
                       keepalive=None) as server:
         fuzz_with_bystanders(server.url, server.model_id)
         assert "Traceback" not in server.log_tail(400), server.log_tail(100)

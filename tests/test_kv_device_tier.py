@@ -15,7 +15,6 @@ import pytest
 import omlx_node.kv_cache.host_copy as host_copy
 from omlx_node.kv_cache import device_tier
 from omlx_node.kv_cache.blocks import Block
-from omlx_node.stage import StageRunner
 from tests.helpers.kv import (
     BS,
     cached_logits,
@@ -25,20 +24,8 @@ from tests.helpers.kv import (
     rand_tokens,
     synthetic_cache,
 )
-from tests.tiny_models import build_model
 
 HITS = "omlx_node_kv_cache_hits_total"
-
-
-@pytest.fixture(scope="module")
-def stage(tmp_path_factory) -> StageRunner:
-    return StageRunner(build_model(tmp_path_factory.mktemp("dev") / "llama", "llama",
-                                   num_layers=4))
-
-
-@pytest.fixture(scope="module")
-def vocab(stage) -> int:
-    return stage.embed_tokens.weight.shape[0]
 
 
 def cut_bytes(stage, tokens: int) -> int:

@@ -401,6 +401,7 @@ def test_a_worker_imports_and_loads_idle_and_serves_at_its_own_priority(tmp_path
         worker.stop()
 
 
+@pytest.mark.slow  # a standby worker process
 def test_a_load_requests_wait_for_does_not_wait_for_a_standby_importing_below_it(monkeypatch):
     """A standby still importing at the background priority is taken by a load nobody waits
     for, not by one that requests wait for (a fresh worker imports at its own priority; the

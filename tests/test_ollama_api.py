@@ -29,7 +29,7 @@ from omlx_coordinator.telemetry.metrics import GatewayMetrics
 from tests.conftest import Server, start_server
 from tests.helpers.reference import mlx_lm_greedy
 from tests.in_process_gateway import app_for, ask
-from tests.tiny_models import build_model, qwen_tokenizer
+from tests.tiny_models import tiny_qwen
 
 KEY = "sk-ollama-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,11 +47,7 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def qwen_path(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-ollama"
-    # Room in the embedding for the two markup tokens qwen_tokenizer adds.
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": CONTEXT})
-    qwen_tokenizer(dest)
-    return dest
+    return tiny_qwen(dest, seed=6, context=CONTEXT)
 
 
 # ---- no server ------------------------------------------------------------------------------

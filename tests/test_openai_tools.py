@@ -42,7 +42,7 @@ from omlx_coordinator.text.tool_calls import (
 )
 from proto import omlx_pb2 as pb
 from tests.conftest import Server, start_server
-from tests.tiny_models import build_model, build_tokenizer, qwen_tokenizer
+from tests.tiny_models import QWEN_VOCAB, build_tokenizer, qwen_tokenizer, tiny_qwen
 
 slow = pytest.mark.slow  # the end-to-end tests
 
@@ -376,11 +376,9 @@ BLOCK = 16  # a small KV block, so the prefix cache serves short prompts
 @pytest.fixture(scope="module", params=[1, 2], ids=["one node", "2-stage pipeline"])
 def qwen_server(request, tmp_path_factory):
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-tools"
+    tiny_qwen(dest, seed=1)
     # Room in the embedding for the two markup tokens added to the trained vocabulary.
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=1,
-                extra_config={"vocab_size": 400})
-    qwen_tokenizer(dest)
-    assert len(AutoTokenizer.from_pretrained(str(dest))) <= 400
+    assert len(AutoTokenizer.from_pretrained(str(dest))) <= QWEN_VOCAB
     with start_server(dest, "--cache-block-size", str(BLOCK), "--nodes", str(request.param),
                       node_metrics=True, home=tmp_path_factory.mktemp("home")) as s:
         yield s

@@ -17,7 +17,7 @@ from omlx_coordinator.api import openai
 from omlx_coordinator.request.events import Delta, Done
 from omlx_coordinator.request.generation import GenerationRequest
 from tests.security.inproc import MODEL, app_for, client
-from tests.tiny_models import build_model, qwen_tokenizer
+from tests.tiny_models import tiny_qwen
 
 BODY = Path(__file__).parent / "data" / "opencode_chat_body.json"
 
@@ -26,9 +26,7 @@ BODY = Path(__file__).parent / "data" / "opencode_chat_body.json"
 def model(tmp_path_factory) -> Path:
     # Its ~30 KB needs a long context in the tests' small vocabulary (~15k tokens).
     dest = tmp_path_factory.mktemp("models") / MODEL
-    build_model(dest, "qwen2", num_layers=1, hidden_size=32,
-                extra_config={"vocab_size": 400, "max_position_embeddings": 65536})
-    return qwen_tokenizer(dest)
+    return tiny_qwen(dest, num_layers=1, hidden_size=32, context=65536)
 
 
 def test_opencode_body_replayed(model: Path) -> None:

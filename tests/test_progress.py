@@ -11,6 +11,7 @@ from typing import ClassVar
 import pytest
 from rich.console import Console
 
+from omlx_cluster import load_progress
 from omlx_cluster.cli import main
 from omlx_cluster.load_progress import watch_load
 from omlx_shared.progress import ProgressLines
@@ -66,13 +67,14 @@ def loading_gateway():
         yield url
 
 
-def test_models_load_shows_the_stages(loading_gateway: str, capsys) -> None:
+def test_models_load_shows_the_stages(loading_gateway: str, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(load_progress, "POLL_SECONDS", 0.01)  # each status once, at once
     done = threading.Event()
     watcher = threading.Thread(target=watch_load, args=(loading_gateway, {}, "m", done,
                                                         Console(file=io.StringIO())))
     watcher.start()
     while _Loading.polls < len(_Loading.statuses) + 1:
-        threading.Event().wait(0.1)
+        threading.Event().wait(0.01)
     done.set()
     watcher.join(timeout=10)
     assert capsys.readouterr().err.splitlines() == [f"m: {s}" for s in _Loading.statuses]

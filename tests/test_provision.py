@@ -211,6 +211,7 @@ def test_waiting_for_the_admission_says_how_long_it_has_waited(monkeypatch):
     import asyncio
 
     monkeypatch.setattr(provision, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(provision, "ADMISSION_POLL_SECONDS", 0.01)
     said: list[str] = []
     with stub_server(_SlowAdmission) as url:
         options = provision.UpOptions(secret="s", coordinator=url.removeprefix("http://"),

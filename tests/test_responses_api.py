@@ -23,7 +23,7 @@ from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.request.events import Delta, Done, KeepAlive
 from omlx_coordinator.request.generation import GenerationRequest
 from tests.conftest import Server, start_server
-from tests.tiny_models import build_model, qwen_tokenizer, serving
+from tests.tiny_models import serving, tiny_qwen
 
 DATA = Path(__file__).parent / "data"
 CONTEXT = 2048
@@ -41,12 +41,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-responses"
-    # Room in the embedding for the two markup tokens qwen_tokenizer adds; seed 6: its greedy
-    # replies are text (see test_anthropic_api.py).
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": CONTEXT})
-    qwen_tokenizer(dest)
-    return dest
+    # Seed 6: its greedy replies are text (see test_anthropic_api.py).
+    return tiny_qwen(dest, seed=6, context=CONTEXT)
 
 
 class Scripted:

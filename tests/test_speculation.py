@@ -37,7 +37,6 @@ from omlx_shared.prometheus import labelled
 from omlx_shared.speculative_modes import check_mode
 from tests.helpers.engine import assert_logprobs_match, drain, reference
 from tests.helpers.speculation import FLAT, TEXT, mixed_requests, run_one
-from tests.tiny_models import build_model
 
 
 @pytest.fixture(autouse=True)
@@ -48,18 +47,13 @@ def flat_costs(request, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("spec") / "tiny", "llama", num_layers=2)
+def mlx_lm_model(llama_2_layers):
+    return load(str(llama_2_layers))
 
 
-@pytest.fixture(scope="module")
-def mlx_lm_model(model_path):
-    return load(str(model_path))
-
-
-def engine(model_path: Path, mode: str = "ngram", max_rows: int | None = None,
+def engine(llama_2_layers: Path, mode: str = "ngram", max_rows: int | None = None,
            **kwargs) -> Batcher:
-    batcher = Batcher(StageRunner(model_path), NodeMetrics(), speculative=mode, **kwargs)
+    batcher = Batcher(StageRunner(llama_2_layers), NodeMetrics(), speculative=mode, **kwargs)
     if max_rows is not None:
         batcher.speculator.max_rows = max_rows
     return batcher
@@ -112,14 +106,14 @@ def test_lookup_finds_what_a_plain_scan_finds():
 
 
 @pytest.mark.parametrize("source", ["ngram", "prediction"])
-def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
+def test_greedy_drafts_give_mlx_lms_tokens(llama_2_layers, mlx_lm_model, source):
     model, tok = mlx_lm_model
     prompt, n = tok.encode(TEXT), 40
     ref = reference(model, prompt, n)
     prediction = tuple(ref[:15]) + (7, 7, 7) + tuple(ref[18:])  # some of it wrong
     req = SeqRequest("a", prompt, n, prediction=prediction if source == "prediction" else ())
-    plain, reason, _ = run_one(engine(model_path, "off"), SeqRequest("a", prompt, n))
-    batcher = engine(model_path, "ngram")
+    plain, reason, _ = run_one(engine(llama_2_layers, "off"), SeqRequest("a", prompt, n))
+    batcher = engine(llama_2_layers, "ngram")
     tokens, reason, seq = run_one(batcher, req)
     assert tokens == plain == ref and reason == "length"
     assert seq.spec.accepted > 0 and seq.spec.drafted > seq.spec.accepted
@@ -129,13 +123,13 @@ def test_greedy_drafts_give_mlx_lms_tokens(model_path, mlx_lm_model, source):
     assert batcher.metrics.profile._steps["decode"]._value.get() < n - seq.spec.accepted / 2
 
 
-def test_drafting_is_timed_apart_from_the_layers(model_path, mlx_lm_model):
+def test_drafting_is_timed_apart_from_the_layers(llama_2_layers, mlx_lm_model):
     """The stage exports its drafting time, which the rebalancer reads from its /metrics and
     takes off its step time (omlx_coordinator.planning.rebalance_policy); without drafts, 0."""
     _, tok = mlx_lm_model
     identity = {"node": "n0", "model": "m", "plan": "p1", "stage": "0", "layers": "0-2"}
     for mode in ("ngram", "off"):
-        batcher = engine(model_path, mode)
+        batcher = engine(llama_2_layers, mode)
         _, _, seq = run_one(batcher, SeqRequest("a", tok.encode(TEXT), 30))
         text = generate_latest(labelled(batcher.metrics.registry, identity)).decode()
         plan, reading = parse_stage(text)
@@ -159,12 +153,12 @@ def test_a_timed_step_waits_for_the_input_read_before_it():
     assert wait._sum.get() >= 2 * 0.1 and profile._compute["decode"]._sum.get() < 0.1
 
 
-def test_eight_streams_mix_speculating_and_plain_rows(model_path, mlx_lm_model):
+def test_eight_streams_mix_speculating_and_plain_rows(llama_2_layers, mlx_lm_model):
     """Drafting rows (prompt lookup, a prediction), and rows that never draft (penalties)
     share each step; each gets what it gets alone, logprobs included."""
     model, tok = mlx_lm_model
     prompts, refs, reqs = mixed_requests(model, tok, 30)
-    batcher = engine(model_path, "ngram", max_rows=8)
+    batcher = engine(llama_2_layers, "ngram", max_rows=8)
     seqs = [batcher.submit(r) for r in reqs]
     results = drain(batcher, seqs)
     assert sum(s.spec.accepted for s in seqs) > 0 and seqs[5].spec.drafted == 0
@@ -177,17 +171,17 @@ def test_eight_streams_mix_speculating_and_plain_rows(model_path, mlx_lm_model):
             got = [(t, lp.logprob, lp.top_ids, lp.top_logprobs)
                    for t, lp in zip(tokens, seq.logprobs)]
             assert_logprobs_match(got, ref, 3)
-    plain, _, _ = run_one(engine(model_path, "off"), reqs[5])
+    plain, _, _ = run_one(engine(llama_2_layers, "off"), reqs[5])
     assert results[5][0] == plain
 
 
-def test_a_stop_token_or_max_tokens_inside_an_accepted_run(model_path, mlx_lm_model):
+def test_a_stop_token_or_max_tokens_inside_an_accepted_run(llama_2_layers, mlx_lm_model):
     """A prediction that is all right: long runs stand, and whatever ends the sequence inside
     one (its stop token, max_tokens) ends it there, the rest of the run never streamed."""
     model, tok = mlx_lm_model
     prompt = tok.encode("The capital of France is")
     ref = reference(model, prompt, 24)
-    batcher = engine(model_path)
+    batcher = engine(llama_2_layers)
     for n in range(1, 12):
         tokens, reason, seq = run_one(batcher, SeqRequest(f"n{n}", prompt, n,
                                                           prediction=tuple(ref)))
@@ -200,12 +194,12 @@ def test_a_stop_token_or_max_tokens_inside_an_accepted_run(model_path, mlx_lm_mo
     assert (tokens, reason) == (ref[:at], "stop") and seq.spec.accepted >= at - at // 5
 
 
-def test_rejected_drafts_never_reach_the_prefix_cache(model_path, mlx_lm_model):
+def test_rejected_drafts_never_reach_the_prefix_cache(llama_2_layers, mlx_lm_model):
     """A turn's answer is kept for the next turn (keep_answers): what is kept is exactly the
     tokens that stood, so the next turn, served from those blocks, still decodes mlx-lm's."""
     model, tok = mlx_lm_model
     cache = PrefixCache("m", (0, 2), block_size=4, hot_max_bytes=1 << 30)
-    batcher = engine(model_path, prefix_cache=cache)
+    batcher = engine(llama_2_layers, prefix_cache=cache)
     prompt = tok.encode(TEXT)
     ref = reference(model, prompt, 30)
     wrong = tuple(ref[:3]) + tuple((t + 1) % 300 for t in ref[3:])
@@ -233,12 +227,12 @@ def wrong_rule(probs: np.ndarray, draft: list[int], u: np.ndarray) -> int:
     return int(min(np.searchsorted(np.cumsum(p), u[1] * p.sum(), side="right"), len(p) - 1))
 
 
-def test_sampled_rows_keep_the_targets_distribution(model_path):
+def test_sampled_rows_keep_the_targets_distribution(llama_2_layers):
     """The first token of a sampled row whose draft is fixed: over many seeded draws, its
     frequencies pass a chi-square test against the target's own distribution (top-k and
     temperature applied); a broken rule (no residual) fails the same test."""
     vocab, n, k = 8, 20_000, 6
-    model = StageRunner(model_path)
+    model = StageRunner(llama_2_layers)
     prompt = mx.array([[5, 6, 7, 5, 6]])
     logits = model(prompt, model.make_cache())[0, -2:, :vocab] * 4  # a tiny vocabulary
     params = SamplingParams(temperature=0.9, top_k=k)
@@ -263,32 +257,32 @@ def test_sampled_rows_keep_the_targets_distribution(model_path):
     assert (probs[0] > 0).sum() == k
 
 
-def test_sampled_rows_draft_and_seeded_rows_do_not(model_path, mlx_lm_model):
+def test_sampled_rows_draft_and_seeded_rows_do_not(llama_2_layers, mlx_lm_model):
     """An unseeded sampled row drafts (accepted > 0 at a low temperature, its prediction the
     greedy tokens); a seeded one does not: its tokens are its seed's whether or not its batch
     is small enough to speculate."""
     model, tok = mlx_lm_model
     prompt = tok.encode(TEXT)
     cold = SamplingParams(temperature=0.02)
-    _, _, seq = run_one(engine(model_path), SeqRequest(
+    _, _, seq = run_one(engine(llama_2_layers), SeqRequest(
         "a", prompt, 30, cold, prediction=tuple(reference(model, prompt, 30))))
     assert seq.spec.accepted > 0
     seeded = SamplingParams(temperature=0.3, seed=7)
-    on, _, seq = run_one(engine(model_path), SeqRequest("b", prompt, 30, seeded))
-    off, _, _ = run_one(engine(model_path, "off"), SeqRequest("b", prompt, 30, seeded))
+    on, _, seq = run_one(engine(llama_2_layers), SeqRequest("b", prompt, 30, seeded))
+    off, _, _ = run_one(engine(llama_2_layers, "off"), SeqRequest("b", prompt, 30, seeded))
     assert on == off and seq.spec.drafted == 0
 
 
-def test_auto_drafts_only_where_a_wider_step_costs_little(model_path, monkeypatch):
+def test_auto_drafts_only_where_a_wider_step_costs_little(llama_2_layers, monkeypatch):
     """"auto" measures what k+1 positions cost against one (one layer's MLP): weight-bound
     (about the same) it drafts, compute-bound (k+1 times as much) it does not."""
-    stage = StageRunner(model_path)
+    stage = StageRunner(llama_2_layers)
     assert verify_cost(stage) > 0.5
     measured = Speculator("ngram", stage)
     assert measured.max_rows >= 1 and set(measured.costs) >= {1, 2, 3, 4, 5}
     for costs, on in (({1: 1.0, 5: 1.2}, True), ({1: 1.0, 5: 4.8}, False)):
         monkeypatch.setattr(speculation, "row_costs", lambda *a, costs=costs, **kw: costs)
-        stage = StageRunner(model_path)  # a stage's curve is measured once
+        stage = StageRunner(llama_2_layers)  # a stage's curve is measured once
         assert Speculator("auto", stage).on is on
         assert Speculator("ngram", stage).on  # asked for: one row at a time at least
 
@@ -310,10 +304,10 @@ def test_the_crossover_and_k_follow_the_cost_curve():
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
 
 
-def test_a_rows_k_shrinks_as_its_drafts_fail(model_path):
+def test_a_rows_k_shrinks_as_its_drafts_fail(llama_2_layers):
     """A row whose drafts stand drafts k_max; one whose drafts keep failing at the second
     token drafts fewer (on a curve where positions are not free)."""
-    spec = Speculator("ngram", StageRunner(model_path),
+    spec = Speculator("ngram", StageRunner(llama_2_layers),
                       costs={1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})
     good, bad, proposer = SpecStats(), SpecStats(), NgramProposer()
     for _ in range(6):
@@ -324,19 +318,19 @@ def test_a_rows_k_shrinks_as_its_drafts_fail(model_path):
     assert k[id(good)] == 4 and k[id(bad)] == 2
 
 
-def test_off_drafts_nothing_not_even_a_prediction(model_path, mlx_lm_model):
+def test_off_drafts_nothing_not_even_a_prediction(llama_2_layers, mlx_lm_model):
     model, tok = mlx_lm_model
     prompt = tok.encode(TEXT)
     ref = reference(model, prompt, 20)
-    tokens, _, seq = run_one(engine(model_path, "off"),
+    tokens, _, seq = run_one(engine(llama_2_layers, "off"),
                              SeqRequest("a", prompt, 20, prediction=tuple(ref)))
     assert tokens == ref and seq.spec.drafted == 0
 
 
-def test_a_row_whose_drafts_fail_backs_off(model_path):
+def test_a_row_whose_drafts_fail_backs_off(llama_2_layers):
     """Drafts none of which stood make the row wait 2, 4, ... (up to 16) steps before it
     drafts again; one that stands ends the wait."""
-    spec, stats = Speculator("ngram", StageRunner(model_path)), SpecStats()
+    spec, stats = Speculator("ngram", StageRunner(llama_2_layers)), SpecStats()
     proposer = NgramProposer()
     waits = []
     for _ in range(5):
@@ -352,7 +346,7 @@ def test_a_row_whose_drafts_fail_backs_off(model_path):
     assert not spec.wanted([SpecStats()], spec.max_rows + 1)  # a batch too large
 
 
-def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):
+def test_constrained_rows_decode_beside_drafting_rows(llama_2_layers, mlx_lm_model):
     """A row under a grammar never drafts (its matcher would have to follow each drafted
     token): it decodes one token a step in the drafting rows' passes, and its output is what
     it is in a batcher that never drafts, following the schema."""
@@ -364,7 +358,7 @@ def test_constrained_rows_decode_beside_drafting_rows(model_path, mlx_lm_model):
     ref = reference(model, prompt, 30)
     outputs = []
     for mode in ("off", "ngram"):
-        batcher = engine(model_path, mode, grammars=Grammars(model_path))
+        batcher = engine(llama_2_layers, mode, grammars=Grammars(llama_2_layers))
         seqs = [batcher.submit(SeqRequest("g", prompt, 64, grammar=GRAMMAR)),
                 batcher.submit(SeqRequest("p", prompt, 30, prediction=tuple(ref)))]
         outputs.append(drain(batcher, seqs))

@@ -4,7 +4,6 @@ generation on a tiny random fp32 llama."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,11 +27,6 @@ from tests.helpers.tensor_reference import (TOKENS, assert_matches, assert_serve
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_model(tmp_path_factory.mktemp("txp") / "llama", "llama", num_layers=4)
 
 
 def test_two_stages_of_two_ranks_match_mlx_lm(model):

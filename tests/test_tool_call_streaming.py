@@ -39,7 +39,7 @@ from omlx_coordinator.text.tool_calls import (
     _parser_module,
 )
 from tests.conftest import Server, start_server
-from tests.tiny_models import build_model, qwen_tokenizer, serving
+from tests.tiny_models import serving, tiny_qwen
 
 # ---- streamed_json.py ---------------------------------------------------------------------------
 
@@ -279,12 +279,8 @@ ROUTES = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-streaming"
-    # Room in the embedding for the two markup tokens qwen_tokenizer adds; seed 6 as in
-    # test_anthropic_api.py.
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": 2048})
-    qwen_tokenizer(dest)
-    return dest
+    # Seed 6 as in test_anthropic_api.py.
+    return tiny_qwen(dest, seed=6)
 
 
 class Scripted:

@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from tests.conftest import start_server
 from omlx_coordinator.text.tokenizer import ChatTokenizer
 from tests.helpers.fake_replica import shared_start
-from tests.tiny_models import build_model, qwen_tokenizer
+from tests.tiny_models import tiny_qwen
 
 BLOCK = 16
 ANSWER = 12
@@ -28,9 +28,7 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("models") / "tiny-qwen-turns"
-    build_model(dest, "qwen2", num_layers=2, hidden_size=64, seed=6,
-                extra_config={"vocab_size": 400, "max_position_embeddings": 4096})
-    return qwen_tokenizer(dest)
+    return tiny_qwen(dest, seed=6, context=4096)
 
 
 @pytest.fixture(scope="module")

@@ -169,7 +169,15 @@ def build_model(
     `corpus`, CORPUS by default)."""
     dest.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(dest, vocab_size, corpus, chat_template)
-    config = tiny_config(family, num_layers, hidden_size, vocab, extra_config)
+    write_weights(dest, tiny_config(family, num_layers, hidden_size, vocab, extra_config), seed,
+                  quantize_bits)
+    return dest
+
+
+def write_weights(dest: Path, config: dict, seed: int = 0,
+                  quantize_bits: int | None = None) -> None:
+    """Random weights of `config` from `seed` (quantized to `quantize_bits` in groups of 32)
+    and the config.json that says so, into the model folder `dest`."""
     model = instantiate(config, seed)
     if quantize_bits:
         nn.quantize(model, group_size=32, bits=quantize_bits)
@@ -177,7 +185,6 @@ def build_model(
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
 
 
 # Qwen 2.5's chat template (its tool parts verbatim; a shorter default system prompt).
@@ -249,6 +256,24 @@ def qwen_tokenizer(dest: Path) -> Path:
     tok.chat_template = QWEN_TEMPLATE
     tok.save_pretrained(str(dest))
     return dest
+
+
+# The tiny Qwen's embedding rows: the trained vocabulary and room for qwen_tokenizer's two
+# markup tokens.
+QWEN_VOCAB = 400
+
+
+def tiny_qwen(dest: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
+              context: int = 2048) -> Path:
+    """A tiny random Qwen2 chat model at `dest` whose template calls tools (`qwen_tokenizer`),
+    `context` tokens long; returns `dest`. Its weights come from `seed`: tests that read a
+    seed's greedy replies (text, whitespace first, ...) keep theirs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    # The config first: transformers reads its model_type to pick Qwen2's tokenizer class
+    # (its normalizer and pre-tokenizer) when qwen_tokenizer loads the trained one.
+    write_weights(dest, tiny_config("qwen2", num_layers, hidden_size, QWEN_VOCAB,
+                                    {"max_position_embeddings": context}), seed)
+    return qwen_tokenizer(dest)
 
 
 def serving(model: Path, name: str, options, **config):

@@ -11,8 +11,8 @@ at once, so it is never the one let go.
 It also answers a request before the app runs, where the app says it can (`answer_at_once`):
 under a burst of thousands of requests while every model is at its queue bound, what a refusal
 costs is what the gateway spends per request, and the app's path (the ASGI task, middleware,
-routing, the route) is most of it. Answered from the protocol, the 2,000 connections of a burst
-are refused in about the time it takes to accept them.
+routing, the route) is most of it. Answered from the protocol, a burst's connections are
+refused in about the time it takes to accept them (bench/results/overload-cpu.md).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ than all at once a second later. The rate is per second of busy time (while anyt
 a server idle all morning has not drained slowly. And per slot taken: the nodes run up to
 `slots` sequences at once, so 32 held drain about 8 times faster at a batch of 8 than the one or
 two that ran alone before a burst. Counted per busy second instead, a burst after a few
-requests one at a time was told the 32 would take 32 of those requests' times (a Retry-After
-of 17 s for a queue that drained in 3).
+requests one at a time was told the 32 would take 32 of those requests' times, several times
+longer than the queue took to drain.
 """
 
 from __future__ import annotations

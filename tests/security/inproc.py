@@ -17,16 +17,14 @@ from omlx_coordinator.http.gateway import create_app
 from omlx_coordinator.nodes.cluster import ClusterOptions
 from omlx_coordinator.request.events import Delta, Done
 from omlx_coordinator.request.generation import GenerationRequest, check_servable
-from tests.tiny_models import build_model, qwen_tokenizer, serving
+from tests.tiny_models import serving, tiny_qwen
 
 MODEL = "tiny-inproc"
 
 
 def build(dest: Path) -> Path:
     """A tiny model folder whose template can call tools (`json_tools`)."""
-    build_model(dest / MODEL, "qwen2", num_layers=1, hidden_size=32,
-                extra_config={"vocab_size": 400})
-    return qwen_tokenizer(dest / MODEL)
+    return tiny_qwen(dest / MODEL, num_layers=1, hidden_size=32)
 
 
 async def _answer(manager, model, metrics, settings, req: GenerationRequest) -> AsyncIterator:

@@ -93,6 +93,7 @@ def test_secret_new_file_is_private_and_never_overwritten(tmp_path: Path) -> Non
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+@pytest.mark.slow  # a `join` that listens
 def test_a_secret_from_secret_new_is_accepted(tmp_path: Path) -> None:
     """`join` with it listens (its ready file appears)."""
     path, ready = tmp_path / "secret", tmp_path / "ready.json"
