@@ -129,14 +129,34 @@ def test_bfloat16_blocks_come_back_bit_for_bit():
             assert mx.array_equal(c.values[..., : 3 * BS, :], r.values[..., : 3 * BS, :]).item()
 
 
-def test_a_layout_change_drops_the_device_blocks():
+@pytest.mark.parametrize("copy_in_flight", [False, True])
+def test_a_layout_change_drops_the_device_blocks(copy_in_flight, monkeypatch):
+    """Also when the old layout's host copy is still on its way at the change (a busy
+    machine): the copy is dropped as it lands, and no lookup counts it meanwhile."""
+    release = threading.Event()
+    copy = host_copy.host_blocks
+
+    def held_copy(*a):
+        release.wait(30)
+        return copy(*a)
+
+    if copy_in_flight:
+        monkeypatch.setattr(host_copy, "host_blocks", held_copy)
+    else:
+        release.set()
     with make_pc(None, device_max_bytes=1 << 30) as pc:
-        pc.store(list(range(2 * BS)), synthetic_cache(4, 2 * BS, seed=9))
-        assert pc.lookup(list(range(2 * BS))) == 2 * BS
-        pc.store(list(range(100, 100 + 2 * BS)),
-                 synthetic_cache(4, 2 * BS, seed=10, dtype=mx.float16))
-        assert metric(pc, "omlx_node_kv_cache_blocks", tier="device") == 2  # the new layout's
+        try:
+            pc.store(list(range(2 * BS)), synthetic_cache(4, 2 * BS, seed=9))
+            assert pc.lookup(list(range(2 * BS))) == 2 * BS
+            pc.store(list(range(100, 100 + 2 * BS)),
+                     synthetic_cache(4, 2 * BS, seed=10, dtype=mx.float16))
+            assert metric(pc, "omlx_node_kv_cache_blocks", tier="device") == 2  # the new's
+            assert pc.lookup(list(range(2 * BS))) == 0
+        finally:
+            release.set()
+        pc.flush()
         assert pc.lookup(list(range(2 * BS))) == 0
+        assert pc.lookup(list(range(100, 100 + 2 * BS))) == 2 * BS
 
 
 def test_the_tier_is_sized_for_the_device(monkeypatch):

@@ -369,6 +369,9 @@ class PrefixCache:
                     log.warning("KV cache: the stage's KV layout changed; dropping RAM blocks")
                     self._ram.drop_other_layouts(layout)
                     self._device.clear()
+                    # Copies in flight are of the old layout, which _keep drops as they land:
+                    # a lookup meanwhile must not count them as held.
+                    self._copying.clear()
                 self._layout = layout
             self._copying.update(hashes[i] for i in todo)
             if tail is not None:
