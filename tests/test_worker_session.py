@@ -183,7 +183,8 @@ def test_a_session_that_ends_cancels_its_sequences_and_deadlines_hold(worker, re
     async def run():
         async with grpc.aio.insecure_channel(address) as channel:
             session = WorkerSession(pb_grpc.ShardWorkerStub(channel), ())
-            late = session.generate(_request("late", ids, 1500), timeout=0.5)
+            # A deadline a tenth of what its 1500 tokens take on a quick machine.
+            late = session.generate(_request("late", ids, 1500), timeout=0.05)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _collect(late)
             idle_after_deadline = _wait_idle(address)
