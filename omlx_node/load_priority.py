@@ -59,6 +59,13 @@ tokenizer's, a worker's importing thread) or stay idle (the MLX stream the load 
 and the serving threads never had their class or nice value changed; leaving SCHED_IDLE would
 need CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value.
 
+Nothing is lowered where MLX computes on a GPU (its CUDA build on Linux). The
+device's own threads (the driver's, a stream's completion worker that frees its buffers) start
+with the first thread that uses it and keep that thread's class and nice value for the
+process's life, and a load's thread, the first to touch the GPU, would leave every later decode
+step waiting on idle-class threads. A GPU's load spends its time on the disk and the device,
+not on the cores neighbours decode on.
+
 Linux only: there a nice value and a scheduling class belong to a thread. Elsewhere (macOS,
 where a nice value would be the whole process's, and SCHED_IDLE does not exist) the work runs
 as before.
@@ -73,6 +80,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from omlx_shared.hardware import mlx_on_cpu
 from proto import omlx_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -88,8 +96,9 @@ BACKGROUND_REASONS = frozenset({pb.LOAD_PRELOAD, pb.LOAD_REPLICA, pb.LOAD_MOVE})
 
 def nice_from_env(name: str, default: int) -> int:
     """The nice value the environment variable `name` sets (0 to 19), else `default`; 0 where
-    a thread cannot have its own."""
-    if not sys.platform.startswith("linux"):
+    a thread cannot have its own, and where MLX computes on a GPU (see the module's
+    docstring: a GPU's own threads)."""
+    if not sys.platform.startswith("linux") or not mlx_on_cpu():
         return 0
     raw = os.environ.get(name, "")
     try:

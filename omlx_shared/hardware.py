@@ -22,6 +22,7 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+@functools.cache
 def mlx_on_cpu() -> bool:
     """Whether MLX runs this machine's workers on its CPU (and so dequantizes a quantized
     model, omlx_node/stage.py), told without importing MLX: Apple silicon runs Metal, and

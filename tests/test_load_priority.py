@@ -113,6 +113,27 @@ def test_sched_idle_off_or_refused_leaves_the_nice_value(monkeypatch, caplog):
     assert "SCHED_IDLE refused" in caplog.text
 
 
+def test_nothing_is_lowered_where_mlx_computes_on_a_gpu(monkeypatch):
+    """On a GPU the first thread to use the device starts the device's own threads (the
+    driver's, a stream's completion worker), which keep its class and nice value: a load there
+    runs at the worker's priority, or every later decode step would wait on idle-class
+    threads. Whether the GPU build is installed is the one thing faked here."""
+    import omlx_node.load_priority as load_priority
+
+    monkeypatch.setattr(load_priority, "mlx_on_cpu", lambda: False)
+    monkeypatch.setenv("OMLX_BACKGROUND_LOAD_NICE", "19")
+    mine = this_thread()
+    assert {load_nice(r) for r in pb.LoadReason.values()} == {0} and encode_nice() == 0
+    ran_on: list[int] = []
+
+    def load() -> tuple[int, int]:
+        ran_on.append(threading.get_native_id())
+        return this_thread()
+
+    assert at_low_priority(load, nice=load_nice(pb.LOAD_PRELOAD)) == mine
+    assert ran_on == [threading.get_native_id()]
+
+
 def test_the_load_runs_niced_and_the_caller_keeps_its_priority(monkeypatch):
     monkeypatch.delenv("OMLX_BACKGROUND_LOAD_NICE", raising=False)
     mine = nice_of_this_thread()
