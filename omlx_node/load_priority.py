@@ -59,12 +59,12 @@ tokenizer's, a worker's importing thread) or stay idle (the MLX stream the load 
 and the serving threads never had their class or nice value changed; leaving SCHED_IDLE would
 need CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value.
 
-Nothing is lowered where MLX computes on a GPU (its CUDA build on Linux). The
-device's own threads (the driver's, a stream's completion worker that frees its buffers) start
-with the first thread that uses it and keep that thread's class and nice value for the
-process's life, and a load's thread, the first to touch the GPU, would leave every later decode
-step waiting on idle-class threads. A GPU's load spends its time on the disk and the device,
-not on the cores neighbours decode on.
+Nothing is lowered where MLX computes on a GPU (its CUDA build on Linux). The device's own threads
+(the driver's, a stream's completion worker that frees its buffers) start with the first thread
+that uses it and keep that thread's class and nice value for the process's life, and a load's
+thread, the first to touch the GPU, would leave every later decode step waiting on idle-class
+threads. A GPU's load spends its time on the disk and the device, not on the cores neighbours
+decode on.
 
 Linux only: there a nice value and a scheduling class belong to a thread. Elsewhere (macOS,
 where a nice value would be the whole process's, and SCHED_IDLE does not exist) the work runs

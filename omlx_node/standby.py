@@ -3,11 +3,11 @@
 a thread at nice N (and SCHED_IDLE where omlx_node.load_priority says), while the main thread,
 which serves once a job comes, keeps its priority.
 
-The agent starts its standby (a worker started ahead of its plan, omlx_node/agent.py) right
-after each load, while the model just loaded starts serving beside the others; the imports
-(MLX, mlx-lm, transformers' tokenizers, grpc: most of the CPU a worker spends before its first
-load) took that core from them at nice 0. A standby imports at BACKGROUND_LOAD_NICE (a load nobody waits for yet); a
-worker started fresh for a job (no standby ready) at that job's load's priority. No thread
+The agent starts its standby (a worker started ahead of its plan, omlx_node/agent.py) right after
+each load, while the model just loaded starts serving beside the others; the imports (MLX, mlx-lm,
+transformers' tokenizers, grpc: most of the CPU a worker spends before its first load) took that
+core from them at nice 0. A standby imports at BACKGROUND_LOAD_NICE (a load nobody waits for yet);
+a worker started fresh for a job (no standby ready) at that job's load's priority. No thread
 outlives the imports to carry their priority on: MLX starts its stream threads at the first
 evaluation, from the thread that evaluates, and OpenBLAS its pool when the process starts.
 

@@ -2,13 +2,14 @@
 loop that carries every stream when it is large.
 
 One parser, one pass: a body orjson refuses is refused, with orjson's position (NaN, a lone
-surrogate, invalid UTF-8 and nesting past 1024 levels are not JSON it takes), never parsed again
-by another parser (a large body of tiny objects with a NaN at its end cost seconds and
-gigabytes of a second parse before the key was even checked: bench/results/body-parsing-cpu.md). A body with many objects, arrays or values
-is parsed in a parser process: orjson holds the GIL for the whole parse (seconds for tens of
-MB of tiny objects), so a thread would stall every stream as much. That process also refuses a body whose
-structure no request needs (more than MAX_CONTAINERS objects and arrays or MAX_VALUES values),
-so what comes back to the event loop, and what the request models validate, stays small.
+surrogate, invalid UTF-8 and nesting past 1024 levels are not JSON it takes), never parsed again by
+another parser (a large body of tiny objects with a NaN at its end cost seconds and gigabytes of a
+second parse before the key was even checked: bench/results/body-parsing-cpu.md). A body with many
+objects, arrays or values is parsed in a parser process: orjson holds the GIL for the whole parse
+(seconds for tens of MB of tiny objects), so a thread would stall every stream as much. That
+process also refuses a body whose structure no request needs (more than MAX_CONTAINERS objects and
+arrays or MAX_VALUES values), so what comes back to the event loop, and what the request models
+validate, stays small.
 """
 
 from __future__ import annotations
